@@ -1,0 +1,41 @@
+"""bertembed: BERT's input embedding layer, exact, fast and explained.
+
+    text -> Tokenizer -> ids -> BertEmbeddings (word + segment + position rows, LayerNorm) -> [B, L, H]
+
+Names are imported on first use, so `import bertembed` (and the command line) does not pay for torch until needed.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from bertembed.sources import DEFAULT_MODEL
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "EmbeddingConfig": "bertembed.config",
+    "BertEmbeddings": "bertembed.embeddings",
+    "Decomposition": "bertembed.embeddings",
+    "sinusoidal_table": "bertembed.embeddings",
+    "Tokenizer": "bertembed.tokenizer",
+    "Encoding": "bertembed.tokenizer",
+    "load_checkpoint": "bertembed.checkpoint",
+    "NumpyEmbeddings": "bertembed.numpy_layer",
+}
+
+__all__ = ["DEFAULT_MODEL", "__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from bertembed.checkpoint import load_checkpoint
+    from bertembed.config import EmbeddingConfig
+    from bertembed.embeddings import BertEmbeddings, Decomposition, sinusoidal_table
+    from bertembed.numpy_layer import NumpyEmbeddings
+    from bertembed.tokenizer import Encoding, Tokenizer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'bertembed' has no attribute {name!r}")

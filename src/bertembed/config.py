@@ -1,0 +1,102 @@
+"""The embedding layer's configuration: BERT's defaults, read from and written to Hugging Face's config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+PositionType = Literal["absolute", "sinusoidal", "none"]
+POSITION_TYPES: tuple[str, ...] = ("absolute", "sinusoidal", "none")
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """Sizes and constants of BERT's embedding layer.
+
+    Field names are Hugging Face's config.json keys, so a config moves between the two without a table of renames.
+    """
+
+    vocab_size: int = 30522  # WordPiece vocabulary of bert-base-uncased
+    hidden_size: int = 768
+    max_position_embeddings: int = 512  # longest sequence, [CLS] and [SEP] included
+    type_vocab_size: int = 2  # segments A and B
+    layer_norm_eps: float = 1e-12  # BERT's TensorFlow value, not PyTorch's default 1e-5: it changes outputs
+    hidden_dropout_prob: float = 0.1
+    initializer_range: float = 0.02  # std of the normal init of fresh tables, as BERT's
+    pad_token_id: int = 0  # row 0 of the word table is [PAD]; nn.Embedding keeps its gradient at zero
+    # "absolute": BERT's learned table. "sinusoidal": the fixed sin/cos table of "Attention Is All You Need"
+    # (a buffer, never trained). "none": no position vector is added (checkpoints with relative positions).
+    position_embedding_type: PositionType = "absolute"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"EmbeddingConfig.pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})"
+            )
+        if not 0.0 <= self.hidden_dropout_prob < 1.0:
+            raise ValueError(f"EmbeddingConfig.hidden_dropout_prob must lie in [0, 1), got {self.hidden_dropout_prob}")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"EmbeddingConfig.layer_norm_eps must be positive, got {self.layer_norm_eps}")
+        if self.position_embedding_type not in POSITION_TYPES:
+            raise ValueError(
+                f"position_embedding_type={self.position_embedding_type!r} is not one of {POSITION_TYPES}"
+            )
+        if self.position_embedding_type == "sinusoidal" and self.hidden_size % 2:
+            raise ValueError(f"a sinusoidal position table needs an even hidden_size, got {self.hidden_size}")
+
+    @classmethod
+    def bert_base(cls, **overrides: Any) -> EmbeddingConfig:
+        """bert-base-uncased: hidden size 768."""
+        return cls(**overrides)
+
+    @classmethod
+    def bert_large(cls, **overrides: Any) -> EmbeddingConfig:
+        """bert-large-uncased: hidden size 1024."""
+        return cls(**{"hidden_size": 1024, **overrides})
+
+    @classmethod
+    def from_hf_config(cls, source: dict[str, Any] | str | Path) -> EmbeddingConfig:
+        """Build from a Hugging Face config: a dict, a config.json path, or a folder holding one.
+
+        Keys the embedding layer does not use (layer counts, heads, ...) are ignored. Relative position types
+        ("relative_key", "relative_key_query") put positions into attention, not into this layer, so they map to "none".
+        """
+        if not isinstance(source, dict):
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
+            try:
+                source = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
+            if not isinstance(source, dict):
+                raise ValueError(f"{path} holds a JSON {type(source).__name__}, expected an object of config keys")
+        model_type = source.get("model_type", "bert")
+        if model_type not in ("bert", None):
+            log.warning("config model_type is %r, not 'bert': reading its BERT-style embedding keys anyway", model_type)
+        kwargs = {f.name: source[f.name] for f in dataclasses.fields(cls) if source.get(f.name) is not None}
+        if str(kwargs.get("position_embedding_type", "absolute")).startswith("relative"):
+            log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'",
+                     kwargs["position_embedding_type"])
+            kwargs["position_embedding_type"] = "none"
+        return cls(**kwargs)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict that transformers' BertConfig reads back (the encoder keys keep their defaults)."""
+        return {"model_type": "bert", "architectures": ["BertModel"], **dataclasses.asdict(self)}
+
+    def replace(self, **changes: Any) -> EmbeddingConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

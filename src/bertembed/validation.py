@@ -1,0 +1,87 @@
+"""Checks on what enters the layer, so bad input fails here with a message that names the value, the limit and the fix.
+
+Dimension letters: B batch, L length, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bertembed.config import EmbeddingConfig
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_int(name: str, ids: torch.Tensor) -> None:
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}; "
+                         f"wrap it with torch.tensor(...)")
+    if ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers; "
+                         f"convert with {name}.long()")
+
+
+def _check_range(name: str, ids: torch.Tensor, limit: int, table: str, fix: str) -> None:
+    if ids.numel() == 0:
+        return
+    low, high = torch.aminmax(ids)
+    low, high = int(low), int(high)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+        raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): {fix}")
+
+
+def check_inputs(
+    config: EmbeddingConfig,
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    past_key_values_length: int,
+) -> tuple[int, int]:
+    """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input."""
+    if (input_ids is None) == (inputs_embeds is None):
+        given = "both" if input_ids is not None else "neither"
+        raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
+    if input_ids is not None:
+        _check_int("input_ids", input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; "
+                             f"add a batch dimension with input_ids.unsqueeze(0)")
+        shape = tuple(input_ids.shape)
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+            raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], "
+                             f"got {tuple(inputs_embeds.shape)}")
+        shape = tuple(inputs_embeds.shape[:2])
+    batch, length = shape
+    if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
+            or past_key_values_length < 0:
+        raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
+    limit = config.max_position_embeddings
+    if position_ids is None and config.position_embedding_type != "none" and past_key_values_length + length > limit:
+        raise ValueError(
+            f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
+            f"positions up to {past_key_values_length + length - 1}, but the position table has {limit} rows: "
+            f"truncate to {max(limit - past_key_values_length, 0)} tokens (the tokenizer's truncation does this)")
+    if input_ids is not None:
+        _check_range("input_ids", input_ids, config.vocab_size, "word",
+                     "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size")
+    if token_type_ids is not None:
+        _check_int("token_type_ids", token_type_ids)
+        if tuple(token_type_ids.shape) != shape:
+            raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but the input has {shape}; "
+                             f"give one segment id per token")
+        _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "segment",
+                     "use 0 for the first segment and 1 for the second")
+    if position_ids is not None:
+        _check_int("position_ids", position_ids)
+        if tuple(position_ids.shape) not in (shape, (1, length)):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but the input has {shape}; "
+                             f"pass [B, L] or [1, L] (shared by the batch)")
+        _check_range("position_ids", position_ids, limit, "position",
+                     f"positions count from 0 and stop at {limit - 1}; truncate the sequence")
+    return batch, length
