@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +33,9 @@ class EmbeddingConfig:
     # "absolute": BERT's learned table. "sinusoidal": the fixed sin/cos table of "Attention Is All You Need"
     # (a buffer, never trained). "none": no position vector is added (checkpoints with relative positions).
     position_embedding_type: PositionType = "absolute"
+    # The rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained so transformers
+    # can still build the whole model from a saved folder. Not part of equality.
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size"):
@@ -86,7 +89,9 @@ class EmbeddingConfig:
         model_type = source.get("model_type", "bert")
         if model_type not in ("bert", None):
             log.warning("config model_type is %r, not 'bert': reading its BERT-style embedding keys anyway", model_type)
-        kwargs = {f.name: source[f.name] for f in dataclasses.fields(cls) if source.get(f.name) is not None}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: source[k] for k in names if source.get(k) is not None}
+        kwargs["extra"] = {k: v for k, v in source.items() if k not in names}
         if str(kwargs.get("position_embedding_type", "absolute")).startswith("relative"):
             log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'",
                      kwargs["position_embedding_type"])
@@ -95,7 +100,8 @@ class EmbeddingConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers' BertConfig reads back (the encoder keys keep their defaults)."""
-        return {"model_type": "bert", "architectures": ["BertModel"], **dataclasses.asdict(self)}
+        ours = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        return {"model_type": "bert", "architectures": ["BertModel"], **self.extra, **ours}
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
         """A copy with some fields changed."""

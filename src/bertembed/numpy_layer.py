@@ -48,7 +48,7 @@ class NumpyEmbeddings:
         for name, values, limit in (("input_ids", ids, cfg.vocab_size), ("token_type_ids", types, cfg.type_vocab_size)):
             if values.size and (values.min() < 0 or values.max() >= limit):
                 raise ValueError(f"{name} holds values outside [0, {limit}); use ids from this checkpoint's tokenizer")
-        if cfg.position_embedding_type != "none" and length > cfg.max_position_embeddings:
+        if length > cfg.max_position_embeddings:
             raise ValueError(f"{length} tokens, but the position table has {cfg.max_position_embeddings} rows: "
                              f"shorten the text")
         word = self.tensors["word_embeddings.weight"][ids]

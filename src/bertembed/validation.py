@@ -62,7 +62,7 @@ def check_inputs(
             or past_key_values_length < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
     limit = config.max_position_embeddings
-    if position_ids is None and config.position_embedding_type != "none" and past_key_values_length + length > limit:
+    if position_ids is None and past_key_values_length + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
             f"positions up to {past_key_values_length + length - 1}, but the position table has {limit} rows: "

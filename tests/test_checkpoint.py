@@ -1,0 +1,215 @@
+"""Loading the embedding tensors from every kind of checkpoint, saving them, and failing cleanly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bertembed import BertEmbeddings, load_checkpoint
+from conftest import make_hf_model
+
+NAMES = ["word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+         "LayerNorm.weight", "LayerNorm.bias"]
+
+
+def assert_same_weights(layer: BertEmbeddings, hf_embeddings) -> None:
+    for name in NAMES:
+        assert torch.equal(layer.state_dict()[name], hf_embeddings.state_dict()[name]), name
+
+
+def test_folder_safetensors(hf_checkpoint):
+    folder, model = hf_checkpoint("tiny-odd")
+    layer = BertEmbeddings.from_pretrained(folder)
+    assert_same_weights(layer, model.embeddings)
+    assert layer.source.kind == "folder"
+
+
+def test_bin_folder_and_single_files(tmp_path):
+    model = make_hf_model("tiny-odd", seed=3)
+    (tmp_path / "bin").mkdir()
+    model.config.to_json_file(tmp_path / "bin" / "config.json")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # as transformers 4 wrote it
+    assert_same_weights(BertEmbeddings.from_pretrained(tmp_path / "bin"), model.embeddings)
+    # a lone weights file: config.json beside it is used; without one, sizes come from the shapes
+    assert_same_weights(BertEmbeddings.from_pretrained(tmp_path / "bin" / "pytorch_model.bin"), model.embeddings)
+    lone = tmp_path / "lone" / "weights.pt"
+    lone.parent.mkdir()
+    torch.save(model.state_dict(), lone)
+    layer = BertEmbeddings.from_pretrained(lone)
+    assert (layer.config.hidden_size, layer.config.vocab_size, layer.config.max_position_embeddings) == (30, 1000, 64)
+    assert_same_weights(layer, model.embeddings)
+
+
+def test_sharded_reads_only_the_shards_it_needs(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=8, intermediate_size=512, num_attention_heads=2))
+    model.save_pretrained(tmp_path, max_shard_size="4MB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    needed = {index["weight_map"][f"embeddings.{n}"] for n in NAMES}
+    assert len(shards) > len(needed)
+    for shard in shards - needed:  # only the embedding shards must exist
+        (tmp_path / shard).unlink()
+    assert_same_weights(BertEmbeddings.from_pretrained(tmp_path), model.embeddings)
+
+
+def test_prefixes_and_legacy_names(tmp_path):
+    from transformers import BertForPreTraining
+
+    model = make_hf_model("tiny-odd", seed=2, model_class=BertForPreTraining)
+    model.save_pretrained(tmp_path / "pretraining")  # keys start with "bert.embeddings."
+    assert_same_weights(BertEmbeddings.from_pretrained(tmp_path / "pretraining"), model.bert.embeddings)
+    # a TF-era checkpoint: LayerNorm.gamma / LayerNorm.beta
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in model.state_dict().items()}
+    (tmp_path / "legacy").mkdir()
+    torch.save(state, tmp_path / "legacy" / "pytorch_model.bin")
+    shutil.copy(tmp_path / "pretraining" / "config.json", tmp_path / "legacy")
+    assert_same_weights(BertEmbeddings.from_pretrained(tmp_path / "legacy"), model.bert.embeddings)
+
+
+def test_stored_position_ids_buffer_is_ignored(bundled_path):
+    keys = load_file(bundled_path / "model.safetensors").keys()
+    assert "embeddings.position_ids" in keys  # the bundled checkpoint stores it
+    assert "position_ids" not in load_checkpoint().tensors
+
+
+def test_save_then_load_both_ways(tmp_path, hf_checkpoint):
+    folder, model = hf_checkpoint("tiny-odd")
+    layer = BertEmbeddings.from_pretrained(folder)
+    layer.save_pretrained(tmp_path / "saved")
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["config.json", "model.safetensors"]
+    again = BertEmbeddings.from_pretrained(tmp_path / "saved")
+    assert again.config == layer.config
+    for name in NAMES:
+        assert torch.equal(again.state_dict()[name], layer.state_dict()[name])
+    from transformers import BertModel  # transformers reads the embedding-only checkpoint too
+
+    hf = BertModel.from_pretrained(tmp_path / "saved")
+    assert_same_weights(layer, hf.embeddings)
+
+
+def test_failed_save_leaves_old_files(tmp_path, monkeypatch):
+    layer = BertEmbeddings.from_pretrained()
+    layer.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def broken_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken_save)
+    with torch.no_grad():
+        layer.word_embeddings.weight.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        layer.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # intact, and no temp files left
+
+
+def _corrupt(tmp_path: Path, source: Path, edit) -> Path:
+    target = tmp_path / "broken"
+    shutil.copytree(source, target)
+    edit(target)
+    return target
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing tensor", "missing embedding tensor"),
+    ("shape disagrees", "disagrees with its config"),
+    ("truncated", "truncated or corrupt"),
+    ("garbage", "truncated or corrupt"),
+    ("unknown format", "none of model.safetensors"),
+    ("bad json", "not valid JSON"),
+])
+def test_bad_checkpoints_raise_clear_errors(tmp_path, hf_checkpoint, case, message):
+    folder, _ = hf_checkpoint("tiny-odd")
+    weights = "model.safetensors"
+
+    def edit(target: Path) -> None:
+        path = target / weights
+        if case == "missing tensor":
+            state = load_file(path)
+            del state["embeddings.token_type_embeddings.weight"]
+            save_file(state, path)
+        elif case == "shape disagrees":
+            config = json.loads((target / "config.json").read_text())
+            (target / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+        elif case == "truncated":
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        elif case == "garbage":
+            path.write_bytes(b"\x00" * 64)
+        elif case == "unknown format":
+            path.rename(target / "model.h5")
+        elif case == "bad json":
+            (target / "config.json").write_text("{not json")
+
+    broken = _corrupt(tmp_path, folder, edit)
+    error = FileNotFoundError if case == "unknown format" else ValueError
+    with pytest.raises(error, match=message):
+        BertEmbeddings.from_pretrained(broken)
+
+
+def test_unknown_single_file_format_and_missing_paths(tmp_path):
+    (tmp_path / "weights.h5").write_bytes(b"x")
+    with pytest.raises(ValueError, match="unknown weights format"):
+        BertEmbeddings.from_pretrained(tmp_path / "weights.h5")
+    with pytest.raises(FileNotFoundError, match="neither an existing file"):
+        BertEmbeddings.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="none of"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+def test_failed_load_leaves_layer_unchanged(tmp_path, hf_checkpoint):
+    folder, _ = hf_checkpoint("tiny-odd")
+    layer = BertEmbeddings.from_pretrained(folder)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    broken = _corrupt(tmp_path, folder, lambda t: (t / "model.safetensors").write_bytes(b"\x01" * 100))
+    with pytest.raises(ValueError):
+        layer.load_pretrained_weights(broken)
+    bad_state = {k: v + 1 for k, v in before.items()}
+    bad_state["LayerNorm.bias"] = torch.zeros(31)  # one wrong shape: torch would copy the others first
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        layer.load_state_dict(bad_state)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def _hub_cache(root: Path, repo: str, source: Path) -> Path:
+    """Lay out `source`'s files as huggingface_hub's cache does: models--org--name/{refs/main, snapshots/<sha>/}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / "hub" / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    shutil.copytree(source, repo_dir / "snapshots" / commit)
+    return repo_dir
+
+
+def test_hub_id_from_the_local_cache(tmp_path, bundled_path):
+    """HF_HOME and HF_HUB_OFFLINE are honoured: a fresh process finds the model in the cache, offline."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        shutil.copy(bundled_path / name, folder)
+    _hub_cache(tmp_path / "home", "acme/mini-bert", folder)
+    env = {"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    code = ("from bertembed import BertEmbeddings, Tokenizer; l = BertEmbeddings.from_pretrained('acme/mini-bert');"
+            "t = Tokenizer.from_pretrained('acme/mini-bert'); print(l.source.kind, l.config.hidden_size,"
+            " t('hello').input_ids, float(l.word_embeddings.weight[7592, 0]))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = load_file(bundled_path / "model.safetensors")["embeddings.word_embeddings.weight"][7592, 0].item()
+    assert done.stdout.split() == ["hub", "384", "[101,", "7592,", "102]", repr(expected)]
+    missing = subprocess.run([sys.executable, "-c", "from bertembed import BertEmbeddings; "
+                              "BertEmbeddings.from_pretrained('acme/not-cached')"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode != 0 and "offline mode is on and it is not in the local cache" in missing.stderr

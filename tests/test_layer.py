@@ -1,0 +1,167 @@
+"""The reference layer against transformers' BertEmbeddings with the same weights."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bertembed import BertEmbeddings, EmbeddingConfig, NumpyEmbeddings
+from bertembed.embeddings import sinusoidal_table
+
+
+def _inputs(config, batch=3, length=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, config.vocab_size, (batch, length), generator=g)
+    ids[1, 10:] = config.pad_token_id  # a padded row
+    types = torch.randint(0, config.type_vocab_size, (batch, length), generator=g)
+    return ids, types
+
+
+def max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["bert-base", "bert-large", "tiny-odd", "one-type"])
+def test_matches_transformers(hf_checkpoint, name):
+    folder, hf_model = hf_checkpoint(name)
+    hf = hf_model.embeddings
+    ours = BertEmbeddings.from_pretrained(folder).eval()
+    ids, types = _inputs(ours.config)
+    with torch.no_grad():
+        cases = {
+            "ids only": ({"input_ids": ids}, {}),
+            "with token types": ({"input_ids": ids, "token_type_ids": types}, {}),
+            "position offset": ({"input_ids": ids[:, :5], "past_key_values_length": 7}, {}),
+            "explicit positions": ({"input_ids": ids, "position_ids": torch.arange(17).flip(0)[None]}, {}),
+            "inputs_embeds": ({"inputs_embeds": torch.randn(2, 9, ours.config.hidden_size)}, {}),
+            "length 1": ({"input_ids": ids[:1, :1]}, {}),
+        }
+        for label, (kwargs, _) in cases.items():
+            diff = max_diff(ours(**kwargs), hf(**kwargs))
+            assert diff <= 1e-6, f"{name}, {label}: {diff}"
+
+
+def test_bundled_checkpoint_bit_for_bit(bundled_hf_embeddings):
+    ours = BertEmbeddings.from_pretrained().eval()
+    ids = torch.tensor([[101, 1996, 4248, 2829, 4419, 14523, 2058, 1996, 13971, 3899, 102]])
+    full = torch.randint(0, 30522, (2, 512), generator=torch.Generator().manual_seed(1))
+    types = (torch.arange(512) > 200).long().expand(2, 512)
+    with torch.no_grad():
+        assert torch.equal(ours(ids), bundled_hf_embeddings(ids))
+        assert torch.equal(ours(full, types), bundled_hf_embeddings(full, types))
+
+
+def test_state_dicts_move_both_ways(hf_checkpoint):
+    _, hf_model = hf_checkpoint("tiny-odd")
+    hf = hf_model.embeddings
+    ours = BertEmbeddings(EmbeddingConfig(vocab_size=1000, hidden_size=30, max_position_embeddings=64))
+    ours.load_state_dict(hf.state_dict())  # strict: every key and shape
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    for key, value in hf.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value)
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings as HFEmbeddings
+
+    back = HFEmbeddings(BertConfig(vocab_size=1000, hidden_size=30, max_position_embeddings=64))
+    torch.nn.init.zeros_(back.word_embeddings.weight)
+    back.load_state_dict(ours.state_dict())
+    assert torch.equal(back.word_embeddings.weight, hf.word_embeddings.weight)
+
+
+def test_decompose_recombines_to_forward():
+    torch.manual_seed(0)
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=300, hidden_size=30, max_position_embeddings=40)).eval()
+    with torch.no_grad():
+        layer.LayerNorm.weight.uniform_(0.5, 1.5)
+        layer.LayerNorm.bias.uniform_(-1, 1)
+    ids, types = _inputs(layer.config, length=40)
+    with torch.no_grad():
+        parts = layer.decompose(ids, types)
+        out = layer(ids, types)
+    assert torch.equal(parts.output, out)
+    assert torch.equal(parts.sum, parts.word + parts.segment + parts.position)
+    assert torch.equal(parts.word, layer.word_embeddings.weight[ids])
+    assert torch.equal(parts.position[0], layer.position_embeddings.weight[:40])
+    assert torch.equal(parts.segment, layer.token_type_embeddings.weight[types])
+    total = parts.sum.double().numpy()  # independent statistics in float64 numpy
+    np.testing.assert_allclose(parts.mean.numpy(), total.mean(-1), atol=1e-7)
+    np.testing.assert_allclose(parts.std.numpy(), np.sqrt(total.var(-1) + 1e-12), rtol=1e-6)
+    by_hand = (parts.sum - parts.mean[..., None]) / parts.std[..., None] * layer.LayerNorm.weight + layer.LayerNorm.bias
+    assert max_diff(by_hand, out) <= 1e-6
+
+
+def test_dropout_only_in_training():
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=100, hidden_size=64, max_position_embeddings=256))
+    ids = torch.randint(1, 100, (8, 256))
+    layer.eval()
+    assert torch.equal(layer(ids), layer(ids))
+    layer.train()
+    torch.manual_seed(0)
+    dropped = layer(ids)
+    reference = layer.LayerNorm(layer.word_embeddings(ids) + layer.token_type_embeddings.weight[0]
+                                + layer.position_embeddings.weight[:256])
+    zero = dropped == 0
+    assert abs(zero.float().mean().item() - 0.1) < 0.01  # p = 0.1
+    torch.testing.assert_close(dropped[~zero], reference[~zero] / 0.9)
+
+
+def test_tables_trainable_and_defaults_are_buffers():
+    layer = BertEmbeddings()
+    names = {n for n, p in layer.named_parameters() if p.requires_grad}
+    assert names == {"word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+                     "LayerNorm.weight", "LayerNorm.bias"}
+    assert layer.config.layer_norm_eps == 1e-12 and layer.LayerNorm.eps == 1e-12
+    assert torch.count_nonzero(layer.word_embeddings.weight[0]) == 0  # [PAD] row
+    assert "position_ids" not in layer.state_dict() and "token_type_ids" not in layer.state_dict()
+    assert set(dict(layer.named_buffers())) == {"position_ids", "token_type_ids"}
+
+
+def test_sinusoidal_positions_are_fixed_and_match_the_formula():
+    config = EmbeddingConfig(vocab_size=50, hidden_size=16, max_position_embeddings=32,
+                             position_embedding_type="sinusoidal")
+    layer = BertEmbeddings(config)
+    assert "position_embeddings.weight" not in dict(layer.named_parameters())
+    assert "position_embeddings.weight" not in layer.state_dict()
+    expected = np.array([[math.sin(p / 10000 ** (i / 16)) if i % 2 == 0 else math.cos(p / 10000 ** ((i - 1) / 16))
+                          for i in range(16)] for p in range(32)])
+    np.testing.assert_allclose(sinusoidal_table(32, 16).numpy(), expected, atol=1e-6)
+    parts = layer.decompose(torch.ones(1, 5, dtype=torch.long))
+    np.testing.assert_allclose(parts.position[0].numpy(), expected[:5], atol=1e-6)
+
+
+def test_no_position_type_adds_nothing():
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=50, hidden_size=16, position_embedding_type="none")).eval()
+    ids = torch.randint(0, 50, (2, 512))
+    with pytest.raises(ValueError, match="position table has 512 rows"):
+        layer(torch.zeros(1, 513, dtype=torch.long))  # the limit stays the config's, as in such checkpoints
+    with torch.no_grad():
+        expected = layer.LayerNorm(layer.word_embeddings(ids) + layer.token_type_embeddings.weight[0])
+        torch.testing.assert_close(layer(ids), expected, rtol=0, atol=0)
+
+
+def test_config_presets_and_hf_round_trip(hf_checkpoint):
+    assert EmbeddingConfig.bert_base().hidden_size == 768
+    large = EmbeddingConfig.bert_large()
+    assert (large.hidden_size, large.vocab_size, large.max_position_embeddings) == (1024, 30522, 512)
+    folder, hf_model = hf_checkpoint("one-type")
+    config = EmbeddingConfig.from_hf_config(folder)
+    assert (config.hidden_size, config.type_vocab_size, config.vocab_size) == (48, 1, 500)
+    from transformers import BertConfig
+
+    back = BertConfig(**config.to_hf_config())
+    assert (back.hidden_size, back.type_vocab_size, back.layer_norm_eps) == (48, 1, 1e-12)
+    assert EmbeddingConfig.from_hf_config({"position_embedding_type": "relative_key"}).position_embedding_type == "none"
+
+
+def test_numpy_layer_matches_torch_layer(bundled_hf_embeddings):
+    layer = NumpyEmbeddings.from_pretrained()
+    ids = np.random.default_rng(0).integers(0, 30522, (2, 512))
+    types = (np.arange(512) > 100).astype(np.int64)[None].repeat(2, 0)
+    parts = layer.decompose(ids, types)
+    with torch.no_grad():
+        expected = bundled_hf_embeddings(torch.from_numpy(ids), torch.from_numpy(types)).numpy()
+    assert np.abs(parts["output"] - expected).max() <= 1e-5
+    assert np.abs(parts["output"] - expected).mean() <= 1e-6
