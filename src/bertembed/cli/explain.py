@@ -32,8 +32,8 @@ def explain(
     say_model(dec.source)
     console.print(_table(rows))
     verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
-    console.print(f"check: LayerNorm(word + position + segment), recomputed by hand in float64, is {verdict} to the "
-                  f"layer's output ({dec.engine}): max |diff| = {dec.max_abs_diff:.2e}")
+    console.print(f"check: LayerNorm(word + position + segment) by hand in float64 is {verdict} to the layer's "
+                  f"output ({dec.engine}): max |diff| = {dec.max_abs_diff:.2e}")
 
 
 def _table(rows: list[dict]):

@@ -1,0 +1,5 @@
+"""`python -m bertembed` runs the command line."""
+
+from bertembed.cli import main
+
+main()

@@ -1,0 +1,113 @@
+"""The tokenizer against transformers' BertTokenizerFast (same files) and the pure-Python BertTokenizer (vocab.txt)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from bertembed import Tokenizer
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "I am Sinan",
+    "Café naïve résumé, Ångström!",
+    "北京欢迎你 and 東京",
+    "emoji 🙂🚀 and symbols ™ © ½",
+    "",
+    "   spaces\tand\nnewlines  ",
+    "unaffable supercalifragilisticexpialidocious",
+]
+PAIRS = [("Who wrote it?", "Sinan wrote it."), ("", "only B"), ("Ça va?", "北京")]
+LONG = "word " * 700 + "end"
+
+
+@pytest.fixture(scope="module")
+def fast_reference(bundled_path):
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast.from_pretrained(bundled_path)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return Tokenizer.from_pretrained()
+
+
+def _same(enc, ref) -> None:
+    assert enc.input_ids == ref["input_ids"]
+    assert enc.token_type_ids == ref["token_type_ids"]
+    assert enc.attention_mask == ref["attention_mask"]
+
+
+@pytest.mark.parametrize("text", TEXTS + [LONG])
+def test_single_texts_match(ours, fast_reference, text):
+    enc = ours(text)
+    ref = fast_reference(text, truncation=True, max_length=512, return_offsets_mapping=True)
+    _same(enc, ref)
+    assert enc.offsets == [tuple(o) for o in ref["offset_mapping"]]
+    assert enc.tokens == fast_reference.convert_ids_to_tokens(ref["input_ids"])
+
+
+def test_known_ids_from_the_seeds(ours):
+    assert ours("The quick brown fox jumps over the lazy dog").input_ids == \
+        [101, 1996, 4248, 2829, 4419, 14523, 2058, 1996, 13971, 3899, 102]
+    assert ours("I am Sinan").input_ids == [101, 1045, 2572, 8254, 2319, 102]
+    assert ours("this is a test sentence").input_ids == [101, 2023, 2003, 1037, 3231, 6251, 102]
+
+
+@pytest.mark.parametrize("pair", PAIRS + [(LONG, "short question"), ("short", LONG)])
+def test_pairs_match(ours, fast_reference, pair):
+    enc = ours(*pair)
+    _same(enc, fast_reference(*pair, truncation=True, max_length=512))
+    first_sep = enc.tokens.index("[SEP]")
+    assert set(enc.token_type_ids[: first_sep + 1]) == {0} and set(enc.token_type_ids[first_sep + 1:]) <= {1}
+
+
+def test_batches_with_padding_and_tensors(ours, fast_reference):
+    texts = TEXTS[:4]
+    _same(ours(texts), fast_reference(texts, padding=True, truncation=True, max_length=512))
+    pairs_a, pairs_b = zip(*PAIRS, strict=True)
+    _same(ours(list(pairs_a), list(pairs_b)), fast_reference(list(pairs_a), list(pairs_b), padding=True))
+    _same(ours(list(PAIRS)), fast_reference(list(pairs_a), list(pairs_b), padding=True))
+    fixed = ours(texts, padding="max_length", max_length=32, return_tensors="pt")
+    ref = fast_reference(texts, padding="max_length", max_length=32, truncation=True, return_tensors="pt")
+    assert fixed.input_ids.shape == (4, 32) and fixed.input_ids.dtype == torch.long
+    assert torch.equal(fixed.input_ids, ref["input_ids"]) and torch.equal(fixed.attention_mask, ref["attention_mask"])
+    single = ours("one text", return_tensors="pt")
+    assert single.input_ids.shape == (1, 4)
+
+
+def test_truncation_off_keeps_everything(ours):
+    assert len(ours(LONG, truncation=False).input_ids) == 703
+    assert len(ours(LONG).input_ids) == 512  # the model's position limit
+
+
+def test_vocab_txt_only_matches_the_python_tokenizer(tmp_path, bundled_path):
+    """Without tokenizer.json the pipeline is built from vocab.txt and tokenizer_config.json."""
+    from transformers import BertTokenizer
+
+    for name in ("vocab.txt", "config.json"):
+        shutil.copy(bundled_path / name, tmp_path)
+    for lower, accents in ((True, None), (False, False)):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": lower, "strip_accents": accents}))
+        ours = Tokenizer.from_pretrained(tmp_path)
+        slow = BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=lower, strip_accents=accents)
+        for text in TEXTS:
+            assert ours(text).input_ids == slow(text)["input_ids"], (lower, accents, text)
+        assert ours(*PAIRS[0]).token_type_ids == slow(*PAIRS[0])["token_type_ids"]
+
+
+def test_bad_arguments(ours):
+    with pytest.raises(ValueError, match="padding"):
+        ours("x", padding="sideways")
+    with pytest.raises(ValueError, match="return_tensors"):
+        ours("x", return_tensors="tf")
+    with pytest.raises(ValueError, match="as long as text"):
+        ours(["a", "b"], ["c"])
+    with pytest.raises(ValueError, match="padding=True"):
+        ours(["a", "b c d"], padding=False, return_tensors="pt")
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_pretrained("/no/such/folder")
