@@ -38,9 +38,10 @@ def test_explain_json_pair_matches_the_torch_layer():
     data = json.loads(done.stdout)
     assert data["model"] == "sentence-transformers/all-MiniLM-L6-v2" and data["max_abs_diff"] < 1e-5
     tokens = data["tokens"]
-    assert [t["token"] for t in tokens] == ["[CLS]", "who", "wrote", "it", "?", "[SEP]", "sinan", "did", ".", "[SEP]"]
-    assert [t["segment"] for t in tokens] == [0] * 6 + [1] * 4
-    assert [t["position"] for t in tokens] == list(range(10))
+    assert [t["token"] for t in tokens] == ["[CLS]", "who", "wrote", "it", "?", "[SEP]", "sin", "##an", "did", ".",
+                                           "[SEP]"]
+    assert [t["segment"] for t in tokens] == [0] * 6 + [1] * 5
+    assert [t["position"] for t in tokens] == list(range(11))
     # independent check of the printed norms: the torch layer's output for the same ids
     enc = Tokenizer.from_pretrained()("Who wrote it?", "Sinan did.", return_tensors="pt")
     with torch.no_grad():
