@@ -13,6 +13,8 @@ import numpy as np
 
 from bertembed.sources import Source
 
+PARTS = ("word", "position", "segment")
+
 
 @dataclass
 class TextDecomposition:
@@ -52,19 +54,56 @@ class TextDecomposition:
         return {name: np.linalg.norm(getattr(self, name).astype(np.float64), axis=-1)
                 for name in ("word", "position", "segment", "sum", "output")}
 
+    def variance_shares(self) -> dict[str, np.ndarray]:
+        """Each part's share of the variance (over H) of the sum that LayerNorm divides by: [L] arrays.
+
+        Var(w + p + s) = Cov(w, sum) + Cov(p, sum) + Cov(s, sum), so share_c = Cov_H(c, sum) / Var_H(sum) and the
+        three shares add up to 1 for every token (a share can be negative when a part cancels the others).
+        """
+        total = self.sum.astype(np.float64)
+        centred = total - total.mean(-1, keepdims=True)
+        var = (centred ** 2).mean(-1)
+        return {name: (getattr(self, name).astype(np.float64) * centred).mean(-1) / var
+                for name in PARTS}
+
+    def overall_shares(self) -> dict[str, float]:
+        """The same shares pooled over all tokens (covariances and variances summed before dividing)."""
+        total = self.sum.astype(np.float64)
+        centred = total - total.mean(-1, keepdims=True)
+        var = float((centred ** 2).sum())
+        return {name: float((getattr(self, name).astype(np.float64) * centred).sum() / var) for name in PARTS}
+
     def rows(self) -> list[dict]:
         """One dict per token, for tables and JSON."""
-        norms = self.norms()
+        norms, shares = self.norms(), self.variance_shares()
         return [{"position": self.positions[i], "token": self.tokens[i], "id": self.ids[i],
                  "segment": self.segments[i], "word_norm": float(norms["word"][i]),
                  "position_norm": float(norms["position"][i]), "segment_norm": float(norms["segment"][i]),
+                 "word_share": float(shares["word"][i]), "position_share": float(shares["position"][i]),
+                 "segment_share": float(shares["segment"][i]),
                  "ln_mean": float(self.mean[i]), "ln_std": float(self.std[i]), "output_norm": float(norms["output"][i])}
                 for i in range(len(self.tokens))]
 
+    def summary(self) -> dict:
+        """Scalars for captions and JSON: length, pooled variance shares, mean norms, the by-hand check."""
+        norms = self.norms()
+        out = {"model": self.source.name, "tokens": len(self.tokens), "segment_b_tokens": int(sum(self.segments))}
+        out |= {f"{k}_share": v for k, v in self.overall_shares().items()}
+        out |= {f"mean_{k}_norm": float(norms[k].mean()) for k in ("word", "position", "segment", "sum", "output")}
+        out["max_abs_diff"] = self.max_abs_diff
+        return out
 
-def explain_text(text: str, text_b: str | None = None, model: str | Path | None = None, *,
+    def _repr_html_(self) -> str:
+        from bertembed.explain._common import html_table, repr_html
+
+        return repr_html(self) + html_table(self.rows(), "one row per token")
+
+
+def explain_text(text: str, text_b: str | None = None, model=None, *,
                  engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with the checkpoint's tokenizer and decompose its embedding.
+
+    `model`: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
 
     Raises ValueError for an empty text or one longer than the position table (no silent truncation here).
     """
@@ -75,6 +114,9 @@ def explain_text(text: str, text_b: str | None = None, model: str | Path | None 
             raise ValueError(f"{name} is empty; give a sentence to explain, e.g. \"The quick brown fox\"")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
+    layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
+    if layer is not None:
+        model = layer.source.name  # a loaded NumpyEmbeddings: reuse its tables, read its tokenizer
     tokenizer = Tokenizer.from_pretrained(model)
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
@@ -85,7 +127,7 @@ def explain_text(text: str, text_b: str | None = None, model: str | Path | None 
     if engine == "numpy":
         from bertembed.numpy_layer import NumpyEmbeddings
 
-        layer = NumpyEmbeddings.from_pretrained(model)
+        layer = layer or NumpyEmbeddings.from_pretrained(model)
         parts, source, config = layer.decompose(ids, types), layer.source, layer.config
         gamma, beta = layer.tensors["LayerNorm.weight"], layer.tensors["LayerNorm.bias"]
     else:

@@ -1,0 +1,113 @@
+"""Shared plumbing of the analyses: loading the tables once, JSON-ready summaries, and notebook HTML.
+
+Nothing here imports torch or matplotlib at import time.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from bertembed.numpy_layer import NumpyEmbeddings
+
+ModelArg = Union[str, Path, None, NumpyEmbeddings]
+
+
+def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
+    """The five tables as float32 numpy arrays; pass a loaded `NumpyEmbeddings` to reuse it."""
+    return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
+
+
+def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
+    """One table ("word", "position", "segment") as [rows, H] float64, for analysis."""
+    key = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
+           "segment": "token_type_embeddings.weight"}[name]
+    if key not in layer.tensors:
+        raise ValueError(f"{layer.source.name} has no learned {name} table (position_embedding_type="
+                         f"{layer.config.position_embedding_type!r}); this analysis needs one")
+    return layer.tensors[key].astype(np.float64)
+
+
+def row_norms(matrix: np.ndarray) -> np.ndarray:
+    """Euclidean norm of each row: [N, H] -> [N]."""
+    return np.linalg.norm(matrix, axis=-1)
+
+
+def cosine_matrix(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """Cosine similarity of every row of `a` [N, H] with every row of `b` [M, H] (default `a`): [N, M]."""
+    b = a if b is None else b
+    an = a / np.maximum(row_norms(a), 1e-30)[:, None]
+    bn = b / np.maximum(row_norms(b), 1e-30)[:, None]
+    return an @ bn.T
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain Python for json.dumps: arrays become lists, numpy scalars numbers, paths strings."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def html_table(rows: list[dict], caption: str = "") -> str:
+    """A small HTML table of dicts (the keys of the first row are the columns)."""
+    if not rows:
+        return "<p>(no rows)</p>"
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def figure_png(fig) -> bytes:
+    """Render a matplotlib Figure to PNG bytes and close it."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def img_tag(png: bytes, alt: str) -> str:
+    """An <img> holding the PNG inline (base64 data URI), so the page needs no other file."""
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def repr_html(result: Any) -> str:
+    """Notebook view of a result: its summary as a table, then its figures when matplotlib is installed."""
+    from bertembed.explain import figures
+
+    title = html.escape(type(result).__name__)
+    rows = [{"measure": k, "value": v} for k, v in result.summary().items() if not isinstance(v, (list, dict))]
+    parts = [f"<h4>{title}</h4>", html_table(rows)]
+    try:
+        for spec in figures.specs_for(result):
+            parts.append(img_tag(figure_png(spec.draw(result)), spec.title))
+            parts.append(f"<p>{html.escape(spec.caption(result))}</p>")
+    except ImportError:
+        parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
+    return "\n".join(parts)

@@ -1,0 +1,94 @@
+"""Drift between two checkpoints of the same architecture: per table, how far it moved and which rows moved most.
+
+Typical use: a pre-trained model against its fine-tuned copy. Torch-free (the tables are read as numpy arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bertembed.explain._common import ModelArg, load_layer, repr_html, row_norms
+
+DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
+                "segment": "token_type_embeddings.weight", "LayerNorm.weight": "LayerNorm.weight",
+                "LayerNorm.bias": "LayerNorm.bias"}
+
+
+@dataclass
+class TableDrift:
+    """One tensor of A against the same tensor of B."""
+
+    table: str
+    shape: list[int]
+    relative_change: float  # |B - A|_F / |A|_F
+    max_abs_change: float
+    rows_changed: int  # rows (or elements, for LayerNorm's vectors) not exactly equal
+    top: list[dict] = field(default_factory=list)  # {"row", "label", "change", "relative"}, most changed first
+
+
+@dataclass
+class DriftReport:
+    model_a: str
+    model_b: str
+    tables: list[TableDrift]
+
+    def summary(self) -> dict:
+        out = {"model_a": self.model_a, "model_b": self.model_b}
+        for t in self.tables:
+            out[f"{t.table}_relative_change"] = t.relative_change
+            out[f"{t.table}_rows_changed"] = t.rows_changed
+        return out
+
+    def rows(self) -> list[dict]:
+        return [{"table": t.table, "shape": "x".join(map(str, t.shape)), "relative_change": t.relative_change,
+                 "max_abs_change": t.max_abs_change, "rows_changed": t.rows_changed,
+                 "most_changed": ", ".join(f"{r['label']} ({r['change']:.3g})" for r in t.top[:5])}
+                for t in self.tables]
+
+    def _repr_html_(self) -> str:
+        from bertembed.explain._common import html_table
+
+        return repr_html(self) + html_table(self.rows(), "drift per table")
+
+
+def _labeller(layer, name: str):
+    """Turns a row index into a readable label: the token for the word table, 'pos N', 'segment A/B'."""
+    if name == "word":
+        try:
+            from bertembed.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_pretrained(layer.source.name)
+            return lambda i: f"{tokenizer.backend.id_to_token(i)} ({i})"
+        except (FileNotFoundError, ValueError):
+            return lambda i: f"id {i}"
+    return {"position": lambda i: f"pos {i}", "segment": lambda i: f"segment {'AB'[i] if i < 2 else i}"}.get(
+        name, lambda i: f"[{i}]")
+
+
+def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> TableDrift:
+    a64, delta = a.astype(np.float64), b.astype(np.float64) - a
+    per_row = row_norms(delta) if delta.ndim == 2 else np.abs(delta)
+    base = row_norms(a64) if delta.ndim == 2 else np.abs(a64)
+    order = np.argsort(-per_row, kind="stable")[:top]
+    return TableDrift(
+        table=name, shape=list(a.shape), relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64),
+                                                                                          1e-30)),
+        max_abs_change=float(np.abs(delta).max()), rows_changed=int((per_row > 0).sum()),
+        top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]),
+              "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order if per_row[i] > 0])
+
+
+def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport:
+    """Compare the embedding tensors of two checkpoints. Raises ValueError if their shapes differ."""
+    a, b = load_layer(model_a), load_layer(model_b)
+    shapes = {k: (tuple(a.tensors[k].shape) if k in a.tensors else None,
+                  tuple(b.tensors[k].shape) if k in b.tensors else None) for k in DRIFT_TABLES.values()}
+    wrong = [f"{k}: {sa} vs {sb}" for k, (sa, sb) in shapes.items() if sa != sb]
+    if wrong:
+        raise ValueError(f"{a.source.name} and {b.source.name} have different shapes, so their rows cannot be "
+                         f"compared: {'; '.join(wrong)}. Compare two checkpoints of the same architecture")
+    tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)
+              for name, key in DRIFT_TABLES.items() if key in a.tensors]
+    return DriftReport(a.source.name, b.source.name, tables)

@@ -1,0 +1,216 @@
+"""Does fine-tuning change the embedding tables? A short, deterministic fine-tune that counts the rows that move.
+
+The task: tell a handful of fixed positive sentences from negative ones, with the checkpoint's embedding layer plus a
+tiny head (masked mean-pool, then one linear layer), so it runs in seconds on a CPU. Three runs from the same start:
+
+- Adam, no weight decay: a row whose gradient was always zero keeps Adam's moments at zero, so its update is exactly
+  0. Only the rows of tokens, positions and segments that occurred in unpadded places move; [PAD] never does, because
+  `padding_idx` zeroes its gradient.
+- AdamW with weight decay: the decay shrinks every weight each step, so every non-zero row moves.
+- Adam with the word table frozen (`requires_grad=False`): that table does not move at all.
+
+Dimension letters: B batch, L length, H hidden.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bertembed.explain._common import repr_html
+
+SENTENCES = (
+    ("a wonderful, moving film", 1), ("i loved every minute of it", 1), ("great acting and a clever plot", 1),
+    ("the best meal we had all year", 1), ("a dull and tedious mess", 0), ("i hated the ending", 0),
+    ("boring, slow and far too long", 0), ("the worst service we have ever had", 0),
+)
+TABLES = {"word": "word_embeddings", "position": "position_embeddings", "segment": "token_type_embeddings"}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One optimiser setting of the demo."""
+
+    name: str
+    weight_decay: float = 0.0  # > 0 selects AdamW (decoupled decay), 0 plain Adam
+    frozen: tuple[str, ...] = ()  # table names ("word", ...) whose requires_grad is switched off
+
+
+DEFAULT_RUNS = (RunSpec("Adam, no weight decay"), RunSpec("AdamW, weight decay 0.01", weight_decay=0.01),
+                RunSpec("Adam, word table frozen", frozen=("word",)))
+
+
+@dataclass
+class TableChange:
+    """How one table moved in one run."""
+
+    table: str
+    rows: int
+    moved: int  # rows with any element changed
+    expected: int  # rows the theory says move in this run
+    max_abs_change: float
+    median_relative_change: float  # median over moved rows of |row after - row before| / |row before|
+    moved_rows: list[int] = field(repr=False)
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    loss_first: float
+    loss_last: float
+    tables: list[TableChange]
+    row_change: dict[str, np.ndarray] = field(repr=False)  # per table, |delta| per row
+
+
+@dataclass
+class FinetuneReport:
+    """Which parameters train by default, which rows occurred, and what each run moved."""
+
+    model: str
+    trainable: list[dict]  # {"name", "shape", "requires_grad"} of BertEmbeddings.named_parameters()
+    occurred: dict[str, list[int]]  # rows that received gradient: unpadded token ids (not [PAD]), positions, segments
+    runs: list[RunResult]
+    steps: int
+    lr: float
+    seconds: float
+    sentences: tuple = SENTENCES
+
+    def summary(self) -> dict:
+        out = {"model": self.model, "steps": self.steps, "lr": self.lr, "seconds": self.seconds,
+               "trainable_by_default": all(p["requires_grad"] for p in self.trainable)}
+        out |= {f"occurred_{k}": len(v) for k, v in self.occurred.items()}
+        for i, run in enumerate(self.runs):
+            out |= {f"run{i}_{t.table}_moved": f"{t.moved}/{t.rows}" for t in run.tables}
+        return out
+
+    def rows(self) -> list[dict]:
+        """One dict per run and table, for tables and JSON."""
+        return [{"run": r.spec.name, "table": t.table, "moved": t.moved, "rows": t.rows, "expected": t.expected,
+                 "max_abs_change": t.max_abs_change, "median_relative_change": t.median_relative_change}
+                for r in self.runs for t in r.tables]
+
+    def _repr_html_(self) -> str:
+        from bertembed.explain._common import html_table
+
+        return repr_html(self) + html_table(self.rows(), "rows moved per run and table")
+
+
+def _batch(model, sentences):
+    """The sentences padded into one batch ([B, L] tensors) and their labels [B]."""
+    import torch
+
+    from bertembed.tokenizer import Tokenizer
+
+    enc = Tokenizer.from_pretrained(model)([s for s, _ in sentences], return_tensors="pt")
+    return enc, torch.tensor([label for _, label in sentences])
+
+
+def occurred_rows(enc, pad_id: int) -> dict[str, list[int]]:
+    """Rows that get a non-zero gradient: the ids, positions and segments at unpadded places, [PAD] excluded."""
+    mask = enc.attention_mask.bool()
+    positions = mask.nonzero()[:, 1].unique()
+    return {"word": sorted(set(enc.input_ids[mask].tolist()) - {pad_id}), "position": positions.tolist(),
+            "segment": sorted(set(enc.token_type_ids[mask].tolist()))}
+
+
+def _expected(spec: RunSpec, name: str, occurred: list[int], before) -> int:
+    if name in spec.frozen:
+        return 0
+    if spec.weight_decay > 0:  # decay moves every row that is not exactly zero, plus the rows with gradient
+        return int(((before != 0).any(1).numpy() | np.isin(np.arange(before.shape[0]), occurred)).sum())
+    return len(occurred)
+
+
+def _changes(spec, start: dict, layer, occurred) -> tuple[list[TableChange], dict]:
+    out, per_row = [], {}
+    for name, attr in TABLES.items():
+        module = getattr(layer, attr)
+        if module is None or not hasattr(module, "weight") or f"{attr}.weight" not in start:
+            continue
+        before, after = start[f"{attr}.weight"], module.weight.detach()
+        delta = (after - before).double()
+        moved = (after != before).any(1).nonzero()[:, 0]
+        rel = delta.norm(dim=1)[moved] / before.double().norm(dim=1)[moved].clamp_min(1e-30)
+        per_row[name] = delta.norm(dim=1).numpy()
+        out.append(TableChange(name, before.shape[0], len(moved), _expected(spec, name, occurred[name], before),
+                               float(delta.abs().max()), float(rel.median()) if len(moved) else 0.0,
+                               moved.tolist()))
+    return out, per_row
+
+
+def _run(spec: RunSpec, start: dict, config, enc, labels, steps: int, lr: float, seed: int,
+         progress: Callable[[str, int, int], None] | None):
+    import torch
+    from torch import nn
+
+    from bertembed.embeddings import BertEmbeddings
+
+    torch.manual_seed(seed)
+    layer = BertEmbeddings(config)
+    layer.load_state_dict(start)
+    head = nn.Linear(config.hidden_size, 2)
+    for name in spec.frozen:
+        getattr(layer, TABLES[name]).weight.requires_grad_(False)
+    params = [p for p in [*layer.parameters(), *head.parameters()] if p.requires_grad]
+    opt = (torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay) if spec.weight_decay > 0
+           else torch.optim.Adam(params, lr=lr, weight_decay=0.0))
+    mask = enc.attention_mask[..., None].float()
+    layer.train()
+    losses = []
+    for step in range(steps):
+        pooled = (layer(enc.input_ids, enc.token_type_ids) * mask).sum(1) / mask.sum(1)
+        loss = nn.functional.cross_entropy(head(pooled), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if progress:
+            progress(spec.name, step + 1, steps)
+    return layer, losses
+
+
+def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 0, runs=DEFAULT_RUNS,
+                  sentences=SENTENCES, progress: Callable[[str, int, int], None] | None = None,
+                  save: str | Path | None = None) -> FinetuneReport:
+    """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run; see the module doc.
+
+    `progress(run_name, step, steps)` is called after every step. `save`: a folder to write the first run's
+    fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`.
+    """
+    import torch
+
+    from bertembed.embeddings import BertEmbeddings
+
+    if steps < 1:
+        raise ValueError(f"steps={steps}: run at least 1 step")
+    torch.set_num_threads(min(torch.get_num_threads(), 2))  # the demo promises seconds on 2 cores
+    base = BertEmbeddings.from_pretrained(model)
+    start = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    enc, labels = _batch(model, sentences)
+    occurred = occurred_rows(enc, base.config.pad_token_id)
+    trainable = [{"name": n, "shape": list(p.shape), "requires_grad": p.requires_grad}
+                 for n, p in base.named_parameters()]
+    began, results = time.perf_counter(), []
+    for i, spec in enumerate(runs):
+        layer, losses = _run(spec, start, base.config, enc, labels, steps, lr, seed, progress)
+        tables, per_row = _changes(spec, start, layer, occurred)
+        results.append(RunResult(spec, losses[0], losses[-1], tables, per_row))
+        if save is not None and i == 0:
+            save_with_tokenizer(layer, base.source, save)
+    return FinetuneReport(model=base.source.name, trainable=trainable, occurred=occurred, runs=results, steps=steps,
+                          lr=lr, seconds=time.perf_counter() - began, sentences=tuple(sentences))
+
+
+def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
+    """Save an embedding layer and copy its checkpoint's tokenizer files beside it."""
+    folder = layer.save_pretrained(folder)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = source.file(name)
+        if path is not None:
+            shutil.copyfile(path, Path(folder) / name)
+    return Path(folder)

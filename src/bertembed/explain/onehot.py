@@ -1,0 +1,83 @@
+"""`nn.Embedding` is a table lookup, which equals a one-hot matrix product: one_hot(ids) [L, V] @ W [V, H] = W[ids].
+
+Checked on the user's own ids, with what each way costs in time and memory (the product reads the whole table).
+
+Dimension letters: L length, V vocabulary, H hidden.
+"""
+
+from __future__ import annotations
+
+import timeit
+from dataclasses import dataclass
+
+import numpy as np
+
+from bertembed.explain._common import ModelArg, load_layer, repr_html
+
+
+@dataclass
+class OneHotReport:
+    """Lookup versus one-hot product on one text's ids (numpy, float32, one thread of work each)."""
+
+    model: str
+    tokens: list[str]
+    ids: list[int]
+    equal: bool  # the two results are identical, bit for bit
+    max_abs_diff: float
+    lookup_seconds: float  # median of repeats
+    onehot_seconds: float  # building the one-hot matrix and multiplying
+    lookup_bytes: int  # bytes read: L rows of H float32
+    onehot_bytes: int  # bytes of the one-hot matrix plus the whole table read by the product
+    vocab_size: int
+    hidden: int
+
+    def summary(self) -> dict:
+        return {"model": self.model, "tokens": len(self.ids), "equal": self.equal, "max_abs_diff": self.max_abs_diff,
+                "lookup_us": self.lookup_seconds * 1e6, "onehot_us": self.onehot_seconds * 1e6,
+                "slowdown": self.onehot_seconds / max(self.lookup_seconds, 1e-12),
+                "lookup_bytes": self.lookup_bytes, "onehot_bytes": self.onehot_bytes,
+                "memory_ratio": self.onehot_bytes / max(self.lookup_bytes, 1)}
+
+    def _repr_html_(self) -> str:
+        return repr_html(self)
+
+
+def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[L] integer ids -> [L, V] float32 rows with a single 1."""
+    out = np.zeros((len(ids), vocab_size), dtype=np.float32)
+    out[np.arange(len(ids)), ids] = 1.0
+    return out
+
+
+def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
+    """Median seconds per call, each repeat looping enough calls to last about `budget` seconds."""
+    timer = timeit.Timer(fn)
+    once = max(timer.timeit(number=1), 1e-7)
+    number = max(1, int(budget / once))
+    return float(np.median(timer.repeat(repeat=repeats, number=number))) / number
+
+
+def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
+    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`)."""
+    from bertembed.tokenizer import Tokenizer
+
+    if not text.strip():
+        raise ValueError('the text is empty; give a sentence, e.g. "I am Sinan"')
+    layer = load_layer(model)
+    tokenizer = Tokenizer.from_pretrained(layer.source.name)
+    enc = tokenizer(text, truncation=False, padding=False)
+    ids = np.asarray(enc.input_ids)
+    words = layer.tensors["word_embeddings.weight"]
+    vocab, hidden = words.shape
+    if ids.max() >= vocab:
+        raise ValueError(f"the tokenizer gave id {ids.max()}, but the word table has {vocab} rows; "
+                         f"the tokenizer and the weights come from different models")
+    looked_up, product = words[ids], one_hot(ids, vocab) @ words
+    return OneHotReport(
+        model=layer.source.name, tokens=list(enc.tokens), ids=ids.tolist(), equal=bool(np.array_equal(looked_up,
+                                                                                                     product)),
+        max_abs_diff=float(np.abs(looked_up - product).max()),
+        lookup_seconds=_median_time(lambda: words[ids], repeats),
+        onehot_seconds=_median_time(lambda: one_hot(ids, vocab) @ words, repeats),
+        lookup_bytes=len(ids) * hidden * 4, onehot_bytes=len(ids) * vocab * 4 + vocab * hidden * 4,
+        vocab_size=vocab, hidden=hidden)
