@@ -68,7 +68,7 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
         (["explain", ""], "TEXT is empty"),
         (["explain", "word " * 600], "positions"),
         (["explain", "hi", "--model", str(tmp_path / "missing")], "neither an existing file"),
-        (["explain", "hi", "--model", str(tmp_path)], "none of model.safetensors"),
+        (["explain", "hi", "--model", str(tmp_path)], "has neither tokenizer.json nor vocab.txt"),
     ]:
         done = run(*args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)

@@ -43,5 +43,5 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
-        err_console.print(f"[bold red]error:[/bold red] {err}")
+        err_console.print(f"[bold red]error:[/bold red] {err}", soft_wrap=True)  # paths stay unbroken
         sys.exit(2)
