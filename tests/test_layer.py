@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bertembed import BertEmbeddings, EmbeddingConfig, NumpyEmbeddings
 from bertembed.embeddings import sinusoidal_table
@@ -165,3 +167,30 @@ def test_numpy_layer_matches_torch_layer(bundled_hf_embeddings):
         expected = bundled_hf_embeddings(torch.from_numpy(ids), torch.from_numpy(types)).numpy()
     assert np.abs(parts["output"] - expected).max() <= 1e-5
     assert np.abs(parts["output"] - expected).mean() <= 1e-6
+
+
+@settings(max_examples=25, deadline=None)
+@given(hidden=st.integers(2, 70), vocab=st.integers(2, 60), positions=st.integers(1, 40), types=st.integers(1, 3),
+       batch=st.integers(1, 3), data=st.data())
+def test_any_shape_matches_transformers(hidden, vocab, positions, types, batch, data):
+    """Random sizes and ids (hypothesis): the same weights give the same output as transformers' layer."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings as HFEmbeddings
+
+    length = data.draw(st.integers(1, positions))
+    offset = data.draw(st.integers(0, positions - length))
+    seed = data.draw(st.integers(0, 2**16))
+    torch.manual_seed(seed)
+    hf = HFEmbeddings(BertConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions,
+                                 type_vocab_size=types)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_()
+    ours = BertEmbeddings(EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions,
+                                          type_vocab_size=types)).eval()
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, vocab, (batch, length))
+    token_types = torch.randint(0, types, (batch, length))
+    with torch.no_grad():
+        expected = hf(ids, token_types, past_key_values_length=offset)
+        assert max_diff(ours(ids, token_types, past_key_values_length=offset), expected) <= 1e-6
