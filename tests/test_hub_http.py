@@ -1,0 +1,105 @@
+"""Hub download for real: a local HTTP server on 127.0.0.1 answers as the hub does, and we count what is fetched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+REPO = "acme/sharded-bert"
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Serves /{org}/{name}/resolve/{revision}/{file} from one folder, with the hub's headers and error codes."""
+
+    def __init__(self, folder: Path, log: list, *args, **kwargs):
+        self.folder, self.log = folder, log
+        super().__init__(*args, **kwargs)
+
+    def log_message(self, *args) -> None:  # keep pytest's output clean
+        pass
+
+    def _answer(self, with_body: bool) -> None:
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if "/".join(parts[:2]) != REPO or parts[2:3] != ["resolve"]:
+            return self._error(404, "RepoNotFound")
+        path = self.folder / "/".join(parts[4:])
+        if not path.is_file():
+            return self._error(404, "EntryNotFound")
+        data = path.read_bytes()
+        self.log.append((self.command, path.name))
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if with_body:
+            self.wfile.write(data)
+
+    def _error(self, code: int, kind: str) -> None:
+        self.send_response(code)
+        self.send_header("X-Error-Code", kind)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_HEAD(self) -> None:  # noqa: N802 (http.server's naming)
+        self._answer(with_body=False)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(with_body=True)
+
+
+@pytest.fixture()
+def hub(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=8, intermediate_size=512, num_attention_heads=2))
+    model.save_pretrained(tmp_path / "repo", max_shard_size="4MB")
+    log: list = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(FakeHub, tmp_path / "repo", log))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield tmp_path, f"http://127.0.0.1:{server.server_port}", log, model
+    server.shutdown()
+    server.server_close()
+
+
+def test_downloads_only_config_index_and_embedding_shards(hub):
+    root, endpoint, log, model = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(root / "home"), "HF_HUB_OFFLINE": "0", "PATH": "/usr/bin:/bin",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    code = (f"from bertembed import BertEmbeddings; l = BertEmbeddings.from_pretrained({REPO!r});"
+            "import torch; torch.save(l.state_dict(), 'out.pt')")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(root / "out.pt")
+    for key, value in model.embeddings.state_dict().items():
+        assert torch.equal(state[key], value), key
+    index = json.loads((root / "repo" / "model.safetensors.index.json").read_text())
+    embedding_shards = {v for k, v in index["weight_map"].items() if k.startswith("embeddings.")}
+    fetched = {name for method, name in log if method == "GET"}
+    assert fetched == {"config.json", "model.safetensors.index.json", *embedding_shards}
+    assert len(set(index["weight_map"].values())) > len(embedding_shards)  # other shards existed and were skipped
+    # the second load is served from the cache, even with the hub unreachable
+    offline = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HUB_OFFLINE": "1"}, cwd=root,
+                             capture_output=True, text=True, timeout=120)
+    assert offline.returncode == 0, offline.stderr
+
+
+def test_unknown_repo_says_so(hub):
+    root, endpoint, _, _ = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(root / "home"), "HF_HUB_OFFLINE": "0", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "bertembed", "explain", "hi", "--model", "acme/nothing-here"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no hub model 'acme/nothing-here'" in done.stderr, done.stderr
