@@ -1,0 +1,199 @@
+"""The candidates `bertembed bench` puts side by side, all built around the same weights and ids.
+
+    hf-eager             transformers' BertEmbeddings, eval (fwd) or train (fwd+bwd)
+    hf-compile           torch.compile of it (static shapes, compiled afresh per case)
+    ort-fused            ONNX Runtime's com.microsoft EmbedLayerNormalization, CPU provider, forward only
+    bertembed-reference  bertembed.BertEmbeddings, the reference
+    bertembed-fused      bertembed.BertEmbeddings(backend="cpu" | "triton"), when bertembed.kernels exists
+
+Dimension letters: B batch, L length, H hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bertembed.bench.cases import Case
+from bertembed.config import EmbeddingConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NotAvailable(Exception):
+    """A candidate that cannot run a case here; the message says why (shown in the report)."""
+
+
+@dataclass
+class Candidate:
+    """A no-argument callable for one case: a forward returning the output, or a fwd+bwd step."""
+
+    name: str
+    call: Callable[[], Any]
+    torch_memory: bool = True  # torch's allocator sees its allocations (peak memory is measurable)
+
+
+@dataclass
+class Workload:
+    """Weights and inputs of one case, shared by every candidate."""
+
+    case: Case
+    config: EmbeddingConfig
+    state_dict: dict[str, torch.Tensor]  # float32, CPU, Hugging Face names
+    input_ids: torch.Tensor  # [B, L] int64
+    token_type_ids: torch.Tensor  # [B, L] int64, 0 or 1
+    grad_output: torch.Tensor  # [B, L, H], for fwd+bwd
+
+
+def make_workload(case: Case, seed: int = 0, vocab_size: int = 30522) -> Workload:
+    """Random BERT-like weights (LayerNorm's gamma and beta not the identity, so a wrong scale shows) and ids."""
+    from bertembed.embeddings import BertEmbeddings
+
+    gen = torch.Generator().manual_seed(seed)
+    config = EmbeddingConfig(vocab_size=vocab_size, hidden_size=case.hidden)
+    torch.manual_seed(seed)
+    state = {k: v.detach().clone() for k, v in BertEmbeddings(config).state_dict().items()}
+    state["LayerNorm.weight"] = 1 + 0.1 * torch.randn(case.hidden, generator=gen)
+    state["LayerNorm.bias"] = 0.1 * torch.randn(case.hidden, generator=gen)
+    shape = (case.batch, case.length)
+    device, dtype = torch.device(case.device), _DTYPES[case.dtype]
+    return Workload(
+        case=case, config=config, state_dict=state,
+        input_ids=torch.randint(0, vocab_size, shape, generator=gen).to(device),
+        token_type_ids=torch.randint(0, 2, shape, generator=gen).to(device),
+        grad_output=torch.randn(*shape, case.hidden, generator=gen).to(device, dtype),
+    )
+
+
+def _hf_module(work: Workload) -> nn.Module:
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings as HFBertEmbeddings
+
+    c = work.config
+    hf_config = BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                           max_position_embeddings=c.max_position_embeddings, type_vocab_size=c.type_vocab_size,
+                           layer_norm_eps=c.layer_norm_eps, hidden_dropout_prob=c.hidden_dropout_prob,
+                           pad_token_id=c.pad_token_id)
+    module = HFBertEmbeddings(hf_config)
+    module.load_state_dict(work.state_dict)
+    return module
+
+
+def _fused_module(work: Workload) -> nn.Module:
+    backend = "cpu" if work.case.device == "cpu" else "triton"
+    try:
+        from bertembed.kernels import fused_embeddings  # noqa: F401  (presence check)
+    except ImportError as err:
+        raise NotAvailable(f"bertembed.kernels not importable ({err})") from err
+    from bertembed.embeddings import BertEmbeddings
+
+    try:
+        module = BertEmbeddings(work.config, backend=backend)
+    except TypeError as err:
+        raise NotAvailable(f"BertEmbeddings has no backend= argument yet ({err})") from err
+    except (ValueError, RuntimeError) as err:
+        raise NotAvailable(f"backend={backend!r} refused: {err}") from err
+    module.load_state_dict(work.state_dict)
+    return module
+
+
+def _reference_module(work: Workload) -> nn.Module:
+    from bertembed.embeddings import BertEmbeddings
+
+    module = BertEmbeddings(work.config)
+    module.load_state_dict(work.state_dict)
+    return module
+
+
+def _torch_call(module: nn.Module, work: Workload) -> Callable[[], Any]:
+    """Forward under no_grad in eval mode, or one training step: grads set to None (as `zero_grad()` does),
+    forward in train mode, backward of a fixed output gradient."""
+    case = work.case
+    module = module.to(torch.device(case.device), _DTYPES[case.dtype])
+    ids, types = work.input_ids, work.token_type_ids
+    if case.mode == "fwd":
+        module.eval()
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return module(ids, types)
+
+        return forward
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    grad = work.grad_output
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        module(ids, types).backward(grad)
+
+    return step
+
+
+def _compiled(work: Workload) -> Callable[[], Any]:
+    """`torch.compile` of transformers' layer. Dynamo's caches are reset first, so every case compiles afresh with
+    static shapes (no recompile limit, no automatic dynamic shapes carried over from earlier cases)."""
+    torch._dynamo.reset()
+    module = _hf_module(work).to(torch.device(work.case.device), _DTYPES[work.case.dtype])
+    compiled = torch.compile(module, dynamic=False)
+    call = _torch_call(compiled, work)
+    try:
+        call()
+        call()
+    except Exception as err:  # noqa: BLE001  (any compiler failure makes the candidate unavailable, not the run)
+        raise NotAvailable(f"torch.compile failed: {type(err).__name__}: {str(err)[:200]}") from err
+    return call
+
+
+def _ort(work: Workload) -> Callable[[], Any]:
+    case = work.case
+    if case.mode != "fwd":
+        raise NotAvailable("ONNX Runtime's op is inference-only (no backward)")
+    if case.device != "cpu" or case.dtype != "float32":
+        raise NotAvailable("measured on the CPU provider in float32 only")
+    try:
+        from bertembed.bench.onnx_graph import embed_layernorm_model, ort_forward, ort_session
+    except ImportError as err:
+        raise NotAvailable(f"onnx/onnxruntime not installed ({err}); pip install 'bertembed[bench]'") from err
+    try:
+        model = embed_layernorm_model(work.state_dict, work.config.layer_norm_eps)
+        session = ort_session(model, torch.get_num_threads())
+    except ImportError as err:
+        raise NotAvailable(f"onnx/onnxruntime not installed ({err}); pip install 'bertembed[bench]'") from err
+    return ort_forward(session, work.input_ids, work.token_type_ids)
+
+
+def build(name: str, work: Workload) -> Candidate:
+    """Candidate `name` for `work`'s case; raises NotAvailable with the reason when it cannot run here."""
+    if name == "hf-eager":
+        return Candidate(name, _torch_call(_hf_module(work), work))
+    if name == "hf-compile":
+        return Candidate(name, _compiled(work))
+    if name == "ort-fused":
+        return Candidate(name, _ort(work), torch_memory=False)
+    if name == "bertembed-reference":
+        return Candidate(name, _torch_call(_reference_module(work), work))
+    if name == "bertembed-fused":
+        return Candidate(name, _torch_call(_fused_module(work), work))
+    raise ValueError(f"unknown candidate {name!r}")
+
+
+def reference_output(work: Workload) -> torch.Tensor:
+    """The bertembed reference's float32 eval output for `work`'s ids: [B, L, H] on the CPU."""
+    module = _reference_module(work).eval()
+    with torch.no_grad():
+        return module(work.input_ids.cpu(), work.token_type_ids.cpu())
+
+
+def max_abs_diff(output: Any, reference: torch.Tensor) -> float:
+    """Largest |output - reference| over all elements, in float64 (output: a tensor or a numpy array)."""
+    out = torch.as_tensor(output).detach().cpu().double()
+    return float((out - reference.double()).abs().max())

@@ -1,0 +1,172 @@
+"""Runs `bertembed bench`: one worker process per allocator condition, results gathered as they come.
+
+The glibc settings of the steady condition must hold from a process's first allocation, so each condition runs in
+a fresh `python -m bertembed.bench.worker` with its environment set before start (`measure.allocator_env`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bertembed.bench.cases import CANDIDATES, Case, candidates_for, default_cases
+from bertembed.bench.measure import PEAK_METHOD_CPU, PEAK_METHOD_CUDA, STEADY_ENV, allocator_env
+from bertembed.bench.worker import PREFIX
+
+log = logging.getLogger(__name__)
+
+CONDITIONS = {"steady": ("steady",), "default": ("default",), "both": ("steady", "default")}
+VERSIONED = ("bertembed", "torch", "transformers", "onnx", "onnxruntime", "numba", "triton", "numpy")
+
+
+@dataclass
+class BenchOptions:
+    """What to run. `cases` overrides the sweep (tests use a tiny one); `device` "auto" adds CUDA cases when a GPU
+    is visible."""
+
+    quick: bool = False
+    threads: int = 2
+    allocator: str = "both"
+    candidates: tuple[str, ...] = CANDIDATES
+    cases: list[Case] | None = None
+    device: str = "auto"
+    min_run_time: float | None = None  # seconds per timer; default 0.15 quick, 1.0 full
+    bandwidth_bytes: int = 1 << 30  # copy buffer: above the last-level cache
+    vocab_size: int = 30522
+    warmup: int = 3
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.allocator not in CONDITIONS:
+            raise ValueError(f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        unknown = [c for c in self.candidates if c not in CANDIDATES]
+        if unknown:
+            raise ValueError(f"unknown candidates {unknown}; choose from {CANDIDATES}")
+
+
+def plan_cases(options: BenchOptions) -> list[Case]:
+    """The cases to run: `options.cases`, or the CPU sweep plus the same sweep on CUDA when a GPU is there."""
+    if options.cases is not None:
+        return list(options.cases)
+    cases = default_cases(options.quick)
+    if options.device in ("auto", "cuda") and _cuda_available():
+        cases += default_cases(options.quick, device="cuda")
+    elif options.device == "cuda":
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    return cases
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def worker_spec(options: BenchOptions, condition: str, cases: list[Case]) -> dict[str, Any]:
+    return {
+        "condition": condition, "threads": options.threads, "cases": [c.to_dict() for c in cases],
+        "candidates": list(options.candidates), "min_run_time": options.min_run_time or (0.15 if options.quick else 1.0),
+        "bandwidth_bytes": options.bandwidth_bytes, "bandwidth_min_run_time": 0.3 if options.quick else 1.0,
+        "vocab_size": options.vocab_size, "warmup": options.warmup,
+    }
+
+
+def count_steps(options: BenchOptions, cases: list[Case]) -> int:
+    """Number of (condition, case, candidate) records the run will produce: the progress bar's total."""
+    per_condition = sum(len(candidates_for(c, options.candidates)) for c in cases)
+    return per_condition * len(CONDITIONS[options.allocator])
+
+
+def _worker_env(options: BenchOptions, condition: str) -> dict[str, str]:
+    env = allocator_env(condition)
+    threads = str(options.threads)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads)
+    src = str(Path(__file__).resolve().parents[2])  # the folder holding the bertembed package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env.update(options.extra_env)
+    return env
+
+
+def run_condition(options: BenchOptions, condition: str, cases: list[Case],
+                  on_record: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run one worker process; returns {"meta": ..., "results": [...]} and calls `on_record` per result."""
+    spec = worker_spec(options, condition, cases)
+    out: dict[str, Any] = {"meta": {}, "results": []}
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "bertembed.bench.worker", json.dumps(spec)],
+                                env=_worker_env(options, condition), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith(PREFIX):
+                continue
+            record = json.loads(line[len(PREFIX):])
+            if record["type"] == "meta":
+                out["meta"] = record
+            else:
+                out["results"].append(record)
+                on_record(record)
+        if proc.wait() != 0:
+            stderr.seek(0)
+            tail = stderr.read()[-3000:]
+            raise RuntimeError(f"bench worker ({condition}) exited with status {proc.returncode}:\n{tail}")
+    return out
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """CPU model (/proc/cpuinfo), logical cores, usable cores, thread count, OS, libc, Python, GPU if any."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": model, "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "threads": threads, "os": platform.platform(), "libc": " ".join(platform.libc_ver()),
+            "python": platform.python_version()}
+    import torch
+
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
+    """The whole benchmark: every allocator condition, then the issue's targets. Returns the JSON-able report."""
+    from bertembed.bench.report import evaluate_targets
+
+    cases = plan_cases(options)
+    report: dict[str, Any] = {
+        "machine": machine_info(options.threads), "versions": versions(), "quick": options.quick,
+        "threads": options.threads, "timer": "torch.utils.benchmark.Timer.blocked_autorange: median and IQR of "
+        f"block means, min_run_time {worker_spec(options, 'steady', [])['min_run_time']} s",
+        "peak_memory_method": {"cpu": PEAK_METHOD_CPU, "cuda": PEAK_METHOD_CUDA},
+        "steady_env": STEADY_ENV, "conditions": {},
+    }
+    for condition in CONDITIONS[options.allocator]:
+        report["conditions"][condition] = run_condition(options, condition, cases, on_record)
+    report["targets"] = {c: evaluate_targets(r) for c, r in report["conditions"].items()}
+    return report

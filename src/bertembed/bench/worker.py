@@ -1,0 +1,112 @@
+"""One allocator condition of `bertembed bench`, run in its own process so glibc's malloc settings hold from start.
+
+    python -m bertembed.bench.worker SPEC_JSON
+
+writes one line per measured (case, candidate), `BENCH {json}`, on stdout, after one `BENCH {json}` line of
+metadata (bandwidth, versions). The parent (`bertembed.bench.runner`) reads them as they come.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from bertembed.bench import candidates as cands
+from bertembed.bench.cases import Case, bound_bytes, bound_seconds, candidates_for
+from bertembed.bench.measure import apply_steady_malloc, copy_bandwidth, peak_bytes, time_call, warm_up
+
+log = logging.getLogger(__name__)
+PREFIX = "BENCH "
+
+
+def setup(spec: dict[str, Any]) -> dict[str, Any]:
+    """Threads and allocator for this process; returns the metadata record (bandwidth per device, versions)."""
+    threads = int(spec["threads"])
+    torch.set_num_threads(threads)
+    try:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    steady = apply_steady_malloc() if spec["condition"] == "steady" else False
+    devices = sorted({Case.from_dict(c).device for c in spec["cases"]})
+    bandwidth = {d: copy_bandwidth(d, spec.get("bandwidth_bytes", 1 << 30), threads,
+                                   spec.get("bandwidth_min_run_time", 0.5)) for d in devices}
+    return {"type": "meta", "condition": spec["condition"], "mallopt_applied": steady, "threads": threads,
+            "torch_threads": torch.get_num_threads(), "bandwidth_bytes_per_s": bandwidth}
+
+
+def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None, spec: dict[str, Any],
+                bandwidth: float) -> dict[str, Any]:
+    """Build, check, time and memory-profile one candidate on one case; never raises for the candidate's faults."""
+    case = work.case
+    record: dict[str, Any] = {"type": "result", "condition": spec["condition"], "case": case.to_dict(),
+                              "key": case.key, "candidate": name, "output_bytes": case.output_bytes}
+    try:
+        candidate = cands.build(name, work)
+    except cands.NotAvailable as err:
+        return {**record, "status": "not available", "note": str(err)}
+    try:
+        warm_up(candidate.call, spec.get("warmup", 3))
+        if case.mode == "fwd":
+            record["max_abs_diff"] = cands.max_abs_diff(candidate.call(), reference)
+        timing = time_call(candidate.call, int(spec["threads"]), float(spec["min_run_time"]), case.key)
+        record.update(status="ok", median_s=timing.median, iqr_s=timing.iqr, runs=timing.runs)
+        if candidate.torch_memory:
+            record["peak_bytes"] = peak_bytes(candidate.call, case.device)
+        else:
+            record["note"] = "peak memory not measured: allocations are outside torch's allocator"
+    except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
+        log.exception("%s failed on %s", name, case.key)
+        return {**record, "status": "error", "note": f"{type(err).__name__}: {str(err)[:300]}"}
+    if case.mode == "fwd":
+        record["bound_s"] = bound_seconds(case, bandwidth)
+        record["achieved_bytes_per_s"] = bound_bytes(case.batch, case.length, case.hidden,
+                                                     case.itemsize) / timing.median
+    return record
+
+
+def run_cases(spec: dict[str, Any], bandwidth: dict[str, float]) -> Iterator[dict[str, Any]]:
+    """Every (case, candidate) of `spec`, one record each, in order."""
+    names = tuple(spec.get("candidates") or cands_all())
+    for case_dict in spec["cases"]:
+        case = Case.from_dict(case_dict)
+        work = cands.make_workload(case, seed=spec.get("seed", 0), vocab_size=spec.get("vocab_size", 30522))
+        reference = cands.reference_output(work) if case.mode == "fwd" else None
+        for name in candidates_for(case, names):
+            yield measure_one(name, work, reference, spec, bandwidth[case.device])
+            gc.collect()
+        del work, reference
+        gc.collect()
+
+
+def cands_all() -> tuple[str, ...]:
+    from bertembed.bench.cases import CANDIDATES
+
+    return CANDIDATES
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    spec = json.loads(argv[0])
+    meta = setup(spec)
+    _emit(meta)
+    for record in run_cases(spec, meta["bandwidth_bytes_per_s"]):
+        _emit(record)
+
+
+def _emit(record: dict[str, Any]) -> None:
+    sys.stdout.write(PREFIX + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""`bertembed bench`: the embedding layer against transformers eager, torch.compile and ONNX Runtime, timed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bertembed.cli.app import app, console, user_errors
+
+_RESULT_STYLE = {"pass": "green", "miss": "red"}
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), short timers: "
+                                        "under a minute per allocator condition")] = False,
+    threads: Annotated[int, typer.Option("--threads", help="torch / ORT / numba threads")] = 2,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="write every measurement as JSON")] = None,
+    markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="write the markdown report "
+                                                         "(for BENCHMARKS.md)")] = None,
+    allocator: Annotated[str, typer.Option("--allocator", help="glibc malloc condition: steady (no trim, no "
+                                           "per-allocation mmap), default, or both (each in its own process)")]
+    = "both",
+    device: Annotated[str, typer.Option("--device", help="auto (CPU, plus CUDA when visible), cpu or cuda")]
+    = "auto",
+) -> None:
+    """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op, bertembed's
+    reference and fused paths, against the machine's copy bandwidth; check the issue's targets."""
+    with user_errors():
+        from bertembed.bench.runner import BenchOptions, count_steps, plan_cases
+
+        options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device)
+        cases = plan_cases(options)
+    started = time.perf_counter()
+    report = _run_with_progress(options, cases, count_steps(options, cases))
+    report["wall_seconds"] = time.perf_counter() - started
+    from bertembed.bench.report import markdown
+
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {json_out}")
+    if markdown_out:
+        markdown_out.write_text(markdown(report))
+        console.print(f"wrote {markdown_out}")
+    _print_summary(report)
+
+
+def _run_with_progress(options, cases, total: int) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bertembed.bench.runner import run_bench
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def advance(record: dict) -> None:
+            progress.update(task, advance=1,
+                            description=f"{record['condition']}: {record['key']} {record['candidate']}")
+
+        return run_bench(options, advance)
+
+
+def _print_summary(report: dict) -> None:
+    from rich.table import Table
+
+    for name, condition in report["conditions"].items():
+        bandwidth = condition["meta"].get("bandwidth_bytes_per_s", {})
+        table = Table(title=f"allocator {name}; copy bandwidth "
+                      + ", ".join(f"{d} {b / 1e9:.1f} GB/s" for d, b in bandwidth.items()), title_justify="left")
+        for column in ("case", "candidate", "median ms", "IQR ms", "GB/s", "peak / output", "status"):
+            table.add_column(column, justify="left" if column in ("case", "candidate", "status") else "right")
+        for r in condition["results"]:
+            ok = r["status"] == "ok"
+            gbs, peak = r.get("achieved_bytes_per_s"), r.get("peak_bytes")
+            table.add_row(r["key"], r["candidate"], f"{r['median_s'] * 1e3:.3f}" if ok else "",
+                          f"{r['iqr_s'] * 1e3:.3f}" if ok else "", f"{gbs / 1e9:.1f}" if gbs else "",
+                          f"{peak / r['output_bytes']:.2f}x" if peak is not None else "",
+                          "ok" if ok else f"{r['status']}: {r.get('note', '')}"[:60])
+        console.print(table)
+        for row in report["targets"][name]:
+            style = _RESULT_STYLE.get(row["result"], "yellow")
+            value = "" if row["value"] is None else f"{row['value']:.2f} "
+            why = f" ({row['why']})" if row["why"] else ""
+            console.print(f"  [{style}]{row['result']}[/{style}] {row['target']}: {value}(goal {row['goal']}){why}")
+    console.print(f"[dim]wall time {report['wall_seconds']:.0f} s; machine {report['machine']['cpu']}, "
+                  f"{report['threads']} threads[/dim]")
