@@ -18,12 +18,26 @@ def explain(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")] = False,
     use_torch: Annotated[bool, typer.Option("--torch", help="run the torch BertEmbeddings module "
                                             "(slower start) instead of the torch-free numpy path")] = False,
+    report: Annotated[Optional[str], typer.Option("--report", help="also write a self-contained HTML report of "
+                                                  "every analysis (needs torch and matplotlib)")] = None,
+    plots: Annotated[Optional[str], typer.Option("--plots", help="also write every figure as a PNG into this "
+                                                 "folder (needs matplotlib)")] = None,
 ) -> None:
     """Show how BERT's embedding layer builds each token's vector: word + position + segment, then LayerNorm."""
     with user_errors():
         from bertembed.explain.decompose import explain_text
 
+        if report is not None:
+            from bertembed.explain.report import check_output
+
+            check_output(report)
+        if plots is not None:
+            from bertembed.explain.report import check_folder
+
+            check_folder(plots)
         dec = explain_text(text, text_b, model, engine="torch" if use_torch else "numpy")
+        if report is not None or plots is not None:
+            _write_extras(text, text_b, model, report, plots, quiet=as_json)
     rows = dec.rows()
     if as_json:
         print(json.dumps({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
@@ -50,3 +64,23 @@ def _table(rows: list[dict]):
     for row in rows:
         table.add_row(*(fmt.format(row[key]) for _, key, fmt in columns))
     return table
+
+
+def _write_extras(text: str, text_b: str | None, model: str | None, report: str | None, plots: str | None,
+                  quiet: bool) -> None:
+    """Run every analysis (with a progress bar for the fine-tune), then write the report and/or the PNGs."""
+    from bertembed.cli.finetune import rich_progress
+    from bertembed.explain import report as reporting
+
+    bar, progress = rich_progress()
+    with bar:
+        results = reporting.run_analyses(text, text_b, model, progress=None if quiet else progress)
+    pngs = [reporting.render_figures(r) for r in results]
+    if plots is not None:
+        written = reporting.write_plots(results, plots, pngs)
+        if not quiet:
+            console.print(f"{len(written)} figures written to {plots}")
+    if report is not None:
+        reporting.write_report(reporting.build_report(results, pngs=pngs), report)
+        if not quiet:
+            console.print(f"report written to {report}")

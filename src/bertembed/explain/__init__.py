@@ -1,5 +1,17 @@
-"""Explanations of the embedding layer, measured on a real checkpoint. Functions return data; the CLI renders it."""
+"""Explanations of the embedding layer, measured on a real checkpoint. Functions return data; the CLI renders it.
+
+None of these modules imports torch or matplotlib at import time: the fine-tune imports torch when it runs, the
+figures import matplotlib when one is drawn.
+"""
 
 from bertembed.explain.decompose import TextDecomposition, explain_text
+from bertembed.explain.drift import DriftReport, drift
+from bertembed.explain.finetune import FinetuneReport, finetune_demo
+from bertembed.explain.onehot import OneHotReport, analyze_onehot
+from bertembed.explain.positions import PositionReport, analyze_positions
+from bertembed.explain.segments import SegmentReport, analyze_segments
+from bertembed.explain.tokens import TokenReport, analyze_tokens
 
-__all__ = ["TextDecomposition", "explain_text"]
+__all__ = ["DriftReport", "FinetuneReport", "OneHotReport", "PositionReport", "SegmentReport", "TextDecomposition",
+           "TokenReport", "analyze_onehot", "analyze_positions", "analyze_segments", "analyze_tokens", "drift",
+           "explain_text", "finetune_demo"]

@@ -95,6 +95,7 @@ def split_stats(sim: np.ndarray, norms: np.ndarray, at: int = PRETRAIN_SHORT_LEN
         out[f"adjacent_cosine_{name}"] = float(adjacent[r][: len(norms[r]) - 1].mean())
         out[f"within_cosine_{name}"] = float(sim[r, r][upper[r, r]].mean())
     out["cross_cosine"] = float(sim[ranges["before"], ranges["after"]].mean())
+    out["boundary_cosine"] = float(sim[at - 1, at])  # the step from the last short position to the first long one
     return out
 
 
@@ -109,7 +110,8 @@ def _verdict(r: float, share: float, sin_share: float, noise: float, k: int, spl
     if split:
         head += (f" Positions >= {split['at']}: mean norm {split['mean_norm_after']:.3f} vs "
                  f"{split['mean_norm_before']:.3f} before; neighbour cosine {split['adjacent_cosine_after']:.2f} vs "
-                 f"{split['adjacent_cosine_before']:.2f}.")
+                 f"{split['adjacent_cosine_before']:.2f}, but only {split['boundary_cosine']:.2f} between "
+                 f"{split['at'] - 1} and {split['at']}.")
     return head
 
 

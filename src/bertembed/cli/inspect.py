@@ -1,0 +1,121 @@
+"""`bertembed inspect positions|segments|tokens TOKEN|onehot TEXT`: one analysis each, as a table, JSON or a PNG."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Optional
+
+import typer
+
+from bertembed.cli.app import MODEL_HELP, app, console, say_model, user_errors
+
+inspect_app = typer.Typer(help="Measure one part of the embedding layer: positions, segments, tokens, one-hot.",
+                          no_args_is_help=True)
+app.add_typer(inspect_app, name="inspect")
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
+PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
+                                                "(needs matplotlib: pip install 'bertembed[viz]')")]
+
+
+def check_plot_path(plot: str | None) -> None:
+    """Fail before any work when the PNG cannot be written."""
+    if plot is not None:
+        from bertembed.explain.report import check_output
+
+        check_output(plot)
+
+
+def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None) -> None:
+    """Print a result's summary (and rows) as a rich table or JSON; write its figures to `plot`."""
+    from bertembed.explain._common import to_jsonable
+
+    summary = result.summary()
+    if plot is not None:
+        from bertembed.explain.report import combined_png, write_atomic
+
+        write_atomic(plot, combined_png(result))
+    if as_json:
+        print(json.dumps(to_jsonable({"summary": summary, "rows": extra_rows or []})))
+        return
+    if hasattr(result, "source"):
+        say_model(result.source)
+    verdict = summary.pop("verdict", None)
+    console.print(_table(type(result).__name__, [{"measure": k, "value": v} for k, v in summary.items()]))
+    if extra_rows:
+        console.print(_table("", extra_rows))
+    if verdict:
+        console.print(f"[bold]verdict:[/bold] {verdict}")
+    for spec in _specs(result):
+        console.print(f"[dim]{spec.title}: {spec.caption(result)}[/dim]")
+    if plot is not None:
+        console.print(f"figures written to {plot}")
+
+
+def _specs(result):
+    from bertembed.explain import figures
+
+    return figures.specs_for(result)
+
+
+def _table(title: str, rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title=title or None, title_justify="left")
+    for col in rows[0]:
+        table.add_column(str(col), overflow="fold")
+    for row in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+    return table
+
+
+@inspect_app.command()
+def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
+              k: Annotated[int, typer.Option(help="how many low-frequency cosines to fit")] = 16) -> None:
+    """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
+    with user_errors():
+        from bertembed.explain.positions import analyze_positions
+
+        check_plot_path(plot)
+        emit(analyze_positions(model, k=k), as_json, plot)
+
+
+@inspect_app.command()
+def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segment A, then in B")] =
+             "The quick brown fox jumps over the lazy dog",
+             model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
+    """What the two segment vectors are and what changes when a text moves from segment A to B."""
+    with user_errors():
+        from bertembed.explain.segments import analyze_segments
+
+        check_plot_path(plot)
+        result = analyze_segments(model, text)
+        pair = [{"token": t, "segment": "AB"[s]} for t, s in zip(result.pair_tokens, result.pair_segments,
+                                                                 strict=True)]
+        emit(result, as_json, plot, pair)
+
+
+@inspect_app.command()
+def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g. king or ##ing")],
+           model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
+           k: Annotated[int, typer.Option("-k", help="how many neighbours")] = 10) -> None:
+    """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
+    with user_errors():
+        from bertembed.explain.tokens import analyze_tokens
+
+        check_plot_path(plot)
+        result = analyze_tokens(token, model, k=k)
+        emit(result, as_json, plot, result.neighbours + [{"token": s["token"], "id": s["id"],
+                                                          "cosine": f"norm {s['norm']:.3f}"} for s in result.special])
+
+
+@inspect_app.command()
+def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
+           model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
+    """Check that one_hot(ids) @ W equals the lookup W[ids], and what each costs."""
+    with user_errors():
+        from bertembed.explain.onehot import analyze_onehot
+
+        check_plot_path(plot)
+        emit(analyze_onehot(text, model), as_json, plot)

@@ -1,0 +1,115 @@
+"""One paragraph per figure, stating the measured numbers (shared by the report, --plots, notebooks and the guide)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def decomposition_norms(dec) -> str:
+    n = dec.norms()
+    b = sum(dec.segments)
+    return (f"{len(dec.tokens)} tokens ({b} in segment B, shaded). Mean norms: word {n['word'].mean():.3f}, position "
+            f"{n['position'].mean():.3f}, segment {n['segment'].mean():.3f}; their sum {n['sum'].mean():.3f}. "
+            f"After LayerNorm the output norm is {n['output'].mean():.2f} on average: LayerNorm rescales every "
+            f"token to unit variance, then applies its learned gain and bias.")
+
+
+def variance_shares(dec) -> str:
+    s = dec.overall_shares()
+    return (f"Share of the variance over the hidden dimensions of word + position + segment that comes from each part "
+            f"(Cov(part, sum) / Var(sum); the three add up to 1 per token). Pooled over the tokens: word "
+            f"{s['word']:.0%}, position {s['position']:.0%}, segment {s['segment']:.0%}. "
+            f"LayerNorm(sum) recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
+
+
+def position_similarity(r) -> str:
+    return (f"Cosine similarity between every pair of the {len(r.norms)} learned position vectors (left) and of a "
+            f"sinusoidal table of the same size (right). The two patterns correlate r = {r.structure_correlation:.2f} "
+            f"(off-diagonal entries). Neighbouring learned positions have cosine "
+            f"{float(np.diag(r.similarity, 1).mean()):.2f} on average: similar near the diagonal, like the sinusoids, "
+            f"but the learned table is not their formula.")
+
+
+def position_norms(r) -> str:
+    text = (f"Norm of each learned position vector: {r.norms.min():.3f} to {r.norms.max():.3f} "
+            f"(position {int(np.argmax(r.norms))} is the largest).")
+    if r.split:
+        s = r.split
+        text += (f" Before position {s['at']}: mean norm {s['mean_norm_before']:.3f}, cosine with the next position "
+                 f"{s['adjacent_cosine_before']:.2f}; from {s['at']} on: {s['mean_norm_after']:.3f} and "
+                 f"{s['adjacent_cosine_after']:.2f}; across the boundary ({s['at'] - 1} to {s['at']}) only "
+                 f"{s['boundary_cosine']:.2f}. BERT trained on 128-token sequences for 90% of its steps, so rows "
+                 f"past 128 were learned from the last 10% only.")
+    return text
+
+
+def position_spectrum(r) -> str:
+    return (f"How each hidden dimension varies along the positions, as a spectrum. The {r.k} lowest frequencies hold "
+            f"{r.lowfreq_share:.0%} of the learned table's variance over positions ({r.lowfreq_share_sinusoid:.0%} for "
+            f"the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise): the learned vectors change smoothly "
+            f"with position, which is what a sinusoid-like code needs, without being the fixed sin/cos table.")
+
+
+def segments(r) -> str:
+    verdict = "they ARE zeros and ones" if r.zeros_and_ones else "not zeros and ones"
+    return (f"The segment table has {len(r.norms)} learned rows: |A| = {r.norms[0]:.3f}, |B| = {r.norms[1]:.3f}, "
+            f"cosine(A, B) = {r.cosine:.2f}, |B - A| = {r.difference_norm:.3f}; {verdict}. For scale: the median word "
+            f"vector has norm {r.median_word_norm:.3f}, the median position vector {r.median_position_norm:.3f}.")
+
+
+def segment_effect(r) -> str:
+    return (f"The same text ({len(r.tokens)} tokens) embedded with every token in segment A, then in segment B: the "
+            f"output moves by {r.output_change.mean():.2f} on average (mean output norm {r.output_norm:.2f}), output "
+            f"cosine {r.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] take segment A and B [SEP] take "
+            f"segment B: one sequence, processed in parallel, told apart only by this added vector.")
+
+
+def token_norms(r) -> str:
+    text = (f"Norm of each of the {len(r.norms)} word-table rows against its id: median {r.median_norm:.3f}; "
+            f"[PAD] row {'is all zeros' if r.pad_is_zero else 'is not zero'}.")
+    if r.unused_median_norm is not None:
+        text += f" The never-used [unusedN] rows have median norm {r.unused_median_norm:.3f}."
+    if r.rank_norm_correlation is not None:
+        text += (f" From id {r.rank_start} ('the') on, ids follow frequency roughly; Spearman correlation of id and "
+                 f"norm there: {r.rank_norm_correlation:+.2f}.")
+    return text
+
+
+def neighbours(r) -> str:
+    near = ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in r.neighbours[:5])
+    return (f"{r.token!r} is row {r.token_id} (norm {r.token_norm:.3f}). Its nearest rows by cosine: {near}. The "
+            f"table is a dictionary of learned vectors; neighbours share meaning before any context is added.")
+
+
+def onehot(r) -> str:
+    s = r.summary()
+    return (f"one_hot(ids) @ W and W[ids] on {len(r.ids)} tokens: {'identical' if r.equal else 'different'} "
+            f"(max |diff| {r.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
+            f"{r.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x) and "
+            f"touched {r.onehot_bytes / 1e6:.3g} MB, because it reads all {r.vocab_size} rows of the table.")
+
+
+def finetune_rows(r) -> str:
+    parts = []
+    for run in r.runs:
+        moved = ", ".join(f"{t.table} {t.moved}/{t.rows}" for t in run.tables)
+        parts.append(f"{run.spec.name}: {moved} (loss {run.loss_first:.3f} -> {run.loss_last:.3f})")
+    return (f"{r.steps} steps on {len(r.sentences)} sentences, lr {r.lr:g}. Rows moved per table: " + "; ".join(parts)
+            + f". The sentences use {len(r.occurred['word'])} distinct tokens, {len(r.occurred['position'])} "
+              f"positions and {len(r.occurred['segment'])} segment(s); every row that moved is one of them unless "
+              f"weight decay is on. All {len(r.trainable)} embedding parameters are trainable by default.")
+
+
+def finetune_positions(r) -> str:
+    last = max(r.occurred["position"])
+    return (f"Change of each of the first position rows. With Adam and no weight decay, positions 0-{last} (the "
+            f"longest sentence) move and every later row stays exactly equal (change 0); AdamW's decay nudges every "
+            f"row; freezing the word table does not stop the position table from training.")
+
+
+def drift(r) -> str:
+    parts = [f"{t.table} {t.relative_change:.2g} ({t.rows_changed} rows changed)" for t in r.tables]
+    word = next((t for t in r.tables if t.table == "word" and t.top), None)
+    top = f" Most-changed tokens: {', '.join(x['label'] for x in word.top[:5])}." if word else ""
+    head = f"Relative change |B - A| / |A| of each tensor from {r.model_a} to {r.model_b}: "
+    return head + "; ".join(parts) + "." + top

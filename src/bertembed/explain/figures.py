@@ -1,0 +1,269 @@
+"""The figures of every analysis, each with a caption that states the measured numbers.
+
+Each `plot_*` function takes a result (and optionally a matplotlib `ax`) and returns the Figure; nothing calls
+`show()`. matplotlib is imported only inside them, with the Agg backend. `FIGURES` pairs each plot with its caption,
+so the HTML report, `--plots DIR`, notebooks and the guide all show the same figures with the same words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bertembed.explain import captions
+
+PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
+SEGMENT_B_SHADE = "#f3e6c4"
+
+
+def _axes(ax=None, size=(7.5, 3.6)):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=size, layout="constrained")
+    return ax.figure, ax
+
+
+def _shade_segment_b(ax, segments) -> None:
+    """Shade the tokens of segment B and label both segments."""
+    b = [i for i, s in enumerate(segments) if s == 1]
+    if b:
+        ax.axvspan(b[0] - 0.5, b[-1] + 0.5, color=SEGMENT_B_SHADE, zorder=0, label="segment B (shaded)")
+
+
+def _token_axis(ax, tokens) -> None:
+    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(tokens) - 0.4)
+
+
+def plot_decomposition_norms(dec, ax=None):
+    """Per token: the norms of its word, position and segment vectors (grouped bars)."""
+    fig, ax = _axes(ax)
+    norms, x = dec.norms(), np.arange(len(dec.tokens))
+    _shade_segment_b(ax, dec.segments)
+    for j, name in enumerate(("word", "position", "segment")):
+        ax.bar(x + (j - 1) * 0.27, norms[name], 0.27, color=PART_COLOURS[name], label=f"{name} vector")
+    _token_axis(ax, dec.tokens)
+    ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
+    ax.legend(fontsize=8, ncols=4, loc="upper right")
+    return fig
+
+
+def plot_variance_shares(dec, ax=None):
+    """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
+    fig, ax = _axes(ax)
+    shares, x = dec.variance_shares(), np.arange(len(dec.tokens))
+    _shade_segment_b(ax, dec.segments)
+    pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
+    for name in ("word", "position", "segment"):
+        value = shares[name]
+        base = np.where(value >= 0, pos_base, neg_base)
+        ax.bar(x, value, 0.7, bottom=base, color=PART_COLOURS[name], label=name)
+        pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    _token_axis(ax, dec.tokens)
+    ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
+    ax.legend(fontsize=8, ncols=4, loc="lower right")
+    return fig
+
+
+def _heatmap(ax, matrix, title):
+    image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set(xlabel="position j", ylabel="position i", title=title)
+    return image
+
+
+def plot_position_similarity(report):
+    """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
+    fig, _ = _axes(size=(10, 4.6))
+    fig.clear()
+    left, right = fig.subplots(1, 2)
+    _heatmap(left, report.similarity, "learned position vectors")
+    image = _heatmap(right, report.sinusoid_similarity, "sinusoidal table, same size")
+    fig.colorbar(image, ax=[left, right], label="cosine similarity", shrink=0.85)
+    fig.suptitle(f"Position-position similarity (structure correlation r = {report.structure_correlation:.2f})")
+    return fig
+
+
+def plot_position_norms(report, ax=None):
+    """Norm of each position vector and the cosine with the next position; the 128 line marks pre-training length."""
+    fig, ax = _axes(ax)
+    count = len(report.norms)
+    ax.plot(range(count), report.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
+    ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
+    twin = ax.twinx()
+    twin.plot(range(count - 1), np.diag(report.similarity, 1), color="0.45", lw=0.8, label="cosine with next position")
+    twin.set(ylabel="cosine with next position", ylim=(0, 1.05))
+    if report.split:
+        ax.axvline(report.split["at"], color="k", ls="--", lw=0.8)
+        ax.text(report.split["at"] + 3, ax.get_ylim()[1] * 0.95, "128: pre-training length for 90% of steps",
+                fontsize=8, va="top")
+    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
+    return fig
+
+
+def plot_position_spectrum(report, ax=None):
+    """Share of variance over positions at each frequency, averaged over hidden dims: learned vs sinusoidal."""
+    fig, ax = _axes(ax)
+    freqs = np.arange(len(report.spectrum))
+    ax.semilogy(freqs[1:], report.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
+    ax.semilogy(freqs[1:], report.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
+    ax.axhline(1 / (len(freqs) - 1), color="0.6", ls=":", label="white noise (flat)")
+    ax.axvspan(0.5, report.k + 0.5, color="#eeeeee", zorder=0, label=f"{report.k} lowest frequencies")
+    ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
+           title="Spectrum over positions, averaged over hidden dimensions", xscale="log")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_segments(report, ax=None):
+    """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
+    fig, ax = _axes(ax, size=(6.5, 3.4))
+    labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
+    values = [*report.norms[:2], report.difference_norm, report.median_word_norm, report.median_position_norm]
+    colours = ["#4c72b0", "#e1a13a", "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
+    bars = ax.bar(labels, values, color=colours)
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {report.cosine:.2f}")
+    return fig
+
+
+def plot_segment_effect(report, ax=None):
+    """Per token: how far the output moves when the same text is put in segment B instead of A."""
+    fig, ax = _axes(ax)
+    ax.bar(range(len(report.tokens)), report.output_change, color="#e1a13a", label="|output(B) - output(A)|")
+    ax.axhline(report.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {report.output_norm:.2f}")
+    _token_axis(ax, report.tokens)
+    ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_token_norms(report, ax=None):
+    """Norm of every word-table row against its id; special tokens marked."""
+    fig, ax = _axes(ax)
+    ids = np.arange(len(report.norms))
+    ax.scatter(ids, report.norms, s=1, alpha=0.15, color=PART_COLOURS["word"], rasterized=True, label="one token")
+    edges = np.unique(np.linspace(0, len(ids), 61).astype(int))
+    spans = list(zip(edges[:-1], edges[1:], strict=True))
+    ax.plot([(a + b) / 2 for a, b in spans], [np.median(report.norms[a:b]) for a, b in spans], color="k",
+            lw=1.2, label="median per bin")
+    for s in report.special:
+        ax.annotate(s["token"], (s["id"], s["norm"]), fontsize=7, color="crimson")
+    if report.rank_start is not None:
+        ax.axvline(report.rank_start, color="crimson", ls=":", lw=0.8, label="frequency-ordered words start")
+    ax.set(xlabel="token id (after the specials: roughly frequency rank)", ylabel="L2 norm of row",
+           title="Word vectors: norm by vocabulary id")
+    ax.legend(fontsize=8, markerscale=6)
+    return fig
+
+
+def plot_neighbours(report, ax=None):
+    """The token's nearest rows in the word table by cosine."""
+    fig, ax = _axes(ax, size=(6, 3.6))
+    names = [n["token"] for n in report.neighbours][::-1]
+    ax.barh(names, [n["cosine"] for n in report.neighbours][::-1], color=PART_COLOURS["word"])
+    ax.set(xlabel="cosine similarity", title=f"Nearest neighbours of {report.token!r} in the word table", xlim=(0, 1))
+    return fig
+
+
+def plot_onehot(report):
+    """Time and memory of the lookup and of the one-hot product (log scale)."""
+    fig, _ = _axes(size=(8, 3.2))
+    fig.clear()
+    left, right = fig.subplots(1, 2)
+    for ax, values, unit, title in ((left, [report.lookup_seconds * 1e6, report.onehot_seconds * 1e6], "microseconds",
+                                     "time (median)"),
+                                    (right, [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3], "kB touched",
+                                     "memory")):
+        bars = ax.bar(["lookup W[ids]", "one_hot(ids) @ W"], values, color=[PART_COLOURS["word"], "0.45"])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set(yscale="log", ylabel=unit, title=title)
+    fig.suptitle(f"Same result ({'identical' if report.equal else 'DIFFERENT'}), {len(report.ids)} tokens")
+    return fig
+
+
+def plot_finetune_rows(report, ax=None):
+    """Rows moved per table in each run (log scale), with the table sizes for reference."""
+    fig, ax = _axes(ax)
+    tables = [t.table for t in report.runs[0].tables]
+    width = 0.8 / len(report.runs)
+    for i, run in enumerate(report.runs):
+        moved = [max(t.moved, 0.8) for t in run.tables]
+        offset = (i - (len(report.runs) - 1) / 2) * width
+        bars = ax.bar(np.arange(len(tables)) + offset, moved, width, label=run.spec.name)
+        ax.bar_label(bars, labels=[str(t.moved) for t in run.tables], fontsize=7)
+    ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in report.runs[0].tables])
+    ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {report.steps} steps: rows moved")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_finetune_positions(report, ax=None, first: int = 24):
+    """|change| of the first position rows in each run: only positions that occurred move under Adam."""
+    fig, ax = _axes(ax)
+    for run, style in zip(report.runs, ("-o", "--s", ":^", "-.d"), strict=False):
+        change = run.row_change.get("position")
+        if change is not None:
+            ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
+    ax.axvline(max(report.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
+    ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
+           yscale="symlog", ylim=(0, None))
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_drift(report, ax=None):
+    """Relative change of each tensor between the two checkpoints (log scale)."""
+    fig, ax = _axes(ax, size=(6.5, 3.4))
+    values = [max(t.relative_change, 1e-12) for t in report.tables]
+    bars = ax.bar([t.table for t in report.tables], values, color="0.45")
+    ax.bar_label(bars, labels=[f"{t.relative_change:.2g}" for t in report.tables], fontsize=8)
+    ax.set(yscale="log", ylabel="|B - A| / |A| (log)", title="Drift per tensor between two checkpoints")
+    ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str  # file stem for --plots DIR
+    title: str
+    kind: str  # the result class it draws
+    draw: Callable[[Any], Any]
+    caption: Callable[[Any], str]
+
+
+FIGURES = (
+    FigureSpec("decomposition_norms", "Norms per token", "TextDecomposition", plot_decomposition_norms,
+               captions.decomposition_norms),
+    FigureSpec("variance_shares", "Variance shares", "TextDecomposition", plot_variance_shares,
+               captions.variance_shares),
+    FigureSpec("position_similarity", "Position similarity", "PositionReport", plot_position_similarity,
+               captions.position_similarity),
+    FigureSpec("position_norms", "Position norms", "PositionReport", plot_position_norms, captions.position_norms),
+    FigureSpec("position_spectrum", "Position spectrum", "PositionReport", plot_position_spectrum,
+               captions.position_spectrum),
+    FigureSpec("segments", "Segment vectors", "SegmentReport", plot_segments, captions.segments),
+    FigureSpec("segment_effect", "Segment A vs B", "SegmentReport", plot_segment_effect, captions.segment_effect),
+    FigureSpec("token_norms", "Token norms", "TokenReport", plot_token_norms, captions.token_norms),
+    FigureSpec("neighbours", "Nearest neighbours", "TokenReport", plot_neighbours, captions.neighbours),
+    FigureSpec("onehot", "One-hot vs lookup", "OneHotReport", plot_onehot, captions.onehot),
+    FigureSpec("finetune_rows", "Rows moved by fine-tuning", "FinetuneReport", plot_finetune_rows,
+               captions.finetune_rows),
+    FigureSpec("finetune_positions", "Position rows after fine-tuning", "FinetuneReport", plot_finetune_positions,
+               captions.finetune_positions),
+    FigureSpec("drift", "Drift per tensor", "DriftReport", plot_drift, captions.drift),
+)
+
+
+def specs_for(result: Any) -> list[FigureSpec]:
+    """The figures that draw this kind of result."""
+    return [s for s in FIGURES if s.kind == type(result).__name__]

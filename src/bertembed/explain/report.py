@@ -1,0 +1,202 @@
+"""The HTML report and the PNG files: every analysis of one text, its figures and their captions.
+
+The report is one self-contained file: images are inline base64 PNGs, the CSS is inline, there are no external
+scripts, fonts or links, so it opens from disk without a network. Files are written to a temporary name beside the
+target and renamed into place, so a failure never leaves a half-written report or PNG.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bertembed.explain._common import ModelArg, figure_png, html_table, img_tag, load_layer
+
+CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
+table{border-collapse:collapse;font-size:.8em;margin:1em 0;display:block;overflow-x:auto;max-width:100%}td,th{border:1px solid #ddd;padding:2px 6px;
+text-align:right}th{background:#f4f4f4}caption{text-align:left;font-style:italic;padding:4px 0}
+figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.92em;color:#333}
+.verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}"""
+
+# Counts the images that decoded (naturalWidth > 0): the browser test reads it, readers see it at the bottom.
+CHECK_SCRIPT = """<script>window.addEventListener("load",function(){var i=document.images,n=0;
+for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0)n++;}
+var p=document.getElementById("image-check");p.textContent="images loaded: "+n+" of "+i.length;
+p.setAttribute("data-loaded",n);p.setAttribute("data-total",i.length);});</script>"""
+
+
+@dataclass
+class Section:
+    title: str
+    intro: str  # plain text, escaped when rendered
+    result: Any
+    table: str = ""  # ready HTML
+    figures: list[tuple[str, bytes, str]] = field(default_factory=list)  # (title, png, caption)
+
+
+@dataclass
+class Report:
+    title: str
+    model: str
+    sections: list[Section]
+
+    def to_html(self) -> str:
+        """The whole report as one HTML string."""
+        body = [f"<h1>{html.escape(self.title)}</h1>", f"<p>model: {html.escape(self.model)}</p>"]
+        for s in self.sections:
+            body += [f"<h2>{html.escape(s.title)}</h2>", f'<p class="verdict">{html.escape(s.intro)}</p>', s.table]
+            for title, png, caption in s.figures:
+                body.append(f"<figure>{img_tag(png, title)}<figcaption><b>{html.escape(title)}.</b> "
+                            f"{html.escape(caption)}</figcaption></figure>")
+        body.append('<p id="image-check">images: not counted (scripts off)</p>')
+        return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
+                f"<style>{CSS}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
+                 steps: int = 12, progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
+    """All analyses for one text: decomposition, positions, segments, tokens, one-hot, fine-tune (needs torch)."""
+    from bertembed.explain.decompose import explain_text
+    from bertembed.explain.finetune import finetune_demo
+    from bertembed.explain.onehot import analyze_onehot
+    from bertembed.explain.positions import analyze_positions
+    from bertembed.explain.segments import analyze_segments
+    from bertembed.explain.tokens import analyze_tokens
+
+    layer = load_layer(model)
+    dec = explain_text(text, text_b, layer)
+    token = token or _first_word(dec.tokens)
+    results = [dec, analyze_positions(layer), analyze_segments(layer, text, text_b or "It was not amused."),
+               analyze_tokens(token, layer), analyze_onehot(text, layer)]
+    results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))
+    return results
+
+
+def _first_word(tokens: list[str]) -> str:
+    """The first whole-word token of a text (not special, not a ## piece), for the neighbours analysis."""
+    return next((t for t in tokens[1:] if t.isalpha() and not t.startswith("##")), tokens[1] if len(tokens) > 2
+                else "[CLS]")
+
+
+INTROS = {
+    "TextDecomposition": ("Decomposition", "Each token's vector is word + position + segment, summed, then "
+                          "LayerNorm. The table gives each part's norm and its share of the variance LayerNorm sees."),
+    "PositionReport": ("Positions: learned, not sinusoidal", None),
+    "SegmentReport": ("Segments: two learned vectors", "Segment A's vector is added to [CLS], sentence A and its "
+                      "[SEP]; segment B's to sentence B and the last [SEP]. Both sentences are one sequence."),
+    "TokenReport": ("Tokens: a dictionary of learned vectors", "nn.Embedding is a table; a token id picks its row."),
+    "OneHotReport": ("nn.Embedding is a one-hot matrix product", "one_hot(ids) @ W picks the same rows as W[ids]."),
+    "FinetuneReport": ("Fine-tuning moves the tables", "Every table is a trainable parameter: which rows move "
+                       "depends on which tokens, positions and segments occur, and on the optimiser."),
+    "DriftReport": ("Drift between two checkpoints", "How far each tensor moved from checkpoint A to B."),
+}
+
+
+def render_figures(result: Any) -> list[tuple[Any, bytes]]:
+    """Every figure of one result as (FigureSpec, PNG bytes)."""
+    from bertembed.explain import figures
+
+    return [(s, figure_png(s.draw(result))) for s in figures.specs_for(result)]
+
+
+def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Section:
+    """A report section: title, a one-line answer, a table and the captioned figures of one result."""
+    pngs = render_figures(result) if pngs is None else pngs
+    title, intro = INTROS[type(result).__name__]
+    summary = result.summary()
+    intro = intro or summary.get("verdict", "")
+    rows = result.rows() if hasattr(result, "rows") else [
+        {"measure": k, "value": v} for k, v in summary.items() if k != "verdict" and not isinstance(v, (list, dict))]
+    return Section(title, intro, result, html_table(rows),
+                   [(s.title, png, s.caption(result)) for s, png in pngs])
+
+
+def build_report(results: list[Any], title: str = "How BERT's embedding layer builds these vectors",
+                 pngs: list[list[tuple[Any, bytes]]] | None = None) -> Report:
+    """Turn analysis results (see `run_analyses`) into a `Report`; `pngs`: figures already rendered, per result."""
+    model = getattr(results[0], "source", None)
+    pngs = pngs or [render_figures(r) for r in results]
+    return Report(title, model.describe() if model else "", [section_for(r, p) for r, p in zip(results, pngs,
+                                                                                                strict=True)])
+
+
+def check_output(path: str | Path) -> Path:
+    """Fail early, before any work, if `path` cannot be written: its folder must exist and be writable."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name such as {path / 'report.html'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write {path}: the folder {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"cannot write {path}: the folder {path.parent} is not writable")
+    return path
+
+
+def write_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to a temporary file beside `path`, then rename it into place (all or nothing)."""
+    path = check_output(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions open() would
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_report(report: Report, path: str | Path) -> Path:
+    """Write the self-contained HTML report atomically."""
+    return write_atomic(path, report.to_html().encode("utf-8"))
+
+
+def check_folder(folder: str | Path) -> Path:
+    """The folder for --plots: created if missing; an error if it is a file or cannot be created."""
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--plots {folder}: that is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--plots {folder}: cannot create the folder ({err.strerror})") from err
+    return folder
+
+
+def write_plots(results: list[Any], folder: str | Path,
+                pngs: list[list[tuple[Any, bytes]]] | None = None) -> list[Path]:
+    """One PNG per figure of every result, named after the figure (e.g. position_similarity.png)."""
+    folder = check_folder(folder)
+    pngs = pngs or [render_figures(r) for r in results]
+    return [write_atomic(folder / f"{s.name}.png", png) for per_result in pngs for s, png in per_result]
+
+
+def combined_png(result: Any) -> bytes:
+    """All figures of one result stacked vertically into one PNG (for `--plot FILE`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from bertembed.explain import figures
+
+    images = [mpimg.imread(io.BytesIO(figure_png(s.draw(result))), format="png") for s in figures.specs_for(result)]
+    width = max(im.shape[1] for im in images)
+    padded = [np.pad(im[..., :3], ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0) for im in images]
+    buf = io.BytesIO()
+    mpimg.imsave(buf, np.concatenate(padded, axis=0), format="png")
+    return buf.getvalue()
