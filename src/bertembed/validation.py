@@ -32,6 +32,24 @@ def _check_range(name: str, ids: torch.Tensor, limit: int, table: str, fix: str)
         raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): {fix}")
 
 
+def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int, int]:
+    """(B, L) from whichever of input_ids [B, L] and inputs_embeds [B, L, H] was given (exactly one must be)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        given = "both" if input_ids is not None else "neither"
+        raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
+    if input_ids is not None:
+        _check_int("input_ids", input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; "
+                             f"add a batch dimension with input_ids.unsqueeze(0)")
+        return tuple(input_ids.shape)
+    if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+        raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], got {tuple(inputs_embeds.shape)}")
+    return tuple(inputs_embeds.shape[:2])
+
+
 def check_inputs(
     config: EmbeddingConfig,
     input_ids: torch.Tensor | None,
@@ -41,23 +59,7 @@ def check_inputs(
     past_key_values_length: int,
 ) -> tuple[int, int]:
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input."""
-    if (input_ids is None) == (inputs_embeds is None):
-        given = "both" if input_ids is not None else "neither"
-        raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
-    if input_ids is not None:
-        _check_int("input_ids", input_ids)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; "
-                             f"add a batch dimension with input_ids.unsqueeze(0)")
-        shape = tuple(input_ids.shape)
-    else:
-        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-            raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], "
-                             f"got {tuple(inputs_embeds.shape)}")
-        shape = tuple(inputs_embeds.shape[:2])
-    batch, length = shape
+    shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
             or past_key_values_length < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
