@@ -46,7 +46,8 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
         raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-        raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], got {tuple(inputs_embeds.shape)}")
+        raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], "
+                         f"got {tuple(inputs_embeds.shape)}")
     return tuple(inputs_embeds.shape[:2])
 
 
