@@ -56,12 +56,21 @@ class Decomposition:
     output: torch.Tensor  # LayerNorm(sum): the layer's output in eval mode
 
 
+def _kernels():
+    import bertembed.kernels  # imported on first use: the reference layer needs neither numba nor triton
+
+    return bertembed.kernels
+
+
 class BertEmbeddings(nn.Module):
     """Word, position and segment tables, summed and layer-normalised: transformers' `BertEmbeddings`, exactly."""
 
-    def __init__(self, config: EmbeddingConfig | None = None) -> None:
+    def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
         super().__init__()
         self.config = config = config or EmbeddingConfig()
+        # Who computes forward: "reference" (this file), or the fused kernels of bertembed.kernels: "cpu" (numba),
+        # "triton", "auto" (the kernel for the device; this file when it cannot run, with a logged reason).
+        self.backend = backend if backend == "reference" else _kernels().check_backend(backend)
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings: nn.Module | None = {
             "absolute": lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size),
@@ -116,6 +125,11 @@ class BertEmbeddings(nn.Module):
         Returns:
             [B, L, H]: LayerNorm of the summed rows, with dropout in training mode.
         """
+        if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
+            fused = _kernels().module_forward(self, input_ids, token_type_ids, position_ids, inputs_embeds,
+                                              past_key_values_length)
+            if fused is not None:
+                return fused
         word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
                                               past_key_values_length)
         # Same operations in the same order as transformers, so float32 results match bit for bit.
@@ -150,17 +164,19 @@ class BertEmbeddings(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False
+        cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
+        backend: str = "reference",
     ) -> BertEmbeddings:
         """Load the embedding tables of a BERT checkpoint.
 
         `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
         bundled default (`bertembed.DEFAULT_MODEL`). Only the five embedding tensors are read.
+        `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
         """
         from bertembed.checkpoint import load_checkpoint
 
         checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
-        layer = cls(checkpoint.config)
+        layer = cls(checkpoint.config, backend=backend)
         layer.load_state_dict(checkpoint.tensors)
         layer.source = checkpoint.source
         return layer

@@ -1,0 +1,204 @@
+"""Fused kernels for BERT's embedding layer: one pass per token instead of three gathers, two adds and a LayerNorm.
+
+    from bertembed.kernels import fused_embeddings
+    out = fused_embeddings(input_ids, word, segment, position, ln_weight, ln_bias, eps=1e-12)  # [B, L, H]
+
+Backends: "cpu" (numba, `cpu.py`), "triton" (`triton.py`: CUDA, or CPU tensors under TRITON_INTERPRET=1), "reference"
+(the plain PyTorch layer in `bertembed/embeddings.py`, which every kernel is tested against), and "auto", which picks
+the fused kernel for the tensors' device and falls back to the reference with a logged reason.
+
+Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+from torch import Tensor
+
+from bertembed.config import EmbeddingConfig
+from bertembed.validation import check_inputs
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, torch.float16, torch.bfloat16)}
+_INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
+_told: set[str] = set()
+
+
+def _missing(backend: str) -> str | None:
+    """Why `backend` cannot run in this environment, or None when it can."""
+    module = "numba" if backend == "cpu" else "triton"
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed: {_INSTALL[backend]}"
+    return None
+
+
+def check_backend(backend: str) -> str:
+    """Validate a backend name at construction; an explicit fused backend must be installed. Returns the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend in ("cpu", "triton") and (reason := _missing(backend)):
+        raise ImportError(f"backend={backend!r} is unavailable: {reason}")
+    return backend
+
+
+def _device_reason(backend: str, device: torch.device) -> str | None:
+    if backend == "cpu" and device.type != "cpu":
+        return f"the 'cpu' backend runs on CPU tensors, these are on {device}"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
+    return None
+
+
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """(backend that will run, reason it is the reference when a fused one was asked for or None)."""
+    if requested == "reference":
+        return "reference", None
+    backend = requested if requested != "auto" else ("cpu" if device.type == "cpu" else "triton")
+    reason = _missing(backend) or _device_reason(backend, device)
+    if reason is None and dtype not in _DTYPES[backend]:
+        reason = f"the {backend!r} kernels take {[str(d) for d in _DTYPES[backend]]} tables, not {dtype}"
+    return ("reference", reason) if reason else (backend, None)
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _told:  # once per reason, not once per call
+        _told.add(reason)
+        log.info("bertembed: running the reference layer instead of the fused kernel: %s", reason)
+
+
+def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_ids: Tensor | None,
+         position_ids: Tensor | None, past_key_values_length: int, tables: tuple, p: float, padding_idx: int | None,
+         deterministic: bool, out: Tensor | None) -> Tensor:
+    """Validate (same errors as the reference, before any kernel), fill default ids, run the op."""
+    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length)
+    word, segment, position, weight, bias = tables
+    device = word.device
+    if token_type_ids is None:
+        token_type_ids = torch.zeros((1, 1), dtype=torch.int64, device=device).expand(batch, length)
+    if position_ids is None:
+        position_ids = torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
+    position_ids = position_ids.expand(batch, length)
+    seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
+    pad = -1 if padding_idx is None else int(padding_idx)
+    if out is not None:
+        return _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, config.layer_norm_eps, p, seed)
+    from bertembed.kernels.function import embeddings_op
+
+    result, _mean, _rstd = embeddings_op(input_ids, token_type_ids, position_ids, word, segment, position, weight,
+                                         bias, config.layer_norm_eps, p, seed, pad, backend, deterministic)
+    return result
+
+
+def _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, eps, p, seed) -> Tensor:
+    """The forward kernel writing into a caller's buffer: inference only (autograd cannot see into `out=`)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tables):
+        raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
+                         "or drop out= to get a tensor autograd can differentiate")
+    word, segment, position, weight, bias = tables
+    shape = (*input_ids.shape, word.shape[1])
+    if tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
+        raise ValueError(f"out= must be a contiguous {word.dtype} tensor of shape {list(shape)} on {word.device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    from bertembed.kernels.function import _backend_module
+
+    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(), position, weight, bias, eps,
+                                         p, seed, out=out)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _config(vocab: int, hidden: int, positions: int | None, types: int, eps: float) -> EmbeddingConfig:
+    return EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions or 2**31 - 1,
+                           type_vocab_size=types, layer_norm_eps=eps, hidden_dropout_prob=0.0,
+                           position_embedding_type="none" if positions is None else "absolute")
+
+
+def fused_embeddings(
+    input_ids: Tensor,
+    word_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    position_embeddings: Tensor | None,
+    layer_norm_weight: Tensor,
+    layer_norm_bias: Tensor,
+    *,
+    token_type_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    past_key_values_length: int = 0,
+    eps: float = 1e-12,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    padding_idx: int | None = 0,
+    backend: str = "auto",
+    deterministic: bool = False,
+    out: Tensor | None = None,
+) -> Tensor:
+    """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H].
+
+    Args:
+        input_ids: [B, L] integer ids; token_type_ids [B, L] (zeros when None); position_ids [B, L] or [1, L]
+            (`arange(L) + past_key_values_length` when None).
+        word_embeddings [V, H], token_type_embeddings [T, H], position_embeddings [P, H] or None (no position row),
+            layer_norm_weight [H], layer_norm_bias [H]: the tables, differentiable (autograd-aware custom op).
+        eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training.
+        padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
+        backend: "auto", "cpu", "triton" or "reference" (the plain PyTorch ops, for comparison).
+        deterministic: bitwise-reproducible gradients on GPU (the CPU backward always is).
+        out: a [B, L, H] buffer to write into; inference only.
+    Raises the reference layer's ValueErrors on bad input, before any kernel runs.
+    """
+    tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
+    config = _config(word_embeddings.shape[0], word_embeddings.shape[1],
+                     None if position_embeddings is None else position_embeddings.shape[0],
+                     token_type_embeddings.shape[0], float(eps))
+    chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
+    p = dropout_p if training else 0.0
+    if chosen == "reference":
+        if reason:
+            _fall_back(reason)
+        return _reference(config, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
+                          padding_idx, out)
+    return _run(config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
+                padding_idx, deterministic, out)
+
+
+def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p, padding_idx, out):
+    """The same computation with plain PyTorch ops, in the reference layer's order."""
+    import torch.nn.functional as F
+
+    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length)
+    word, segment, position, weight, bias = tables
+    if token_type_ids is None:
+        token_type_ids = torch.zeros((batch, length), dtype=torch.int64, device=word.device)
+    if position_ids is None:
+        position_ids = torch.arange(past_key_values_length, past_key_values_length + length, device=word.device)[None]
+    x = F.embedding(input_ids, word, padding_idx) + F.embedding(token_type_ids, segment)
+    if position is not None:
+        x = x + F.embedding(position_ids, position)
+    result = F.dropout(F.layer_norm(x, (word.shape[1],), weight, bias, config.layer_norm_eps), p, training=p > 0)
+    return result if out is None else out.copy_(result)
+
+
+def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+    """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
+    word = layer.word_embeddings.weight
+    chosen, reason = select_backend(layer.backend, word.device, word.dtype)
+    if chosen != "reference" and inputs_embeds is not None:
+        chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
+    if chosen == "reference":
+        if reason:
+            _fall_back(reason)
+        return None
+    positions = layer.position_embeddings
+    tables = (word, layer.token_type_embeddings.weight, None if positions is None else positions.weight,
+              layer.LayerNorm.weight, layer.LayerNorm.bias)
+    p = layer.dropout.p if layer.training else 0.0
+    return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
+                layer.word_embeddings.padding_idx, getattr(layer, "deterministic", False), None)

@@ -1,0 +1,310 @@
+"""CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward.
+
+Forward, per token: gather the word row, add the segment row, then the position row (the reference's order), LayerNorm
+with statistics accumulated in float64 and kept as float32 mean/rstd, scale and shift, dropout. Backward, per token:
+recompute the sum from the tables (cheaper than keeping it: no [N, H] tensor is saved), LayerNorm backward, and add
+the row gradient into the table gradients.
+
+Tables and outputs are float32 or bfloat16. numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern:
+widened to float32 by a shift, rounded back to nearest-even. The bfloat16 sums are rounded after each add, as torch
+rounds `word + segment` and then `+ position`, so results follow the reference's order.
+
+Ids are validated before any kernel runs (`bertembed.validation.check_inputs`); the kernels check them again and count
+what they skipped, so an out-of-range id can never read outside a table.
+
+Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, C chunks (one per thread).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import overload
+
+
+def dropout_threshold(p: float) -> np.uint64:
+    """An element is kept when its 24 random bits are >= this; 0 means no dropout."""
+    return np.uint64(round(p * (1 << 24)))
+
+
+@njit(cache=True, inline="always")
+def _keep(seed, index, threshold):
+    """splitmix64 of (seed, element index): the same mask in forward and backward without storing it."""
+    z = seed + np.uint64(index) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
+
+
+def _widen(v):
+    """A table element as float32 (identity for float32, bit shift for bfloat16 bits)."""
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):
+    if isinstance(v, types.Float):
+        return lambda v: v
+    return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
+
+
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits (uint32 holding 16 bits), round to nearest even, NaN stays NaN."""
+
+
+@overload(_bf16_bits, inline="always")
+def _bf16_bits_impl(x):
+    def impl(x):
+        u = np.float32(x).view(np.uint32)
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint32(0x7FC0)
+        return np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return impl
+
+
+def _round_like(table, x):
+    """Round a float32 sum to the table's precision, as torch rounds each add in the table's dtype."""
+
+
+@overload(_round_like, inline="always")
+def _round_like_impl(table, x):
+    if isinstance(table.dtype, types.Float):
+        return lambda table, x: x
+    return lambda table, x: np.uint32(_bf16_bits(x) << np.uint32(16)).view(np.float32)
+
+
+def _store(out, i, j, y):
+    """Write one output element in the output's dtype."""
+
+
+@overload(_store, inline="always")
+def _store_impl(out, i, j, y):
+    if isinstance(out.dtype, types.Float):
+        def impl(out, i, j, y):
+            out[i, j] = y
+        return impl
+
+    def impl_bits(out, i, j, y):
+        out[i, j] = np.uint16(_bf16_bits(np.float32(y)))
+    return impl_bits
+
+
+@njit(cache=True)
+def _ids_ok(w, s, q, v, t, p, has_pos):
+    return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
+
+
+@njit(cache=True)
+def _sum_row(word, seg, pos, w, s, q, has_pos, x):
+    """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds."""
+    if has_pos:
+        for j in range(x.size):
+            x[j] = _round_like(word, _round_like(word, _widen(word[w, j]) + _widen(seg[s, j])) + _widen(pos[q, j]))
+    else:
+        for j in range(x.size):
+            x[j] = _round_like(word, _widen(word[w, j]) + _widen(seg[s, j]))
+
+
+# Only reductions may be reordered ("reassoc"), so they vectorise: float64 sums of float32 terms lose nothing by it.
+# Everything else keeps IEEE order (no fastmath), so float32 sums match the reference's roundings.
+@njit(cache=True, fastmath={"reassoc"})
+def _moments(x):
+    """Mean and biased variance of a float32 row, accumulated in float64 (two passes)."""
+    total = 0.0
+    for j in range(x.size):
+        total += x[j]
+    m = total / x.size
+    sq = 0.0
+    for j in range(x.size):
+        d = x[j] - m
+        sq += d * d
+    return m, sq / x.size
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _ln_sums(g, x, m, r, gamma):
+    """sum(g * gamma) and sum(g * gamma * xhat) over a row, in float64."""
+    sa, sb = 0.0, 0.0
+    for j in range(x.size):
+        gg = g[j] * gamma[j]
+        sa += gg
+        sb += gg * ((x[j] - m) * r)
+    return sa, sb
+
+
+@njit(cache=True)
+def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
+    h = x.size
+    _sum_row(word, seg, pos, w, s, q, has_pos, x)
+    m, var = _moments(x)
+    r = 1.0 / np.sqrt(var + eps)
+    mean[i], rstd[i] = m, r
+    if threshold == 0:
+        for j in range(h):
+            _store(out, i, j, (x[j] - m) * r * gamma[j] + beta[j])
+    else:
+        for j in range(h):
+            y = (x[j] - m) * r * gamma[j] + beta[j]
+            _store(out, i, j, y * scale if _keep(seed, i * h + j, threshold) else 0.0)
+
+
+@njit(parallel=True, cache=True)
+def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
+
+    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
+    uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
+    tokens (a few per thread), each with one scratch row.
+    """
+    n, h = out.shape
+    has_pos = pos.shape[0] > 0
+    bad = 0
+    for c in prange(chunks):
+        x = np.empty(h, np.float32)  # one scratch row per chunk, not per token
+        for i in range(c * n // chunks, (c + 1) * n // chunks):
+            w, s, q = ids[i], tts[i], pids[i]
+            if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+                _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x,
+                               out, mean, rstd)
+            else:
+                bad += 1
+    return bad
+
+
+@njit(cache=True)
+def _row_backward(gout, i, x, m, r, gamma, threshold, scale, seed, dgamma, dbeta, dx):
+    """LayerNorm (and dropout) backward of token i: dx[:] = d loss / d sum; adds into dgamma, dbeta [H] float64."""
+    h = x.size
+    for j in range(h):
+        dx[j] = _widen(gout[i, j])
+    if threshold > 0:
+        for j in range(h):
+            dx[j] = dx[j] * scale if _keep(seed, i * h + j, threshold) else 0.0
+    for j in range(h):
+        dgamma[j] += dx[j] * ((x[j] - m) * r)
+        dbeta[j] += dx[j]
+    sa, sb = _ln_sums(dx, x, m, r, gamma)
+    a, b = sa / h, sb / h
+    for j in range(h):
+        dx[j] = r * (dx[j] * gamma[j] - a - (x[j] - m) * r * b)
+
+
+@njit(parallel=True, cache=True)
+def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
+             pad, dword, dseg, dpos, dgamma, dbeta):
+    """Table and LayerNorm gradients; returns how many tokens had bad ids.
+
+    Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
+    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. dword [V, H]
+    float32 zeros (shape (0, H): not wanted); dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not
+    wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float64 per-chunk partials.
+    """
+    n, h = gout.shape
+    has_pos = pos.shape[0] > 0
+    bad = 0
+    for c in prange(bounds.size - 1):
+        x = np.empty(h, np.float32)
+        dx = np.empty(h, np.float64)
+        for k in range(bounds[c], bounds[c + 1]):
+            i = order[k]
+            w, s, q = ids[i], tts[i], pids[i]
+            if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+                _sum_row(word, seg, pos, w, s, q, has_pos, x)
+                _row_backward(gout, i, x, np.float64(mean[i]), np.float64(rstd[i]), gamma, threshold, scale, seed,
+                              dgamma[c], dbeta[c], dx)
+                _add_row(dword, w, dx, w != pad)
+                _add_row(dseg[c], s, dx, True)
+                _add_row(dpos[c], q - pos_lo, dx, dpos.shape[1] > 0)
+            else:
+                bad += 1
+    return bad
+
+
+@njit(cache=True)
+def _add_row(grad, row, dx, wanted):
+    if wanted and grad.shape[0] > 0:
+        for j in range(dx.size):
+            grad[row, j] += np.float32(dx[j])
+
+
+def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
+    """[C + 1] chunk starts over tokens sorted by id: near-equal sizes, moved so no id but `pad` spans two chunks."""
+    n = sorted_ids.size
+    bounds = np.linspace(0, n, chunks + 1).astype(np.int64)
+    for c in range(1, chunks):
+        b = bounds[c]
+        if 0 < b < n and sorted_ids[b] == sorted_ids[b - 1] and sorted_ids[b] != pad:
+            bounds[c] = np.searchsorted(sorted_ids, sorted_ids[b], side="right")
+    return np.maximum.accumulate(bounds)
+
+
+def threads() -> int:
+    """Use as many numba threads as torch does (`torch.set_num_threads` governs both)."""
+    import torch
+
+    count = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(count)
+    return count
+
+
+# ---- torch glue: tensors in, tensors out ------------------------------------------------------------------------
+
+
+def _np(t):
+    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _check_bad(bad: int, where: str) -> None:
+    if bad:
+        raise RuntimeError(f"{where}: {bad} tokens had ids outside their tables and were skipped; ids must be checked "
+                           f"with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
+
+
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None):
+    """ids, tts, pids: [N] int64; tables [*, H] float32 or bfloat16 (one dtype); pos may be None.
+
+    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32). `out`, if given, is written in place.
+    """
+    n, h = ids.numel(), word.shape[1]
+    out = torch.empty(n, h, dtype=word.dtype) if out is None else out.view(n, h)
+    mean, rstd = torch.empty(n), torch.empty(n)
+    pos_np = _np(pos) if pos is not None else _np(word[:0])
+    chunks = max(1, min(n, 4 * threads()))
+    bad = forward(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
+                  float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
+                  chunks)
+    _check_bad(bad, "bertembed cpu forward")
+    return out, mean, rstd
+
+
+def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
+                 need_word: bool = True, need_pos: bool = True):
+    """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
+    dtype, from grad [N, H]. Always deterministic: see `backward`."""
+    n, h = grad.shape
+    chunks = min(threads(), n)
+    ids_np = _np(ids)
+    order = np.argsort(ids_np, kind="stable")
+    bounds = chunk_bounds(ids_np[order], chunks, pad)
+    dword = torch.zeros(word.shape[0] if need_word else 0, h)  # one memset: the only pass over the dense gradient
+    dseg = torch.zeros(chunks, seg.shape[0], h)
+    lo, hi = (int(pids.min()), int(pids.max())) if need_pos and pos is not None and n else (0, -1)
+    dpos = torch.zeros(chunks, hi - lo + 1, h)
+    dgamma, dbeta = torch.zeros(chunks, h, dtype=torch.float64), torch.zeros(chunks, h, dtype=torch.float64)
+    pos_np = _np(pos) if pos is not None else _np(word[:0])
+    threads()
+    bad = backward(order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np, _np(gamma.float()),
+                   _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p), 1.0 / (1.0 - p),
+                   np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    _check_bad(bad, "bertembed cpu backward")
+    full_pos = torch.empty(0, h)
+    if hi >= lo:
+        full_pos = torch.zeros(pos.shape[0], h)
+        full_pos[lo:hi + 1] = dpos.sum(0)
+    dtype = word.dtype
+    return (dword.to(dtype), dseg.sum(0).to(dtype), full_pos.to(dtype), dgamma.sum(0).to(gamma.dtype),
+            dbeta.sum(0).to(gamma.dtype))

@@ -1,0 +1,102 @@
+"""The fused layer as a PyTorch custom op with its own backward, so autograd and `torch.compile` both see one node.
+
+`bertembed::embeddings` runs the forward kernel of a backend ("cpu": numba, "triton"), `bertembed::embeddings_backward`
+the backward one. `torch.library.register_autograd` ties them together (it builds the `torch.autograd.Function` that
+autograd runs) and `register_fake` gives `torch.compile` the output shapes without running a kernel.
+
+Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _backend_module(backend: str):
+    if backend == "cpu":
+        from bertembed.kernels import cpu
+
+        return cpu
+    if backend == "triton":
+        from bertembed.kernels import triton as triton_kernels
+
+        return triton_kernels
+    raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
+
+
+@torch.library.custom_op("bertembed::embeddings", mutates_args=())
+def embeddings_op(
+    input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
+    position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
+    backend: str, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
+
+    Ids are [B, L] and already validated. `padding_idx` (-1: none) and `deterministic` are read by the backward.
+    """
+    batch, length = input_ids.shape
+    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
+                                                           None if position is None else position.contiguous(),
+                                                           weight, bias, eps, p, seed)
+    return out.view(batch, length, -1), mean.view(batch, length), rstd.view(batch, length)
+
+
+@embeddings_op.register_fake
+def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
+      backend, deterministic):
+    batch, length = input_ids.shape
+    stats = word.new_empty((batch, length), dtype=torch.float32)
+    return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
+
+
+@torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
+def embeddings_backward_op(
+    grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
+    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
+    backend: str, deterministic: bool, need_word: bool, need_position: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
+    hidden = word.shape[1]
+    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
+    return _backend_module(backend).run_backward(
+        grad.reshape(-1, hidden), *flat, word.contiguous(), segment.contiguous(),
+        None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,
+        padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
+
+
+@embeddings_backward_op.register_fake
+def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+      padding_idx, backend, deterministic, need_word, need_position):
+    hidden = word.shape[1]
+    rows_pos = position.shape[0] if position is not None and need_position else 0
+    return (word.new_empty((word.shape[0] if need_word else 0, hidden)), segment.new_empty(segment.shape),
+            word.new_empty((rows_pos, hidden)), weight.new_empty(weight.shape), weight.new_empty(weight.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, _eps, p, seed, padding_idx,
+     backend, deterministic) = inputs
+    _out, mean, rstd = output
+    # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
+    ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
+    ctx.options = (p, seed, padding_idx, backend, deterministic)
+
+
+def _backward(ctx, grad, _grad_mean, _grad_rstd):
+    input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
+    p, seed, padding_idx, backend, deterministic = ctx.options
+    need = ctx.needs_input_grad
+    dword, dseg, dpos, dweight, dbias = embeddings_backward_op(
+        grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+        padding_idx, backend, deterministic, need[3], position is not None and need[5])
+    return (None, None, None, dword if need[3] else None, dseg if need[4] else None,
+            dpos if position is not None and need[5] else None, dweight if need[6] else None,
+            dbias if need[7] else None, None, None, None, None, None, None)
+
+
+embeddings_op.register_autograd(_backward, setup_context=_setup_context)
