@@ -1,0 +1,61 @@
+"""Shared helpers of the kernel tests: a reference layer and a fused twin with the same weights, and the tolerances
+the issue states."""
+
+from __future__ import annotations
+
+import torch
+
+from bertembed.config import EmbeddingConfig
+from bertembed.embeddings import BertEmbeddings
+
+
+def twins(hidden: int, backend: str, vocab: int = 1000, seed: int = 0, dtype=torch.float32, **config):
+    """(reference layer, fused layer) with identical random weights, LayerNorm not the identity, in eval mode."""
+    torch.manual_seed(seed)
+    cfg = EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, **config)
+    ref = BertEmbeddings(cfg).eval()
+    with torch.no_grad():
+        ref.LayerNorm.weight.uniform_(0.5, 1.5)
+        ref.LayerNorm.bias.uniform_(-0.2, 0.2)
+    fused = BertEmbeddings(cfg, backend=backend).eval()
+    fused.load_state_dict(ref.state_dict())
+    return ref.to(dtype), fused.to(dtype)
+
+
+def awkward_ids(batch: int, length: int, vocab: int, pad: int = 0, seed: int = 1) -> torch.Tensor:
+    """Random ids with a repeated id in every row (gradient accumulation on one row) and trailing [PAD]s."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    ids[:, : min(3, length)] = 7  # the same row three times per sequence, batch times in all
+    if length > 4:
+        ids[:, -(length // 4):] = pad
+    return ids
+
+
+def assert_output_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32: within 5e-7 x max(1, max|ref|), a few ulps; other dtypes: assert_close's defaults for the dtype."""
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0, atol=5e-7 * max(1.0, ref.abs().max().item()))
+    else:
+        torch.testing.assert_close(out, ref)
+
+
+def assert_grad_close(grad: torch.Tensor, ref: torch.Tensor, name: str = "") -> None:
+    """rtol 1e-5 and atol 1e-5 x max|ref| (sums over many tokens differ by summation order)."""
+    assert grad is not None, f"{name}: no gradient"
+    torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5 * max(ref.abs().max().item(), 1e-30),
+                               msg=lambda m: f"{name}: {m}")
+
+
+def run_both(ref, fused, grad_seed: int = 2, **inputs):
+    """Forward both layers, backward the same random upstream gradient; returns (out_ref, out_fused)."""
+    out_ref, out = ref(**inputs), fused(**inputs)
+    upstream = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out_ref.dtype)
+    (out_ref * upstream).sum().backward()
+    (out * upstream).sum().backward()
+    return out_ref, out
+
+
+def assert_grads_match(ref, fused) -> None:
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
+        assert_grad_close(p.grad, p_ref.grad, name)

@@ -1,0 +1,211 @@
+"""The numba kernels (backend="cpu") against the reference layer: outputs, gradients of all five tensors, dropout,
+bad input, the custom op under torch.compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from bertembed.kernels import cpu, fused_embeddings  # noqa: E402
+from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("hidden", "batch", "length", "past"),
+    [(384, 3, 1, 0), (768, 2, 512, 0), (1024, 4, 40, 0), (200, 3, 17, 7), (97, 2, 9, 0)],
+)
+def test_forward_and_gradients_match_reference(hidden, batch, length, past):
+    ref, fused = twins(hidden, "cpu")
+    ids = awkward_ids(batch, length, ref.config.vocab_size)
+    segments = torch.randint(0, 2, (batch, length), generator=torch.Generator().manual_seed(3))
+    out_ref, out = run_both(ref, fused, input_ids=ids, token_type_ids=segments, past_key_values_length=past)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+    assert fused.word_embeddings.weight.grad[0].abs().max() == 0  # [PAD] row: no gradient, as nn.Embedding's
+
+
+def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
+    """H=2 makes LayerNorm a cancellation (x - mean is tiny when the two entries are close): torch's float32 mean is
+    then off by more than 5e-7, so the check here is against the float64 result, where the kernel must do no worse."""
+    ref, fused = twins(2, "cpu")
+    ids = awkward_ids(2, 5, ref.config.vocab_size)
+    exact = ref.double()(ids)
+    ref.float()
+    err_kernel = (fused(ids).double() - exact).abs().max().item()
+    err_torch = (ref(ids).double() - exact).abs().max().item()
+    assert err_kernel <= max(err_torch, 5e-7)
+
+
+@pytest.mark.parametrize("position_ids", ["shared", "per-row"])
+def test_explicit_position_ids(position_ids):
+    ref, fused = twins(64, "cpu")
+    ids = awkward_ids(3, 10, ref.config.vocab_size)
+    pos = torch.tensor([[5, 1, 9, 9, 0, 3, 2, 8, 7, 4]])
+    pos = pos if position_ids == "shared" else torch.stack([pos[0], pos[0].flip(0), pos[0] + 100])
+    out_ref, out = run_both(ref, fused, input_ids=ids, position_ids=pos)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
+@pytest.mark.parametrize("position_type", ["sinusoidal", "none"])
+def test_other_position_types(position_type):
+    ref, fused = twins(48, "cpu", position_embedding_type=position_type)
+    ids = awkward_ids(2, 12, ref.config.vocab_size)
+    out_ref, out = run_both(ref, fused, input_ids=ids)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
+def test_backward_is_deterministic():
+    _, fused = twins(96, "cpu")
+    ids = awkward_ids(8, 33, 50)  # a small vocabulary: many repeats of every id
+    grads = []
+    for _ in range(3):
+        fused.zero_grad(set_to_none=True)
+        fused(ids).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in fused.parameters()])
+    for again in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], again, strict=True))
+
+
+def test_dropout_p0_is_exact_in_training():
+    ref, fused = twins(64, "cpu", hidden_dropout_prob=0.0)
+    ref.train(), fused.train()
+    ids = awkward_ids(2, 16, ref.config.vocab_size)
+    out_ref, out = run_both(ref, fused, input_ids=ids)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
+def test_dropout_keeps_the_right_fraction_and_scales():
+    p = 0.25
+    ref, fused = twins(256, "cpu", hidden_dropout_prob=p)
+    ids = awkward_ids(8, 64, ref.config.vocab_size)
+    clean = ref(ids)  # eval: no dropout
+    fused.train()
+    torch.manual_seed(0)
+    out = fused(ids)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.01
+    assert_output_close(out[kept], clean[kept] / (1 - p))
+    torch.manual_seed(0)
+    assert torch.equal(fused(ids), out)  # the mask follows torch's generator
+    # Backward applies the same mask: compare with the reference layer times that mask.
+    upstream = torch.randn(out.shape)
+    (out * upstream).sum().backward()
+    ref.train()
+    ref.dropout.p = 0.0
+    (ref(ids) * kept / (1 - p) * upstream).sum().backward()
+    assert_grads_match(ref, fused)
+
+
+BAD_INPUTS = [
+    dict(input_ids=torch.tensor([[1, 2, 1000]])),  # id past the vocabulary
+    dict(input_ids=torch.tensor([[1, -1, 3]])),
+    dict(input_ids=torch.tensor([1, 2, 3])),  # no batch dimension
+    dict(input_ids=torch.tensor([[1.0, 2.0]])),
+    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
+    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1, 0]])),
+    dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),
+    dict(input_ids=torch.ones(1, 513, dtype=torch.long)),
+    dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=511),
+    dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=-1),
+    dict(),
+]
+
+
+@pytest.mark.parametrize("inputs", BAD_INPUTS)
+def test_bad_input_raises_reference_error_before_any_kernel(inputs, monkeypatch):
+    ref, fused = twins(32, "cpu")
+    with pytest.raises(ValueError) as expected:
+        ref(**inputs)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran on bad input")
+
+    monkeypatch.setattr(cpu, "forward", no_kernel)
+    monkeypatch.setattr(cpu, "run_forward", no_kernel)
+    with pytest.raises(ValueError) as got:
+        fused(**inputs)
+    assert str(got.value) == str(expected.value)
+
+
+def test_kernel_itself_never_reads_outside_a_table():
+    """Called directly (past validation), the kernels skip a bad id and report it instead of reading out of bounds."""
+    word, seg, pos = torch.randn(10, 8), torch.randn(2, 8), torch.randn(16, 8)
+    ones, zeros = torch.ones(8), torch.zeros(8)
+    for ids, tts, pids in [([3, 10], [0, 0], [0, 1]), ([3, -1], [0, 0], [0, 1]), ([3, 4], [0, 2], [0, 1]),
+                           ([3, 4], [0, 0], [0, 16])]:
+        args = [torch.tensor(a) for a in (ids, tts, pids)]
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            cpu.run_forward(*args, word, seg, pos, ones, zeros, 1e-12, 0.0, 0)
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            cpu.run_backward(torch.ones(2, 8), *args, word, seg, pos, ones, torch.zeros(2), torch.ones(2), 0.0, 0, 0)
+
+
+def test_functional_matches_module_and_fills_out_buffer():
+    ref, fused = twins(40, "cpu")
+    ids = awkward_ids(2, 7, ref.config.vocab_size)
+    tables = (ref.word_embeddings.weight, ref.token_type_embeddings.weight, ref.position_embeddings.weight,
+              ref.LayerNorm.weight, ref.LayerNorm.bias)
+    out_ref = ref(ids)
+    assert_output_close(fused_embeddings(ids, *tables, backend="cpu"), out_ref)
+    buffer = torch.empty(2, 7, 40)
+    with torch.no_grad():
+        assert fused_embeddings(ids, *tables, backend="cpu", out=buffer) is buffer
+    assert_output_close(buffer, out_ref)
+    with pytest.raises(ValueError, match="out= is for inference"):
+        fused_embeddings(ids, *tables, backend="cpu", out=buffer)
+
+
+def test_auto_falls_back_with_a_logged_reason(caplog):
+    ref, fused = twins(24, "auto")
+    embeds = torch.randn(2, 3, 24)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        out = fused(inputs_embeds=embeds)
+    assert torch.equal(out, ref(inputs_embeds=embeds))
+    assert "inputs_embeds" in caplog.text
+    ref64, fused64 = ref.double(), fused.double()
+    ids = awkward_ids(2, 5, 1000)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        assert torch.equal(fused64(ids), ref64(ids))
+    assert "torch.float64" in caplog.text
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="not one of"):
+        twins(8, "gpu")
+
+
+def test_custom_op_compiles_fullgraph():
+    ref, fused = twins(48, "cpu")
+    ids = awkward_ids(2, 9, ref.config.vocab_size)
+    segments, positions = torch.zeros_like(ids), torch.arange(9)[None].expand(2, 9)
+
+    def layer(word, seg, pos, weight, bias):
+        return torch.ops.bertembed.embeddings(ids, segments, positions, word, seg, pos, weight, bias, 1e-12, 0.0, 0,
+                                              0, "cpu", False)[0]
+
+    tables = [fused.word_embeddings.weight, fused.token_type_embeddings.weight, fused.position_embeddings.weight,
+              fused.LayerNorm.weight, fused.LayerNorm.bias]
+    torch._dynamo.reset()
+    out = torch.compile(layer, fullgraph=True)(*tables)
+    upstream = torch.randn(out.shape)
+    (out * upstream).sum().backward()
+    (ref(ids) * upstream).sum().backward()
+    assert_output_close(out, ref(ids))
+    assert_grads_match(ref, fused)
+
+
+def test_opcheck():
+    """torch.library's own consistency checks of the op: schema, fake tensor, autograd registration."""
+    word, seg, pos = torch.randn(20, 16, requires_grad=True), torch.randn(2, 16), torch.randn(8, 16)
+    ids = torch.tensor([[1, 2, 3, 0]])
+    args = (ids, torch.zeros_like(ids), torch.arange(4)[None], word, seg, pos, torch.ones(16), torch.zeros(16),
+            1e-12, 0.0, 0, 0, "cpu", False)
+    torch.library.opcheck(torch.ops.bertembed.embeddings.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
