@@ -1,0 +1,217 @@
+"""Each analysis against an independent computation written here (torch or numpy), on the bundled checkpoint and on
+a tiny random one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest_explain import bundled, load_tables, make_tiny, tiny, tiny_b  # noqa: F401  (fixtures)
+
+from bertembed.embeddings import BertEmbeddings, sinusoidal_table
+from bertembed.explain import (analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift,
+                               explain_text)
+from bertembed.explain.positions import (dct_basis, lowfreq_share, sinusoidal_numpy, spectrum,
+                                         structure_correlation)
+from bertembed.explain.tokens import spearman
+from bertembed.tokenizer import Tokenizer
+
+
+def cosine(t: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(t[:, None, :], t[None, :, :], dim=-1)
+
+
+# --- decomposition ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny", "bundled"])
+def test_decomposition_parts_and_variance_shares(which, tiny):
+    model = tiny if which == "tiny" else None
+    text, text_b = ("the cat sat", "a dog") if which == "tiny" else ("The quick brown fox", "It jumps.")
+    dec = explain_text(text, text_b, model)
+    t = load_tables(tiny if which == "tiny" else Tokenizer.from_pretrained().source.folder)
+    ids, types = torch.tensor(dec.ids), torch.tensor(dec.segments)
+    assert dec.segments[-1] == 1 and dec.segments[0] == 0
+    word, pos, seg = t["word_embeddings.weight"][ids], t["position_embeddings.weight"][:len(ids)], \
+        t["token_type_embeddings.weight"][types]
+    torch.testing.assert_close(torch.from_numpy(dec.word).double(), word, rtol=0, atol=1e-7)
+    torch.testing.assert_close(torch.from_numpy(dec.segment).double(), seg, rtol=0, atol=1e-7)
+    total = word + pos + seg
+    ref = F.layer_norm(total, (total.shape[-1],), t["LayerNorm.weight"], t["LayerNorm.bias"], eps=1e-12)
+    torch.testing.assert_close(torch.from_numpy(dec.output).double(), ref, rtol=1e-5, atol=1e-5)
+    # shares: covariance of each part with the sum over its variance, written independently with torch.cov
+    shares = dec.variance_shares()
+    for i in range(len(ids)):
+        var = total[i].var(unbiased=False)
+        for name, part in (("word", word), ("position", pos), ("segment", seg)):
+            cov = torch.cov(torch.stack([part[i], total[i]]), correction=0)[0, 1]
+            assert shares[name][i] == pytest.approx(float(cov / var), abs=1e-5)
+    assert np.allclose(sum(shares.values()), 1.0, atol=1e-9)
+    assert sum(dec.overall_shares().values()) == pytest.approx(1.0)
+
+
+# --- positions ------------------------------------------------------------------------------------------------
+
+def test_sinusoid_helpers_match_the_torch_table_and_correlate_perfectly():
+    table = sinusoidal_numpy(64, 22)
+    assert np.allclose(table, sinusoidal_table(64, 22).double().numpy(), atol=1e-6)
+    sim = cosine(torch.from_numpy(table)).numpy()
+    assert structure_correlation(sim, sim) == pytest.approx(1.0)
+    assert structure_correlation(sim, -sim) == pytest.approx(-1.0)
+
+
+def test_lowfreq_share_and_spectrum_on_known_signals():
+    P = 100
+    basis = dct_basis(P, 8)
+    assert np.allclose(basis.T @ basis, np.eye(8), atol=1e-12)
+    rng = np.random.default_rng(0)
+    low = basis @ rng.normal(size=(8, 5)) + 3.0  # only the 8 lowest cosines, plus a constant
+    assert lowfreq_share(low, 8) == pytest.approx(1.0)
+    high = dct_basis(P, 40)[:, 20:] @ rng.normal(size=(20, 5))
+    assert lowfreq_share(high, 8) == pytest.approx(0.0, abs=1e-12)
+    wave = np.cos(2 * np.pi * 5 * np.arange(P) / P)[:, None] * np.ones((1, 3))
+    spec = spectrum(wave)
+    assert spec.sum() == pytest.approx(1.0) and int(np.argmax(spec)) == 5 and spec[5] == pytest.approx(1.0)
+
+
+def test_positions_bundled_against_torch(bundled):
+    report = analyze_positions(bundled)
+    table = torch.from_numpy(bundled.tensors["position_embeddings.weight"]).double()
+    sim = cosine(table).numpy()
+    assert np.allclose(report.similarity, sim, atol=1e-9)
+    assert np.allclose(report.similarity, report.similarity.T) and np.allclose(np.diag(report.similarity), 1.0)
+    assert np.allclose(report.norms, table.norm(dim=1).numpy())
+    sin_sim = cosine(sinusoidal_table(512, 384).double()).numpy()
+    upper = np.triu_indices(512, 1)
+    assert report.structure_correlation == pytest.approx(np.corrcoef(sim[upper], sin_sim[upper])[0, 1], abs=1e-5)
+    s = report.split
+    assert s["at"] == 128
+    assert s["mean_norm_before"] == pytest.approx(float(table[:128].norm(dim=1).mean()))
+    assert s["mean_norm_after"] == pytest.approx(float(table[128:].norm(dim=1).mean()))
+    assert s["boundary_cosine"] == pytest.approx(float(F.cosine_similarity(table[127], table[128], dim=0)))
+    assert s["adjacent_cosine_before"] == pytest.approx(float(F.cosine_similarity(table[:127], table[1:128]).mean()))
+    assert report.lowfreq_share_noise == pytest.approx(16 / 511)
+    assert report.verdict.startswith("No")
+
+
+def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
+    folder = make_tiny(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    key = "embeddings.position_embeddings.weight"
+    tensors[key] = sinusoidal_table(*tensors[key].shape).contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    report = analyze_positions(folder)
+    assert report.structure_correlation == pytest.approx(1.0)
+    assert report.lowfreq_share == pytest.approx(report.lowfreq_share_sinusoid)
+    assert report.split == {} and report.verdict.startswith("Yes")
+
+
+# --- segments -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny", "bundled"])
+def test_segments_against_the_torch_layer(which, tiny):
+    model, text = (tiny, "the quick fox") if which == "tiny" else (None, "The quick brown fox")
+    report = analyze_segments(model, text, "the cat")
+    layer = BertEmbeddings.from_pretrained(model).double().eval()
+    seg = layer.token_type_embeddings.weight.detach()
+    assert report.difference_norm == pytest.approx(float((seg[1] - seg[0]).norm()))
+    assert report.cosine == pytest.approx(float(F.cosine_similarity(seg[0], seg[1], dim=0)))
+    assert report.zeros_and_ones is False
+    ids = torch.tensor([Tokenizer.from_pretrained(model)(text).input_ids])
+    with torch.no_grad():
+        out_a, out_b = layer(ids, torch.zeros_like(ids))[0], layer(ids, torch.ones_like(ids))[0]
+    assert np.allclose(report.output_change, (out_b - out_a).norm(dim=1).numpy(), atol=1e-4)
+    assert np.allclose(report.output_cosine, F.cosine_similarity(out_a, out_b).numpy(), atol=1e-5)
+    assert report.pair_segments.count(1) == len(report.pair_tokens) - report.pair_segments.index(1)
+
+
+def test_segments_that_are_zeros_and_ones_are_reported(tmp_path):
+    folder = make_tiny(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embeddings.token_type_embeddings.weight"] = torch.stack([torch.zeros(10), torch.ones(10)])
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert analyze_segments(folder, "the cat").zeros_and_ones is True
+
+
+# --- tokens ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny", "bundled"])
+def test_token_neighbours_are_the_torch_top_k(which, tiny):
+    model, token = (tiny, "king") if which == "tiny" else (None, "king")
+    report = analyze_tokens(token, model, k=5)
+    words = load_tables(tiny if which == "tiny" else Tokenizer.from_pretrained().source.folder)[
+        "word_embeddings.weight"]
+    row = Tokenizer.from_pretrained(model).token_to_id(token)
+    cos = F.cosine_similarity(words, words[row][None], dim=1)
+    cos[row] = -2
+    top = cos.topk(5)
+    assert [n["id"] for n in report.neighbours] == top.indices.tolist()
+    assert np.allclose([n["cosine"] for n in report.neighbours], top.values.numpy())
+    assert report.pad_is_zero is (which == "tiny")
+    assert np.allclose(report.norms, words.norm(dim=1).numpy())
+    assert {s["token"] for s in report.special} == {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+
+
+def test_token_norm_rank_correlation_on_bundled(bundled):
+    report = analyze_tokens("king", bundled)
+    assert report.rank_start == 1996 and report.unused_median_norm is not None
+    norms = report.norms[1996:]
+    ranks = np.empty(len(norms))
+    ranks[np.argsort(norms)] = np.arange(len(norms))
+    expected = np.corrcoef(np.arange(len(norms)), ranks)[0, 1]
+    assert report.rank_norm_correlation == pytest.approx(expected)
+    assert spearman(np.arange(10.0), np.arange(10.0) ** 3) == pytest.approx(1.0)
+
+
+def test_unknown_token_names_its_pieces(tiny):
+    with pytest.raises(ValueError, match=r"not an entry of the vocabulary.*'king', '##s'|king.*##s"):
+        analyze_tokens("kingss", tiny)
+
+
+# --- one-hot --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny", "bundled"])
+def test_onehot_equals_lookup(which, tiny):
+    model, text = (tiny, "the cat sat on the mat") if which == "tiny" else (None, "I am Sinan")
+    report = analyze_onehot(text, model, repeats=2)
+    words = load_tables(tiny if which == "tiny" else Tokenizer.from_pretrained().source.folder)[
+        "word_embeddings.weight"].float()
+    ids = torch.tensor(report.ids)
+    assert torch.equal(F.one_hot(ids, words.shape[0]).float() @ words, words[ids])
+    assert report.equal and report.max_abs_diff == 0.0
+    assert report.lookup_bytes == len(ids) * words.shape[1] * 4
+    assert report.onehot_bytes == len(ids) * words.shape[0] * 4 + words.numel() * 4
+    assert report.lookup_seconds > 0 and report.onehot_seconds > 0
+    if which == "bundled":
+        assert report.ids == [101, 1045, 2572, 8254, 2319, 102]  # the seed's ids for "I am Sinan"
+
+
+# --- drift ----------------------------------------------------------------------------------------------------
+
+def test_drift_finds_exactly_the_changed_rows(tiny, tiny_b):
+    folder_b, changes = tiny_b
+    report = drift(tiny, folder_b, top=5)
+    by_table = {t.table: t for t in report.tables}
+    a, b = load_tables(tiny), load_tables(folder_b)
+    for name, key in (("word", "word_embeddings.weight"), ("position", "position_embeddings.weight")):
+        delta = b[key] - a[key]
+        assert by_table[name].relative_change == pytest.approx(float(delta.norm() / a[key].norm()), rel=1e-5)
+        changed = sorted(row for (k, row) in changes if k.endswith(key))
+        assert sorted(r["row"] for r in by_table[name].top) == changed
+        assert by_table[name].rows_changed == len(changed)
+    assert [r["row"] for r in by_table["word"].top] == [7, 19]  # the bigger change first
+    assert by_table["word"].top[0]["label"].startswith("cat")
+    assert by_table["segment"].rows_changed == 0 and by_table["segment"].relative_change == 0.0
+
+
+def test_drift_refuses_different_shapes(tiny, tmp_path):
+    from bertembed.config import EmbeddingConfig
+
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=29, hidden_size=12, max_position_embeddings=16))
+    layer.save_pretrained(tmp_path / "wide")
+    with pytest.raises(ValueError, match="different shapes.*word_embeddings.weight: \\(29, 10\\) vs \\(29, 12\\)"):
+        drift(tiny, tmp_path / "wide")
