@@ -23,6 +23,8 @@ _LAZY = {
     "Encoding": "bertembed.tokenizer",
     "load_checkpoint": "bertembed.checkpoint",
     "NumpyEmbeddings": "bertembed.numpy_layer",
+    "patch": "bertembed.dropin",
+    "unpatch": "bertembed.dropin",
 }
 
 __all__ = ["DEFAULT_MODEL", "__version__", *_LAZY]
@@ -30,6 +32,7 @@ __all__ = ["DEFAULT_MODEL", "__version__", *_LAZY]
 if TYPE_CHECKING:
     from bertembed.checkpoint import load_checkpoint
     from bertembed.config import EmbeddingConfig
+    from bertembed.dropin import patch, unpatch
     from bertembed.embeddings import BertEmbeddings, Decomposition, sinusoidal_table
     from bertembed.numpy_layer import NumpyEmbeddings
     from bertembed.tokenizer import Encoding, Tokenizer

@@ -1,0 +1,83 @@
+"""The drop-in: swap the embedding layer of a transformers BERT model for bertembed's fused one, weights kept.
+
+    model = bertembed.patch(BertForSequenceClassification.from_pretrained(...))  # same outputs, fused kernel
+    bertembed.unpatch(model)                                                     # transformers' layer again
+
+(The module is `dropin`, not `patch`: a submodule named `patch` would shadow the function `bertembed.patch`.)
+
+The new layer shares the old one's submodules (`word_embeddings`, `position_embeddings`, `token_type_embeddings`,
+`LayerNorm`, `dropout`), so parameters, tied weights, state-dict keys and optimizer state all stay as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from bertembed.config import EmbeddingConfig
+from bertembed.embeddings import BertEmbeddings
+
+log = logging.getLogger(__name__)
+
+_SHARED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
+_BUFFERS = ("position_ids", "token_type_ids")
+
+
+def _is_hf_bert_embeddings(module: nn.Module) -> bool:
+    """transformers' BertEmbeddings exactly: look-alikes (RoBERTa's positions count from the padding id) are left."""
+    kind = type(module)
+    return kind.__name__ == "BertEmbeddings" and kind.__module__.startswith("transformers.models.bert.")
+
+
+def _config_of(hf: nn.Module) -> EmbeddingConfig:
+    """The layer's sizes and constants, read from its own tables (the model config may not be at hand)."""
+    vocab, hidden = hf.word_embeddings.weight.shape
+    pad = hf.word_embeddings.padding_idx
+    return EmbeddingConfig(
+        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=hf.position_embeddings.weight.shape[0],
+        type_vocab_size=hf.token_type_embeddings.weight.shape[0], layer_norm_eps=hf.LayerNorm.eps,
+        hidden_dropout_prob=hf.dropout.p, pad_token_id=0 if pad is None else pad, position_embedding_type="absolute")
+
+
+def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
+    """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated)."""
+    with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
+        layer = BertEmbeddings(_config_of(hf), backend=backend)
+    for name in _SHARED:
+        setattr(layer, name, getattr(hf, name))
+    for name in _BUFFERS:
+        setattr(layer, name, getattr(hf, name))
+    layer.train(hf.training)
+    object.__setattr__(layer, "_bertembed_original", hf)  # not a submodule: stays out of state_dict and .to()
+    return layer
+
+
+def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Replace every transformers `BertEmbeddings` in `model` (BertModel, BertFor... heads, sentence-transformers
+    models built on them) with bertembed's fused layer, in place, keeping the weights. Returns `model`."""
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if _is_hf_bert_embeddings(child):
+                setattr(parent, name, fused_from(child, backend))
+                swapped.append(f"{parent_name}.{name}".lstrip("."))
+    if not swapped:
+        raise ValueError(f"no transformers BertEmbeddings found in {type(model).__name__}: bertembed.patch works on "
+                         f"BERT models (BertModel, BertFor..., sentence-transformers models built on them)")
+    log.info("bertembed.patch: fused embeddings (backend=%r) at %s", backend, ", ".join(swapped))
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put back the transformers layers that `patch` replaced (with the current weights and buffers). Returns `model`."""
+    for _parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            original = getattr(child, "_bertembed_original", None)
+            if original is not None:
+                for shared in _SHARED + _BUFFERS:  # .to() or assignment may have replaced them since patch
+                    setattr(original, shared, getattr(child, shared))
+                original.train(child.training)
+                setattr(parent, name, original)
+    return model

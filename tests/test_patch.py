@@ -1,0 +1,110 @@
+"""bertembed.patch on transformers models: the whole model's outputs and gradients agree with the unpatched model
+within 1e-5 (float32; gradients relative to their largest entry); unpatch restores transformers' layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+transformers = pytest.importorskip("transformers")
+
+import bertembed  # noqa: E402
+from bertembed.embeddings import BertEmbeddings  # noqa: E402
+
+
+def tiny_config(**overrides):
+    return transformers.BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0, **overrides)
+
+
+def model_of(kind, seed=0):
+    torch.manual_seed(seed)
+    model = kind(tiny_config())
+    emb = model.bert.embeddings if hasattr(model, "bert") else model.embeddings
+    with torch.no_grad():
+        emb.LayerNorm.weight.uniform_(0.5, 1.5)
+        emb.LayerNorm.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 300, (3, 12), generator=gen)
+    ids[:, :2] = 5  # repeated ids
+    ids[1, 9:] = 0  # padding
+    mask = (ids != 0).long()
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.randint(0, 2, (3, 12), generator=gen))
+
+
+def first_output(output):
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+def forward_backward(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = first_output(model(**inputs))
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["BertModel", "BertForSequenceClassification", "BertForMaskedLM"])
+def test_patched_model_matches_original(kind):
+    original = model_of(getattr(transformers, kind)).train()  # train mode, dropout 0: the training path
+    patched = bertembed.patch(copy.deepcopy(original), backend="cpu")
+    assert isinstance(patched.base_model.embeddings, BertEmbeddings)
+    inputs = batch()
+    out_ref, grads_ref = forward_backward(original, inputs)
+    out, grads = forward_backward(patched, inputs)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
+    assert grads.keys() == grads_ref.keys()
+    for name, grad in grads.items():
+        # 1e-5 relative to the largest entry: table gradients sum many tokens, in another order than autograd's
+        scale = max(1.0, grads_ref[name].abs().max().item())
+        torch.testing.assert_close(grad, grads_ref[name], rtol=1e-5, atol=1e-5 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_patch_keeps_weights_keys_and_ties():
+    model = model_of(transformers.BertForMaskedLM)
+    keys = set(model.state_dict())
+    word = model.bert.embeddings.word_embeddings.weight
+    bertembed.patch(model, backend="cpu")
+    assert set(model.state_dict()) == keys
+    assert model.bert.embeddings.word_embeddings.weight is word
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # the MLM tie survives
+
+
+def test_unpatch_restores_transformers_layer():
+    model = model_of(transformers.BertModel).eval()
+    original_layer = model.embeddings
+    inputs = batch()
+    expected = first_output(model(**inputs))
+    bertembed.patch(model)
+    assert model.embeddings is not original_layer
+    assert bertembed.unpatch(model).embeddings is original_layer
+    assert torch.equal(first_output(model(**inputs)), expected)
+
+
+def test_patch_finds_bert_inside_a_wrapper():
+    """sentence-transformers keeps the BertModel as `auto_model` inside its own modules: found by type, any path."""
+    wrapper = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    wrapper[1].auto_model = model_of(transformers.BertModel)
+    bertembed.patch(wrapper, backend="cpu")
+    assert isinstance(wrapper[1].auto_model.embeddings, BertEmbeddings)
+
+
+def test_patch_refuses_a_model_without_bert_embeddings():
+    with pytest.raises(ValueError, match="no transformers BertEmbeddings"):
+        bertembed.patch(torch.nn.Linear(2, 2))
+
+
+def test_patched_layer_matches_hf_embeddings_directly():
+    hf = model_of(transformers.BertModel).embeddings.train()
+    fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="cpu")
+    ids = batch()["input_ids"]
+    torch.testing.assert_close(fused(input_ids=ids, past_key_values_length=3),
+                               hf(input_ids=ids, past_key_values_length=3), rtol=0, atol=5e-7 * 5)
