@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest_explain import TINY_SENTENCES, load_tables, tiny  # noqa: F401  (fixture)
 
 from bertembed.explain.finetune import DEFAULT_RUNS, SENTENCES, RunSpec, finetune_demo
 from bertembed.tokenizer import Tokenizer
+from conftest_explain import TINY_SENTENCES, load_tables, tiny  # noqa: F401  (fixture)
 
 
 def theory(model, sentences) -> dict[str, set[int]]:

@@ -170,7 +170,8 @@ def plot_neighbours(report, ax=None):
     fig, ax = _axes(ax, size=(6, 3.6))
     names = [n["token"] for n in report.neighbours][::-1]
     ax.barh(names, [n["cosine"] for n in report.neighbours][::-1], color=PART_COLOURS["word"])
-    ax.set(xlabel="cosine similarity", title=f"Nearest neighbours of {report.token!r} in the word table", xlim=(0, 1))
+    ax.set(xlabel="cosine similarity", ylabel="token", xlim=(min(0, *(n["cosine"] for n in report.neighbours)), 1),
+           title=f"Nearest neighbours of {report.token!r} in the word table")
     return fig
 
 

@@ -20,7 +20,8 @@ from bertembed.explain._common import ModelArg, figure_png, html_table, img_tag,
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;font-size:.8em;margin:1em 0;display:block;overflow-x:auto;max-width:100%}td,th{border:1px solid #ddd;padding:2px 6px;
+table{border-collapse:collapse;font-size:.8em;margin:1em 0;display:block;overflow-x:auto;max-width:100%}
+td,th{border:1px solid #ddd;padding:2px 6px;
 text-align:right}th{background:#f4f4f4}caption{text-align:left;font-style:italic;padding:4px 0}
 figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.92em;color:#333}
 .verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}"""

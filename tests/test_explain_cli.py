@@ -1,0 +1,143 @@
+"""The explain, inspect, finetune-demo and drift commands: output, JSON, files written, and bad input (a message and
+exit status 2, no traceback, no half-written file)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import matplotlib.image as mpimg
+import pytest
+from typer.testing import CliRunner
+
+from bertembed.cli import app
+from conftest_explain import tiny, tiny_b  # noqa: F401  (fixtures)
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, pattern: str) -> None:
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and re.search(pattern, text), text
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_inspect_positions_json(tiny):
+    result = invoke("inspect", "positions", "--model", tiny, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)["summary"]
+    assert summary["positions"] == 16 and summary["verdict"]
+
+
+def test_inspect_tokens_table_and_plot(tiny, tmp_path):
+    result = invoke("inspect", "tokens", "king", "--model", tiny, "-k", "3", "--plot", tmp_path / "t.png")
+    assert result.exit_code == 0, result.output
+    assert "verdict" not in result.output and "[PAD]" in result.output
+    image = mpimg.imread(tmp_path / "t.png")
+    assert image.shape[0] > 400 and image.std() > 0.05  # two figures stacked, not blank
+
+
+def test_inspect_segments_and_onehot(tiny):
+    result = invoke("inspect", "segments", "the cat sat", "--model", tiny)
+    assert result.exit_code == 0 and "not zeros and ones" in " ".join(result.output.split())
+    data = json.loads(invoke("inspect", "onehot", "the cat sat", "--model", tiny, "--json").output)
+    assert data["summary"]["equal"] is True and data["summary"]["max_abs_diff"] == 0.0
+
+
+def test_finetune_demo_and_drift(tiny, tmp_path):
+    result = invoke("finetune-demo", "--model", tiny, "--steps", "2", "--json", "--save", tmp_path / "ft")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["rows"]
+    assert {(r["run"], r["table"]) for r in rows if r["moved"] == r["rows"]} >= {
+        ("AdamW, weight decay 0.01", "position"), ("AdamW, weight decay 0.01", "segment")}
+    assert all(r["moved"] == r["expected"] for r in rows)
+    drift = json.loads(invoke("drift", tiny, tmp_path / "ft", "--json").output)
+    by_table = {r["table"]: r for r in drift["rows"]}
+    assert by_table["word"]["rows_changed"] == next(r["moved"] for r in rows if r["table"] == "word")
+
+
+def test_drift_table_output(tiny, tiny_b):
+    result = invoke("drift", tiny, tiny_b[0])
+    assert result.exit_code == 0, result.output
+    assert "cat (7)" in result.output and "pos 3" in result.output
+
+
+def test_explain_report_and_plots(tiny, tmp_path):
+    report, plots = tmp_path / "r.html", tmp_path / "figs"
+    result = invoke("explain", "the cat sat", "a dog", "--model", tiny, "--report", report, "--plots", plots)
+    assert result.exit_code == 0, result.output
+    page = report.read_text()
+    assert page.count("<img") == 12 == page.count('src="data:image/png;base64,')
+    assert not re.search(r"(src|href)=\"(https?:|//)", page) and "<link" not in page and "<script src" not in page
+    assert "@import" not in page and "url(" not in page
+    assert len(list(plots.glob("*.png"))) == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "r.html"]  # no temporary files left
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["explain", "   "], "TEXT is empty"),
+    (["explain", "the cat " * 10], "positions"),  # 22 tokens, the tiny table has 16 rows
+    (["inspect", "tokens", "kingss"], "not an entry of the vocabulary"),
+    (["inspect", "onehot", ""], "empty"),
+    (["inspect", "segments", ""], "empty"),
+])
+def test_bad_text_is_a_clear_error(tiny, args, pattern):
+    assert_user_error(invoke(*args, "--model", tiny), pattern)
+
+
+@pytest.mark.parametrize("target, pattern", [
+    ("missing/r.html", "does not exist"),
+    (".", "is a folder"),
+    ("afile/r.html", "does not exist"),  # the "folder" is a regular file
+])
+def test_bad_report_path_fails_before_any_work(tiny, tmp_path, target, pattern):
+    (tmp_path / "afile").write_text("x")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--report", tmp_path / target), pattern)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_too_long_text_leaves_no_report(tiny, tmp_path):
+    assert_user_error(invoke("explain", "the cat " * 10, "--model", tiny, "--report", tmp_path / "r.html"),
+                      "16 positions")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_while_rendering_leaves_no_report(tiny, tmp_path, monkeypatch):
+    from bertembed.explain import report
+
+    def broken(result):
+        raise ValueError("figure failed on purpose")
+
+    monkeypatch.setattr(report, "render_figures", broken)
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--report", tmp_path / "r.html"),
+                      "on purpose")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_checkpoints_for_drift(tiny, tmp_path):
+    from bertembed.config import EmbeddingConfig
+    from bertembed.embeddings import BertEmbeddings
+
+    BertEmbeddings(EmbeddingConfig(vocab_size=29, hidden_size=12, max_position_embeddings=16)).save_pretrained(
+        tmp_path / "wide")
+    assert_user_error(invoke("drift", tiny, tmp_path / "wide"), r"different shapes")
+    assert_user_error(invoke("drift", tiny, tmp_path / "nowhere"), r"neither an existing file or folder")
+    assert_user_error(invoke("inspect", "positions", "--model", tiny, "--plot", tmp_path / "no" / "p.png"),
+                      "does not exist")
+
+
+def test_plain_explain_imports_neither_torch_nor_matplotlib():
+    code = ("import sys\nfrom bertembed.cli import app\n"
+            "app(['explain', 'The quick brown fox'], standalone_mode=False)\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout

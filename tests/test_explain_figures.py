@@ -1,0 +1,53 @@
+"""Figures and notebook views: every plot draws from real results without show(), captions state the numbers."""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+from bertembed.explain import figures
+from bertembed.explain.report import run_analyses
+from conftest_explain import tiny  # noqa: F401  (fixture)
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def results(tiny):
+    from bertembed.explain.drift import drift
+
+    out = run_analyses("the cat sat", "a dog", tiny, steps=2)
+    return [*out, drift(tiny, tiny)]
+
+
+def test_every_figure_draws_with_a_numeric_caption(results, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda *a, **k: pytest.fail("plots must not call show()"))
+    drawn = set()
+    for result in results:
+        for spec in figures.specs_for(result):
+            fig = spec.draw(result)
+            assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
+            assert all(ax.get_ylabel() for ax in fig.axes), spec.name  # every axis says what it measures
+            assert fig.axes[0].get_title() or fig.get_suptitle(), spec.name
+            caption = spec.caption(result)
+            assert any(ch.isdigit() for ch in caption) and len(caption) > 80
+            drawn.add(spec.name)
+            plt.close(fig)
+    assert drawn == {s.name for s in figures.FIGURES}
+
+
+def test_single_panel_plots_draw_into_a_given_ax(results):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    assert figures.plot_decomposition_norms(results[0], ax=ax) is fig
+    assert len(ax.patches) >= 3 * len(results[0].tokens)  # three bars per token
+    plt.close(fig)
+
+
+def test_results_render_in_notebooks(results):
+    for result in results:
+        page = result._repr_html_()
+        assert "<table>" in page and page.count("<img") == len(figures.specs_for(result))
