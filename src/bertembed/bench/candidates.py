@@ -98,10 +98,23 @@ def _fused_module(work: Workload) -> nn.Module:
         module = BertEmbeddings(work.config, backend=backend)
     except TypeError as err:
         raise NotAvailable(f"BertEmbeddings has no backend= argument yet ({err})") from err
-    except (ValueError, RuntimeError) as err:
+    except (ImportError, ValueError, RuntimeError) as err:
         raise NotAvailable(f"backend={backend!r} refused: {err}") from err
+    _check_no_fallback(backend, work)
     module.load_state_dict(work.state_dict)
     return module
+
+
+def _check_no_fallback(backend: str, work: Workload) -> None:
+    """The layer would quietly run the reference where the kernel cannot (a logged fallback); here that must show."""
+    import bertembed.kernels as kernels
+
+    select = getattr(kernels, "select_backend", None)
+    if select is None:
+        return
+    chosen, reason = select(backend, torch.device(work.case.device), _DTYPES[work.case.dtype])
+    if chosen == "reference":
+        raise NotAvailable(f"backend={backend!r} would fall back to the reference: {reason}")
 
 
 def _reference_module(work: Workload) -> nn.Module:
@@ -113,8 +126,8 @@ def _reference_module(work: Workload) -> nn.Module:
 
 
 def _torch_call(module: nn.Module, work: Workload) -> Callable[[], Any]:
-    """Forward under no_grad in eval mode, or one training step: grads set to None (as `zero_grad()` does),
-    forward in train mode, backward of a fixed output gradient."""
+    """Forward under no_grad in eval mode, or one training step: forward in train mode, backward of a fixed output
+    gradient into fresh dense gradients, then the gradients set to None (as `zero_grad()` does)."""
     case = work.case
     module = module.to(torch.device(case.device), _DTYPES[case.dtype])
     ids, types = work.input_ids, work.token_type_ids
@@ -131,9 +144,9 @@ def _torch_call(module: nn.Module, work: Workload) -> Callable[[], Any]:
     grad = work.grad_output
 
     def step() -> None:
-        for p in params:
-            p.grad = None
         module(ids, types).backward(grad)
+        for p in params:  # freed at the end, so a peak-memory measurement of one step sees the gradients' birth
+            p.grad = None
 
     return step
 

@@ -82,8 +82,8 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> int:
 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, threads: int = 2, min_run_time: float = 0.5) -> float:
-    """Measured memory-copy bandwidth in bytes/s, counting read + write (2 x nbytes per copy), best block of a
-    `torch.utils.benchmark` run of `dst.copy_(src)` on float32 tensors larger than the last-level cache (1 GiB by default)."""
+    """Measured memory-copy bandwidth in bytes/s, counting read + write (2 x nbytes per copy): the best block of a
+    `torch.utils.benchmark` run of `dst.copy_(src)` on float32 tensors above the last-level cache (1 GiB default)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch

@@ -65,9 +65,9 @@ def _lookup(results: list[dict[str, Any]], quantity: Quantity) -> tuple[float | 
         return None, f"{key} not measured in this run"
     record = records[0]
     if record.get("status") != "ok":
-        return None, f"{candidate}: {record.get('status')} ({record.get('note', '')})"
+        return None, f"{candidate} {record.get('status')}"  # the case's table carries the full note
     if record.get(field) is None:
-        return None, f"{candidate}: no {field} ({record.get('note', '')})"
+        return None, f"{candidate} has no {field}"
     return float(record[field]), ""
 
 

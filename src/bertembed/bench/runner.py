@@ -40,7 +40,7 @@ class BenchOptions:
     candidates: tuple[str, ...] = CANDIDATES
     cases: list[Case] | None = None
     device: str = "auto"
-    min_run_time: float | None = None  # seconds per timer; default 0.15 quick, 1.0 full
+    min_run_time: float | None = None  # seconds per timer; default 0.1 quick, 1.0 full
     bandwidth_bytes: int = 1 << 30  # copy buffer: above the last-level cache
     vocab_size: int = 30522
     warmup: int = 3
@@ -77,8 +77,8 @@ def _cuda_available() -> bool:
 def worker_spec(options: BenchOptions, condition: str, cases: list[Case]) -> dict[str, Any]:
     return {
         "condition": condition, "threads": options.threads, "cases": [c.to_dict() for c in cases],
-        "candidates": list(options.candidates), "min_run_time": options.min_run_time or (0.15 if options.quick else 1.0),
-        "bandwidth_bytes": options.bandwidth_bytes, "bandwidth_min_run_time": 0.3 if options.quick else 1.0,
+        "candidates": list(options.candidates), "min_run_time": options.min_run_time or (0.1 if options.quick else 1.0),
+        "bandwidth_bytes": options.bandwidth_bytes, "bandwidth_min_run_time": 0.2 if options.quick else 1.0,
         "vocab_size": options.vocab_size, "warmup": options.warmup,
     }
 

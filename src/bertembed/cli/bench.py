@@ -72,16 +72,24 @@ def _print_summary(report: dict) -> None:
         bandwidth = condition["meta"].get("bandwidth_bytes_per_s", {})
         table = Table(title=f"allocator {name}; copy bandwidth "
                       + ", ".join(f"{d} {b / 1e9:.1f} GB/s" for d, b in bandwidth.items()), title_justify="left")
-        for column in ("case", "candidate", "median ms", "IQR ms", "GB/s", "peak / output", "status"):
-            table.add_column(column, justify="left" if column in ("case", "candidate", "status") else "right")
+        for column in ("case", "candidate", "ms", "IQR ms", "GB/s", "peak/out"):
+            table.add_column(column, justify="left" if column in ("case", "candidate") else "right", no_wrap=True)
+        notes: dict[str, str] = {}
         for r in condition["results"]:
-            ok = r["status"] == "ok"
+            c = r["case"]
+            case = (f"{'' if c['device'] == 'cpu' else c['device'] + ' '}H{c['hidden']} {c['batch']}x{c['length']} "
+                    f"{c['mode']}{'' if c['dtype'] == 'float32' else ' ' + c['dtype']}")
+            if r["status"] != "ok":
+                notes[f"{r['candidate']} {r['status']}"] = r.get("note", "")
+                table.add_row(case, r["candidate"], r["status"], "", "", "")
+                continue
             gbs, peak = r.get("achieved_bytes_per_s"), r.get("peak_bytes")
-            table.add_row(r["key"], r["candidate"], f"{r['median_s'] * 1e3:.3f}" if ok else "",
-                          f"{r['iqr_s'] * 1e3:.3f}" if ok else "", f"{gbs / 1e9:.1f}" if gbs else "",
-                          f"{peak / r['output_bytes']:.2f}x" if peak is not None else "",
-                          "ok" if ok else f"{r['status']}: {r.get('note', '')}"[:60])
+            table.add_row(case, r["candidate"], f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
+                          f"{gbs / 1e9:.1f}" if gbs else "", f"{peak / r['output_bytes']:.2f}x" if peak else "")
         console.print(table)
+        for what, note in notes.items():
+            console.print(f"  [dim]{what}: {note}[/dim]")
+        console.print(f"targets ({name}):")
         for row in report["targets"][name]:
             style = _RESULT_STYLE.get(row["result"], "yellow")
             value = "" if row["value"] is None else f"{row['value']:.2f} "

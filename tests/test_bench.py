@@ -1,0 +1,110 @@
+"""The benchmark harness: ORT's fused op against the reference, the bandwidth-bound arithmetic, and a tiny run.
+
+No timing is asserted: these tests check that the harness measures the right thing and writes well-formed reports.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bertembed.bench import candidates as cands
+from bertembed.bench.cases import Case, bound_bytes, bound_seconds, candidates_for, default_cases
+from bertembed.bench.report import evaluate_targets, markdown
+from bertembed.bench.runner import BenchOptions, count_steps, run_bench
+
+
+@pytest.mark.parametrize("hidden", [48, 100])  # 100: not a power of two
+def test_ort_embed_layernorm_equals_reference(hidden):
+    pytest.importorskip("onnxruntime")
+    from bertembed.bench.onnx_graph import embed_layernorm_model, ort_forward, ort_session
+
+    work = cands.make_workload(Case(hidden, 3, 17), seed=1, vocab_size=200)
+    model = embed_layernorm_model(work.state_dict, work.config.layer_norm_eps)
+    run = ort_forward(ort_session(model, threads=1), work.input_ids, work.token_type_ids)
+    out = torch.from_numpy(run())
+    reference = cands.reference_output(work)
+    assert out.shape == (3, 17, hidden)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-5)
+    # gamma and beta are not the identity, so a missing scale or shift would show
+    assert not torch.allclose(work.state_dict["LayerNorm.weight"], torch.ones(hidden))
+
+
+def test_bound_bytes_by_hand():
+    # bert-base, B=32, L=128, float32: 4096 tokens x 3 rows x 768 x 4 bytes in, gamma and beta, the output out
+    rows = 4096 * 3 * 768 * 4
+    assert rows == 37_748_736
+    assert bound_bytes(32, 128, 768, 4) == 37_748_736 + 2 * 768 * 4 + 4096 * 768 * 4 == 50_337_792
+    assert bound_bytes(32, 128, 768, 2) == 50_337_792 // 2
+    assert bound_bytes(1, 11, 384, 4) == 11 * 3 * 384 * 4 + 2 * 384 * 4 + 11 * 384 * 4
+    assert bound_seconds(Case(768, 32, 128), 1e10) == pytest.approx(50_337_792 / 1e10)
+    assert Case(768, 64, 512, dtype="bfloat16").output_bytes == 64 * 512 * 768 * 2
+
+
+def test_sweep_and_candidates():
+    full = default_cases()
+    assert len(full) == 3 * 4 * 2 + 3  # hiddens x shapes x {fwd, fwdbwd}, plus bf16 forward at (64, 512)
+    assert {(c.batch, c.length) for c in full} == {(1, 11), (32, 128), (8, 512), (64, 512)}
+    assert all(c.hidden == 768 and c.dtype == "float32" for c in default_cases(quick=True))
+    assert "ort-fused" not in candidates_for(Case(768, 64, 512, dtype="bfloat16"))
+    assert "ort-fused" not in candidates_for(Case(768, 64, 512, device="cuda"))
+    with pytest.raises(ValueError, match="mode"):
+        Case(768, 1, 1, mode="backward")
+
+
+def _fake(key_case: Case, candidate: str, **fields) -> dict:
+    return {"key": key_case.key, "case": key_case.to_dict(), "candidate": candidate, "status": "ok",
+            "output_bytes": key_case.output_bytes, **fields}
+
+
+def test_targets_pass_miss_and_missing():
+    case = Case(768, 32, 128)
+    results = [_fake(case, "hf-eager", median_s=6e-3), _fake(case, "hf-compile", median_s=3e-3),
+               _fake(case, "ort-fused", median_s=5e-3), _fake(case, "bertembed-fused", median_s=1e-3, bound_s=0.5e-3)]
+    rows = {r["target"].split(" (")[0]: r for r in evaluate_targets({"results": results})}
+    assert rows["forward vs transformers eager"]["result"] == "pass"  # 6x >= 5
+    assert rows["forward vs torch.compile"]["result"] == "pass"  # 3x >= 3
+    assert rows["forward vs ONNX Runtime"]["result"] == "pass"  # 5x >= 4
+    assert rows["forward time / bandwidth bound"]["result"] == "miss"  # 2x > 1.5
+    assert rows["forward time / bandwidth bound"]["value"] == pytest.approx(2.0)
+    assert rows["fwd+bwd vs transformers eager"]["result"] == "not measured"
+
+
+def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
+    pytest.importorskip("onnxruntime")
+    options = BenchOptions(
+        quick=True, threads=1, allocator="both", vocab_size=100, warmup=1, min_run_time=0.01,
+        bandwidth_bytes=4 << 20, candidates=("hf-eager", "ort-fused", "bertembed-reference", "bertembed-fused"),
+        cases=[Case(32, 1, 5, "fwd"), Case(32, 2, 8, "fwdbwd")],
+    )
+    seen = []
+    report = run_bench(options, seen.append)
+    assert len(seen) == count_steps(options, options.cases) == 2 * (4 + 4)
+    report = json.loads(json.dumps(report))  # JSON round trip
+    assert set(report["conditions"]) == {"steady", "default"}
+    assert report["conditions"]["steady"]["meta"]["mallopt_applied"] in (True, False)
+    for condition in report["conditions"].values():
+        assert condition["meta"]["bandwidth_bytes_per_s"]["cpu"] > 0
+        by_name = {(r["case"]["mode"], r["candidate"]): r for r in condition["results"]}
+        fwd = by_name[("fwd", "hf-eager")]
+        assert fwd["status"] == "ok" and fwd["median_s"] > 0 and fwd["iqr_s"] >= 0
+        assert fwd["max_abs_diff"] == 0.0  # same weights, same operations as the reference
+        assert fwd["peak_bytes"] >= fwd["output_bytes"] and fwd["achieved_bytes_per_s"] > 0
+        assert by_name[("fwd", "ort-fused")]["max_abs_diff"] < 1e-5
+        assert by_name[("fwdbwd", "ort-fused")]["status"] == "not available"
+        assert by_name[("fwd", "bertembed-fused")]["status"] in ("ok", "not available")
+    assert report["machine"]["threads"] == 1
+    assert report["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    text = markdown(report)
+    (tmp_path / "bench.md").write_text(text)
+    assert "### Allocator: steady" in text and "### Allocator: default" in text and "#### Targets" in text
+    table_lines = [line for line in text.splitlines() if line.startswith("| candidate |") or line.startswith("| ")]
+    for line in table_lines:
+        assert line.endswith("|")
+    for block in text.split("\n\n"):  # every row of a table has its header's number of cells
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({row.count(" | ") for row in rows if "---" not in row}) <= 1, block
+    tables = [line for line in text.splitlines() if line.startswith("| candidate |")]
+    assert len(tables) == 2 * 2  # two cases x two conditions
