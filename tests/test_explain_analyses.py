@@ -8,12 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import conftest_explain as helpers
 from bertembed.embeddings import BertEmbeddings, sinusoidal_table
 from bertembed.explain import analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift, explain_text
 from bertembed.explain.positions import dct_basis, lowfreq_share, sinusoidal_numpy, spectrum, structure_correlation
 from bertembed.explain.tokens import spearman
 from bertembed.tokenizer import Tokenizer
-from conftest_explain import bundled, load_tables, make_tiny, tiny, tiny_b  # noqa: F401  (fixtures)
+from conftest_explain import load_tables, make_tiny
+
+bundled = helpers.bundled  # shared fixture
+tiny = helpers.tiny  # shared fixture
+tiny_b = helpers.tiny_b  # shared fixture
 
 
 def cosine(t: torch.Tensor) -> torch.Tensor:

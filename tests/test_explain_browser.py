@@ -12,8 +12,10 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
+import conftest_explain as helpers
 from bertembed.explain.report import build_report, run_analyses, write_report
-from conftest_explain import tiny  # noqa: F401  (fixture)
+
+tiny = helpers.tiny  # shared fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)

@@ -12,8 +12,11 @@ import matplotlib.image as mpimg
 import pytest
 from typer.testing import CliRunner
 
+import conftest_explain as helpers
 from bertembed.cli import app
-from conftest_explain import tiny, tiny_b  # noqa: F401  (fixtures)
+
+tiny = helpers.tiny  # shared fixture
+tiny_b = helpers.tiny_b  # shared fixture
 
 runner = CliRunner()
 

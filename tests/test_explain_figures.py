@@ -5,9 +5,11 @@ from __future__ import annotations
 import matplotlib
 import pytest
 
+import conftest_explain as helpers
 from bertembed.explain import figures
 from bertembed.explain.report import run_analyses
-from conftest_explain import tiny  # noqa: F401  (fixture)
+
+tiny = helpers.tiny  # shared fixture
 
 matplotlib.use("Agg")
 

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+import conftest_explain as helpers
 from bertembed.explain.finetune import DEFAULT_RUNS, SENTENCES, RunSpec, finetune_demo
 from bertembed.tokenizer import Tokenizer
-from conftest_explain import TINY_SENTENCES, load_tables, tiny  # noqa: F401  (fixture)
+from conftest_explain import TINY_SENTENCES, load_tables
+
+tiny = helpers.tiny  # shared fixture
 
 
 def theory(model, sentences) -> dict[str, set[int]]:
