@@ -73,8 +73,11 @@ def make_workload(case: Case, seed: int = 0, vocab_size: int = 30522) -> Workloa
 
 
 def _hf_module(work: Workload) -> nn.Module:
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertEmbeddings as HFBertEmbeddings
+    try:
+        from transformers import BertConfig
+        from transformers.models.bert.modeling_bert import BertEmbeddings as HFBertEmbeddings
+    except ImportError as err:
+        raise NotAvailable(f"transformers not installed ({err}); pip install transformers") from err
 
     c = work.config
     hf_config = BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
