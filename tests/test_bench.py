@@ -92,6 +92,10 @@ def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
         assert fwd["status"] == "ok" and fwd["median_s"] > 0 and fwd["iqr_s"] >= 0
         assert fwd["max_abs_diff"] == 0.0  # same weights, same operations as the reference
         assert fwd["peak_bytes"] >= fwd["output_bytes"] and fwd["achieved_bytes_per_s"] > 0
+        traffic = bound_bytes(1, 5, 32, 4)
+        assert fwd["bound_s"] == pytest.approx(traffic / fwd["copy_bytes_per_s"])
+        assert fwd["bound_dram_s"] == pytest.approx(traffic / condition["meta"]["bandwidth_bytes_per_s"]["cpu"])
+        assert fwd["achieved_bytes_per_s"] == pytest.approx(traffic / fwd["median_s"])
         assert by_name[("fwd", "ort-fused")]["max_abs_diff"] < 1e-5
         assert by_name[("fwdbwd", "ort-fused")]["status"] == "not available"
         assert by_name[("fwd", "bertembed-fused")]["status"] in ("ok", "not available")
