@@ -59,3 +59,38 @@ def run_both(ref, fused, grad_seed: int = 2, **inputs):
 def assert_grads_match(ref, fused) -> None:
     for (name, p_ref), (_, p) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
         assert_grad_close(p.grad, p_ref.grad, name)
+
+
+def low_precision_grads(layer, ids, upstream) -> dict[str, torch.Tensor]:
+    """Gradients of a float16/bfloat16 layer's own function, computed in float32: the sums are rounded to the tables'
+    dtype as the layer rounds them (straight through in backward, as torch's autograd treats a cast), LayerNorm in
+    float32. What a float32-accumulating fused backward should give, to the dtype's rounding."""
+    import torch.nn.functional as F
+
+    dtype = layer.word_embeddings.weight.dtype
+    tables = {name: p.detach().float().requires_grad_() for name, p in layer.named_parameters()}
+
+    def rounded(x):
+        return x + (x.to(dtype).float() - x).detach()
+
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    x = rounded(F.embedding(ids, tables["word_embeddings.weight"], layer.word_embeddings.padding_idx)
+                + F.embedding(torch.zeros_like(ids), tables["token_type_embeddings.weight"]))
+    x = rounded(x + F.embedding(positions, tables["position_embeddings.weight"]))
+    out = F.layer_norm(x, x.shape[-1:], tables["LayerNorm.weight"], tables["LayerNorm.bias"], layer.LayerNorm.eps)
+    (out * upstream).sum().backward()
+    return {name: t.grad for name, t in tables.items()}
+
+
+def check_low_precision(ref, fused, ids) -> None:
+    """Output within assert_close's defaults for the dtype; gradients against `low_precision_grads`."""
+    out = fused(ids)
+    dtype = ref.word_embeddings.weight.dtype
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref(ids))
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
+    (out.float() * upstream).sum().backward()
+    expected = low_precision_grads(ref, ids, upstream.to(dtype).float())  # the gradient `out` receives is rounded
+    for name, p in fused.named_parameters():
+        assert p.grad.dtype == dtype
+        torch.testing.assert_close(p.grad, expected[name].to(dtype), msg=lambda m, n=name: f"{n}: {m}")

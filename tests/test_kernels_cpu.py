@@ -11,7 +11,14 @@ import torch
 pytest.importorskip("numba")
 
 from bertembed.kernels import cpu, fused_embeddings  # noqa: E402
-from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins  # noqa: E402
+from kernel_helpers import (  # noqa: E402
+    assert_grads_match,
+    assert_output_close,
+    awkward_ids,
+    check_low_precision,
+    run_both,
+    twins,
+)
 
 
 @pytest.mark.parametrize(
@@ -209,3 +216,11 @@ def test_opcheck():
             1e-12, 0.0, 0, 0, "cpu", False)
     torch.library.opcheck(torch.ops.bertembed.embeddings.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_bfloat16_tables_and_output(hidden):
+    """bfloat16 in and out (uint16 bit patterns inside the kernel): outputs within assert_close's bfloat16 defaults of
+    the bfloat16 reference, gradients of the same function computed in float32."""
+    ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
+    check_low_precision(ref, fused, awkward_ids(3, 24, ref.config.vocab_size))

@@ -71,7 +71,7 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Put back the transformers layers that `patch` replaced (with the current weights and buffers). Returns `model`."""
+    """Put back the transformers layers that `patch` replaced (current weights and buffers). Returns `model`."""
     for _parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_bertembed_original", None)

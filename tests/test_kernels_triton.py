@@ -1,0 +1,132 @@
+"""The Triton kernels against the reference layer. Without a GPU they run on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, set here before triton is imported), on small shapes: the interpreter runs each program in Python.
+With CUDA they run on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+from bertembed.kernels import triton as triton_kernels  # noqa: E402
+from kernel_helpers import (  # noqa: E402
+    assert_grad_close,
+    assert_grads_match,
+    assert_output_close,
+    awkward_ids,
+    check_low_precision,
+    run_both,
+    twins,
+)
+
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def on_device(*layers):
+    return [layer.to(DEVICE) for layer in layers]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("hidden", "batch", "length", "past"), [(97, 2, 9, 3), (128, 3, 1, 0), (16, 1, 512, 0)])
+def test_forward_and_gradients_match_reference(hidden, batch, length, past, deterministic):
+    ref, fused = on_device(*twins(hidden, "triton"))
+    fused.deterministic = deterministic
+    ids = awkward_ids(batch, length, ref.config.vocab_size).to(DEVICE)
+    segments = torch.randint(0, 2, (batch, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out_ref, out = run_both(ref, fused, input_ids=ids, token_type_ids=segments, past_key_values_length=past)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+    assert fused.word_embeddings.weight.grad[0].abs().max() == 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the larger hidden sizes are slow in the interpreter; checked on CPU shapes")
+@pytest.mark.parametrize("hidden", [384, 768, 1024])
+def test_bert_sizes_on_gpu(hidden):
+    ref, fused = on_device(*twins(hidden, "triton"))
+    ids = awkward_ids(8, 512, ref.config.vocab_size).to(DEVICE)
+    out_ref, out = run_both(ref, fused, input_ids=ids)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    _, fused = on_device(*twins(32, "triton"))
+    fused.deterministic = True
+    ids = awkward_ids(4, 12, 20).to(DEVICE)  # many repeats of each id
+    runs = []
+    for _ in range(2):
+        fused.zero_grad(set_to_none=True)
+        fused(ids).pow(2).sum().backward()
+        runs.append([p.grad.clone() for p in fused.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tables(dtype):
+    ref, fused = on_device(*twins(64, "triton", dtype=dtype))
+    check_low_precision(ref, fused, awkward_ids(2, 10, ref.config.vocab_size).to(DEVICE))
+
+
+def test_dropout_keeps_the_right_fraction_and_scales():
+    p = 0.25
+    ref, fused = on_device(*twins(64, "triton", hidden_dropout_prob=p))
+    ids = awkward_ids(8, 32, ref.config.vocab_size).to(DEVICE)
+    clean = ref(ids)
+    fused.train()
+    torch.manual_seed(0)
+    out = fused(ids)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.02
+    assert_output_close(out[kept], clean[kept] / (1 - p))
+    torch.manual_seed(0)
+    assert torch.equal(fused(ids), out)
+    upstream = torch.randn(out.shape).to(DEVICE)
+    (out * upstream).sum().backward()
+    ref.dropout.p = 0.0
+    ref.train()
+    (ref(ids) * kept / (1 - p) * upstream).sum().backward()
+    assert_grads_match(ref, fused)
+
+
+def test_bad_input_raises_reference_error_before_any_kernel(monkeypatch):
+    ref, fused = on_device(*twins(16, "triton"))
+    monkeypatch.setattr(triton_kernels, "run_forward", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
+    for inputs in (dict(input_ids=torch.tensor([[1, 1000]])), dict(input_ids=torch.tensor([[1, 2]]),
+                                                                   token_type_ids=torch.tensor([[0, 5]]))):
+        inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+        with pytest.raises(ValueError) as expected:
+            ref(**inputs)
+        with pytest.raises(ValueError) as got:
+            fused(**inputs)
+        assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the skipped-token count is read back only on CPU tensors")
+def test_kernel_itself_never_reads_outside_a_table():
+    word, seg, pos = torch.randn(10, 8), torch.randn(2, 8), torch.randn(16, 8)
+    ones, zeros = torch.ones(8), torch.zeros(8)
+    for ids, tts, pids in [([3, 10], [0, 0], [0, 1]), ([3, -1], [0, 0], [0, 1]), ([3, 4], [0, 2], [0, 1]),
+                           ([3, 4], [0, 0], [0, 16])]:
+        args = [torch.tensor(a) for a in (ids, tts, pids)]
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            triton_kernels.run_forward(*args, word, seg, pos, ones, zeros, 1e-12, 0.0, 0)
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            triton_kernels.run_backward(torch.ones(2, 8), *args, word, seg, pos, ones, torch.zeros(2), torch.ones(2),
+                                        0.0, 0, 0)
+
+
+def test_position_type_none():
+    ref, fused = on_device(*twins(24, "triton", position_embedding_type="none"))
+    ids = awkward_ids(2, 6, ref.config.vocab_size).to(DEVICE)
+    out_ref, out = run_both(ref, fused, input_ids=ids)
+    assert_output_close(out, out_ref)
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
+        assert_grad_close(p.grad, p_ref.grad, name)
