@@ -11,7 +11,14 @@ import torch.nn.functional as F
 import conftest_explain as helpers
 from bertembed.embeddings import BertEmbeddings, sinusoidal_table
 from bertembed.explain import analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift, explain_text
-from bertembed.explain.positions import dct_basis, lowfreq_share, sinusoidal_numpy, spectrum, structure_correlation
+from bertembed.explain.positions import (
+    dct_basis,
+    lowfreq_share,
+    peak_frequencies,
+    sinusoidal_numpy,
+    spectrum,
+    structure_correlation,
+)
 from bertembed.explain.tokens import spearman
 from bertembed.tokenizer import Tokenizer
 from conftest_explain import load_tables, make_tiny
@@ -75,6 +82,8 @@ def test_lowfreq_share_and_spectrum_on_known_signals():
     wave = np.cos(2 * np.pi * 5 * np.arange(P) / P)[:, None] * np.ones((1, 3))
     spec = spectrum(wave)
     assert spec.sum() == pytest.approx(1.0) and int(np.argmax(spec)) == 5 and spec[5] == pytest.approx(1.0)
+    mixed = np.stack([np.sin(2 * np.pi * f * np.arange(P) / P) for f in (1, 7, 30)], axis=1)
+    assert peak_frequencies(mixed).tolist() == [1, 7, 30]
 
 
 def test_positions_bundled_against_torch(bundled):

@@ -16,6 +16,7 @@ import numpy as np
 from bertembed.explain import captions
 
 PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
+SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B
 SEGMENT_B_SHADE = "#f3e6c4"
 
 
@@ -128,7 +129,7 @@ def plot_segments(report, ax=None):
     fig, ax = _axes(ax, size=(6.5, 3.4))
     labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
     values = [*report.norms[:2], report.difference_norm, report.median_word_norm, report.median_position_norm]
-    colours = ["#4c72b0", "#e1a13a", "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
+    colours = [SEGMENT_COLOURS[0], SEGMENT_COLOURS[1], "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
     bars = ax.bar(labels, values, color=colours)
     ax.bar_label(bars, fmt="%.3f", fontsize=8)
     ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {report.cosine:.2f}")
@@ -138,7 +139,8 @@ def plot_segments(report, ax=None):
 def plot_segment_effect(report, ax=None):
     """Per token: how far the output moves when the same text is put in segment B instead of A."""
     fig, ax = _axes(ax)
-    ax.bar(range(len(report.tokens)), report.output_change, color="#e1a13a", label="|output(B) - output(A)|")
+    ax.bar(range(len(report.tokens)), report.output_change, color=SEGMENT_COLOURS[1],
+           label="|output(B) - output(A)|")
     ax.axhline(report.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {report.output_norm:.2f}")
     _token_axis(ax, report.tokens)
     ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
@@ -228,7 +230,8 @@ def plot_drift(report, ax=None):
     values = [max(t.relative_change, 1e-12) for t in report.tables]
     bars = ax.bar([t.table for t in report.tables], values, color="0.45")
     ax.bar_label(bars, labels=[f"{t.relative_change:.2g}" for t in report.tables], fontsize=8)
-    ax.set(yscale="log", ylabel="|B - A| / |A| (log)", title="Drift per tensor between two checkpoints")
+    ax.set(yscale="log", xlabel="tensor", ylabel="|B - A| / |A| (log)",
+           title="Drift per tensor between two checkpoints")
     ax.tick_params(axis="x", labelsize=8)
     return fig
 

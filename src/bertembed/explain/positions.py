@@ -46,6 +46,12 @@ def lowfreq_share(matrix: np.ndarray, k: int) -> float:
     return float(((basis.T @ centred) ** 2).sum() / (centred ** 2).sum())
 
 
+def peak_frequencies(matrix: np.ndarray) -> np.ndarray:
+    """Per column of [P, H]: the frequency (cycles over P positions, >= 1) holding most of its variance: [H]."""
+    power = np.abs(np.fft.rfft(matrix - matrix.mean(0), axis=0)) ** 2
+    return 1 + np.argmax(power[1:], axis=0)
+
+
 def spectrum(matrix: np.ndarray) -> np.ndarray:
     """Power over positions per frequency (cycles per P positions), averaged over columns, summing to 1: [P//2+1]."""
     power = (np.abs(np.fft.rfft(matrix - matrix.mean(0), axis=0)) ** 2).mean(1)
@@ -67,6 +73,8 @@ class PositionReport:
     lowfreq_share_noise: float  # expected for white noise: k / (P - 1)
     spectrum: np.ndarray = field(repr=False)  # [P//2+1]
     sinusoid_spectrum: np.ndarray = field(repr=False)
+    peaks: np.ndarray = field(default=None, repr=False)  # [H] per-dimension peak frequency, learned table
+    sinusoid_peaks: np.ndarray = field(default=None, repr=False)  # [H] the same for the sinusoidal table
     split: dict = field(default_factory=dict)  # before/after PRETRAIN_SHORT_LENGTH; empty if P <= 128
     verdict: str = ""
 
@@ -75,7 +83,9 @@ class PositionReport:
                self.structure_correlation, "k": self.k, "lowfreq_share": self.lowfreq_share,
                "lowfreq_share_sinusoid": self.lowfreq_share_sinusoid, "lowfreq_share_noise": self.lowfreq_share_noise,
                "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
-               "mean_adjacent_cosine": float(np.diag(self.similarity, 1).mean())}
+               "mean_adjacent_cosine": float(np.diag(self.similarity, 1).mean()),
+               "median_peak_frequency": float(np.median(self.peaks)),
+               "median_peak_frequency_sinusoid": float(np.median(self.sinusoid_peaks))}
         return out | {f"split_{k}": v for k, v in self.split.items()} | {"verdict": self.verdict}
 
     def _repr_html_(self) -> str:
@@ -132,5 +142,6 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     return PositionReport(
         model=layer.source.name, similarity=sim, sinusoid_similarity=sin_sim, norms=norms,
         structure_correlation=r, k=k, lowfreq_share=share, lowfreq_share_sinusoid=sin_share,
-        lowfreq_share_noise=noise, spectrum=spectrum(learned), sinusoid_spectrum=spectrum(sinus), split=split,
+        lowfreq_share_noise=noise, spectrum=spectrum(learned), sinusoid_spectrum=spectrum(sinus),
+        peaks=peak_frequencies(learned), sinusoid_peaks=peak_frequencies(sinus), split=split,
         verdict=_verdict(r, share, sin_share, noise, k, split))
