@@ -51,6 +51,7 @@ def explain(
 
 
 def _table(rows: list[dict]):
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="BERT embedding layer, one row per token", title_justify="left",
@@ -62,7 +63,7 @@ def _table(rows: list[dict]):
     for header, _, _ in columns:
         table.add_column(header, justify="left" if header == "token" else "right", no_wrap=header != "token")
     for row in rows:
-        table.add_row(*(fmt.format(row[key]) for _, key, fmt in columns))
+        table.add_row(*(escape(fmt.format(row[key])) for _, key, fmt in columns))  # tokens like [unused0]
     return table
 
 

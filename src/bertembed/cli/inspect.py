@@ -6,6 +6,7 @@ import json
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from bertembed.cli.app import MODEL_HELP, app, console, say_model, user_errors
 
@@ -27,8 +28,9 @@ def check_plot_path(plot: str | None) -> None:
         check_output(plot)
 
 
-def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None) -> None:
-    """Print a result's summary (and rows) as a rich table or JSON; write its figures to `plot`."""
+def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None,
+         title: str = "") -> None:
+    """Print a result's summary (and rows, under `title`) as rich tables or JSON; write its figures to `plot`."""
     from bertembed.explain._common import to_jsonable
 
     summary = result.summary()
@@ -44,11 +46,11 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     verdict = summary.pop("verdict", None)
     console.print(_table(type(result).__name__, [{"measure": k, "value": v} for k, v in summary.items()]))
     if extra_rows:
-        console.print(_table("", extra_rows))
+        console.print(_table(title, extra_rows))
     if verdict:
-        console.print(f"[bold]verdict:[/bold] {verdict}")
+        console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     for spec in _specs(result):
-        console.print(f"[dim]{spec.title}: {spec.caption(result)}[/dim]")
+        console.print(f"[dim]{spec.title}: {escape(spec.caption(result))}[/dim]")
     if plot is not None:
         console.print(f"figures written to {plot}")
 
@@ -66,7 +68,7 @@ def _table(title: str, rows: list[dict]):
     for col in rows[0]:
         table.add_column(str(col), overflow="fold")
     for row in rows:
-        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
     return table
 
 
@@ -93,7 +95,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         result = analyze_segments(model, text)
         pair = [{"token": t, "segment": "AB"[s]} for t, s in zip(result.pair_tokens, result.pair_segments,
                                                                  strict=True)]
-        emit(result, as_json, plot, pair)
+        emit(result, as_json, plot, pair, "a pair is one sequence: the segment of each token")
 
 
 @inspect_app.command()
@@ -106,8 +108,10 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 
         check_plot_path(plot)
         result = analyze_tokens(token, model, k=k)
-        emit(result, as_json, plot, result.neighbours + [{"token": s["token"], "id": s["id"],
-                                                          "cosine": f"norm {s['norm']:.3f}"} for s in result.special])
+        emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {token!r} by cosine")
+        if not as_json:
+            console.print(escape("special rows: " + ", ".join(f"{s['token']} (id {s['id']}) norm {s['norm']:.3f}"
+                                                              for s in result.special)))
 
 
 @inspect_app.command()

@@ -182,13 +182,11 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
     `progress(run_name, step, steps)` is called after every step. `save`: a folder to write the first run's
     fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`.
     """
-    import torch
 
     from bertembed.embeddings import BertEmbeddings
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
-    torch.set_num_threads(min(torch.get_num_threads(), 2))  # the demo promises seconds on 2 cores
     base = BertEmbeddings.from_pretrained(model)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
     enc, labels = _batch(model, sentences)
