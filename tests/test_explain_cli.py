@@ -144,3 +144,9 @@ def test_plain_explain_imports_neither_torch_nor_matplotlib():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout
+
+
+def test_bracketed_tokens_survive_rich_markup():
+    result = invoke("inspect", "tokens", "king", "-k", "3")
+    assert result.exit_code == 0, result.output
+    assert "[unusedN]" in result.output and "[MASK] (id 103)" in " ".join(result.output.split())
