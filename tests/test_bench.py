@@ -112,3 +112,15 @@ def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
         assert len({len(row.strip("|").split("|")) for row in rows}) <= 1, block
     tables = [line for line in text.splitlines() if line.startswith("| candidate |")]
     assert len(tables) == 2 * 2  # two cases x two conditions
+
+
+def test_isolated_run_one_process_per_candidate():
+    options = BenchOptions(threads=1, allocator="steady", vocab_size=100, warmup=1, min_run_time=0.01,
+                           bandwidth_bytes=4 << 20, candidates=("hf-eager", "bertembed-reference"),
+                           cases=[Case(16, 2, 3, "fwd")], isolate=True)
+    report = run_bench(options)
+    condition = report["conditions"]["steady"]
+    assert condition["isolated"] is True
+    assert [r["candidate"] for r in condition["results"]] == ["hf-eager", "bertembed-reference"]
+    assert all(r["status"] == "ok" and r["max_abs_diff"] == 0.0 for r in condition["results"])
+    assert "one process per candidate" in markdown(report)

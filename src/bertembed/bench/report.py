@@ -158,7 +158,9 @@ def markdown(report: dict[str, Any], title: str = "bertembed bench") -> str:
         env = ", ".join(f"{k}={v}" for k, v in report["steady_env"].items())
         what = f"glibc malloc held steady ({env}, and mallopt in-process)" if name == "steady" else "glibc defaults"
         bw = ", ".join(f"{d} {b / 1e9:.1f} GB/s" for d, b in meta.get("bandwidth_bytes_per_s", {}).items())
-        lines += ["", f"### Allocator: {name} ({what})", "", f"Measured copy bandwidth, 1 GiB buffers: {bw}"]
+        how = "one process per candidate" if condition.get("isolated") else "all candidates in one process"
+        lines += ["", f"### Allocator: {name} ({what})", "",
+                  f"Measured copy bandwidth, 1 GiB buffers: {bw}; {how}, threads {meta.get('threads')}"]
         lines += results_table(condition)
         lines += ["", f"#### Targets, allocator {name}", "", *targets_table(report["targets"][name])]
     return "\n".join(lines) + "\n"

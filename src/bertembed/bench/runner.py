@@ -44,6 +44,9 @@ class BenchOptions:
     bandwidth_bytes: int = 1 << 30  # copy buffer: above the last-level cache
     vocab_size: int = 30522
     warmup: int = 3
+    # One process per (condition, candidate): no candidate's thread pool (torch's OpenMP, ORT's, numba's, inductor's
+    # kernels) is alive while another is timed. None: on for the full run, off for --quick (process start-up costs).
+    isolate: bool | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,12 +104,26 @@ def _worker_env(options: BenchOptions, condition: str) -> dict[str, str]:
 
 def run_condition(options: BenchOptions, condition: str, cases: list[Case],
                   on_record: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Run one worker process; returns {"meta": ..., "results": [...]} and calls `on_record` per result."""
-    spec = worker_spec(options, condition, cases)
+    """Run one condition: one worker, or one per candidate when isolated. Returns {"meta": ..., "results": [...]}
+    (meta of the first worker) and calls `on_record` per result."""
+    isolate = (not options.quick) if options.isolate is None else options.isolate
+    groups = [(name,) for name in options.candidates] if isolate else [tuple(options.candidates)]
+    out: dict[str, Any] = {"meta": {}, "results": [], "isolated": isolate}
+    for group in groups:
+        spec = {**worker_spec(options, condition, cases), "candidates": list(group)}
+        part = _run_worker(spec, _worker_env(options, condition), on_record)
+        out["meta"] = out["meta"] or part["meta"]
+        out["results"] += part["results"]
+    return out
+
+
+def _run_worker(spec: dict[str, Any], env: dict[str, str],
+                on_record: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    condition = spec["condition"]
     out: dict[str, Any] = {"meta": {}, "results": []}
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "bertembed.bench.worker", json.dumps(spec)],
-                                env=_worker_env(options, condition), stdout=subprocess.PIPE, stderr=stderr, text=True)
+                                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             if not line.startswith(PREFIX):

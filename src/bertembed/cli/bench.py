@@ -27,13 +27,16 @@ def bench(
     = "both",
     device: Annotated[str, typer.Option("--device", help="auto (CPU, plus CUDA when visible), cpu or cuda")]
     = "auto",
+    isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="one process per candidate, "
+                                                    "so no other thread pool is alive while one is timed; "
+                                                    "default: on for the full run, off for --quick")] = None,
 ) -> None:
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op, bertembed's
     reference and fused paths, against the machine's copy bandwidth; check the issue's targets."""
     with user_errors():
         from bertembed.bench.runner import BenchOptions, count_steps, plan_cases
 
-        options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device)
+        options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate)
         cases = plan_cases(options)
     started = time.perf_counter()
     report = _run_with_progress(options, cases, count_steps(options, cases))
