@@ -29,7 +29,9 @@ tiny_b = helpers.tiny_b  # shared fixture
 
 
 def cosine(t: torch.Tensor) -> torch.Tensor:
-    return F.cosine_similarity(t[:, None, :], t[None, :, :], dim=-1)
+    """[N, H] -> [N, N] cosine similarity, through torch's own normalize (no broadcast of N x N x H)."""
+    unit = F.normalize(t, dim=1)
+    return unit @ unit.T
 
 
 # --- decomposition ---------------------------------------------------------------------------------------------
