@@ -35,6 +35,22 @@ def test_forward_and_gradients_match_reference(hidden, batch, length, past):
     assert fused.word_embeddings.weight.grad[0].abs().max() == 0  # [PAD] row: no gradient, as nn.Embedding's
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_mostly_padding_and_thread_counts(threads):
+    """[PAD] tokens span the backward's chunks (its only id allowed to); every word-gradient row is written once."""
+    ref, fused = twins(48, "cpu")
+    ids = awkward_ids(4, 30, ref.config.vocab_size)
+    ids[:, 8:] = 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out_ref, out = run_both(ref, fused, input_ids=ids)
+    finally:
+        torch.set_num_threads(before)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
 def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
     """H=2 makes LayerNorm a cancellation (x - mean is tiny when the two entries are close): torch's float32 mean is
     then off by more than 5e-7, so the check here is against the float64 result, where the kernel must do no worse."""

@@ -124,13 +124,12 @@ def _moments(x):
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _ln_sums(g, x, m, r, gamma):
-    """sum(g * gamma) and sum(g * gamma * xhat) over a row, in float64."""
+def _ln_sums(g, xhat):
+    """sum(g) and sum(g * xhat) over a row, accumulated in float64."""
     sa, sb = 0.0, 0.0
-    for j in range(x.size):
-        gg = g[j] * gamma[j]
-        sa += gg
-        sb += gg * ((x[j] - m) * r)
+    for j in range(g.size):
+        sa += g[j]
+        sb += g[j] * np.float64(xhat[j])
     return sa, sb
 
 
@@ -139,15 +138,18 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     h = x.size
     _sum_row(word, seg, pos, w, s, q, has_pos, x)
     m, var = _moments(x)
-    r = 1.0 / np.sqrt(var + eps)
-    mean[i], rstd[i] = m, r
+    # Statistics accumulate in float64, then round to float32: from there on the same float32 operations in the same
+    # order as torch's LayerNorm, ((x - mean) * rstd) * weight + bias (float64 here cost twice the time).
+    m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
+    mean[i], rstd[i] = m32, r32
     if threshold == 0:
         for j in range(h):
-            _store(out, i, j, (x[j] - m) * r * gamma[j] + beta[j])
+            _store(out, i, j, (x[j] - m32) * r32 * gamma[j] + beta[j])
     else:
+        scale32 = np.float32(scale)
         for j in range(h):
-            y = (x[j] - m) * r * gamma[j] + beta[j]
-            _store(out, i, j, y * scale if _keep(seed, i * h + j, threshold) else 0.0)
+            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+            _store(out, i, j, y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0))
 
 
 @njit(parallel=True, cache=True)
@@ -175,50 +177,65 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
 @njit(cache=True)
 def _row_backward(gout, i, x, m, r, gamma, threshold, scale, seed, dgamma, dbeta, dx):
-    """LayerNorm (and dropout) backward of token i: dx[:] = d loss / d sum; adds into dgamma, dbeta [H] float64."""
+    """LayerNorm (and dropout) backward of token i, float32 with float64 row sums: dx[:] = d loss / d sum.
+
+    x holds the recomputed sum and is overwritten with xhat; dgamma, dbeta [H] float32 partials are added into.
+    """
     h = x.size
     for j in range(h):
+        x[j] = (x[j] - m) * r  # xhat, as the forward computed it
         dx[j] = _widen(gout[i, j])
     if threshold > 0:
         for j in range(h):
-            dx[j] = dx[j] * scale if _keep(seed, i * h + j, threshold) else 0.0
+            dx[j] = dx[j] * scale if _keep(seed, i * h + j, threshold) else np.float32(0.0)
     for j in range(h):
-        dgamma[j] += dx[j] * ((x[j] - m) * r)
+        dgamma[j] += dx[j] * x[j]
         dbeta[j] += dx[j]
-    sa, sb = _ln_sums(dx, x, m, r, gamma)
-    a, b = sa / h, sb / h
+        dx[j] = dx[j] * gamma[j]
+    sa, sb = _ln_sums(dx, x)
+    a, b = np.float32(sa / h), np.float32(sb / h)
     for j in range(h):
-        dx[j] = r * (dx[j] * gamma[j] - a - (x[j] - m) * r * b)
+        dx[j] = r * (dx[j] - a - x[j] * b)
 
 
 @njit(parallel=True, cache=True)
-def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
-             pad, dword, dseg, dpos, dgamma, dbeta):
+def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+             seed, pad, dword, dseg, dpos, dgamma, dbeta):
     """Table and LayerNorm gradients; returns how many tokens had bad ids.
 
     Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
-    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. dword [V, H]
-    float32 zeros (shape (0, H): not wanted); dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not
-    wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float64 per-chunk partials.
+    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. It also owns
+    word-gradient rows [rows[c], rows[c+1]) and writes each exactly once, zeros included, in id order: dword [V, H]
+    comes uninitialised, and the dense gradient costs one pass of writes, not a memset and then a scatter (shape
+    (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not wanted; row k is position
+    pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
     """
     n, h = gout.shape
     has_pos = pos.shape[0] > 0
+    want_word = dword.shape[0] > 0
     bad = 0
     for c in prange(bounds.size - 1):
         x = np.empty(h, np.float32)
-        dx = np.empty(h, np.float64)
+        dx = np.empty(h, np.float32)
+        zeroed = rows[c]  # rows below this one are written
         for k in range(bounds[c], bounds[c + 1]):
             i = order[k]
             w, s, q = ids[i], tts[i], pids[i]
             if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
                 _sum_row(word, seg, pos, w, s, q, has_pos, x)
-                _row_backward(gout, i, x, np.float64(mean[i]), np.float64(rstd[i]), gamma, threshold, scale, seed,
-                              dgamma[c], dbeta[c], dx)
+                _row_backward(gout, i, x, mean[i], rstd[i], gamma, threshold, np.float32(scale), seed, dgamma[c],
+                              dbeta[c], dx)
+                if want_word and w >= zeroed:  # zero the rows up to this one (a [PAD] row may be the next chunk's)
+                    top = min(w + 1, rows[c + 1])
+                    dword[zeroed:top] = 0.0
+                    zeroed = top
                 _add_row(dword, w, dx, w != pad)
                 _add_row(dseg[c], s, dx, True)
                 _add_row(dpos[c], q - pos_lo, dx, dpos.shape[1] > 0)
             else:
                 bad += 1
+        if want_word and rows[c + 1] > zeroed:
+            dword[zeroed:rows[c + 1]] = 0.0
     return bad
 
 
@@ -226,18 +243,22 @@ def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
 def _add_row(grad, row, dx, wanted):
     if wanted and grad.shape[0] > 0:
         for j in range(dx.size):
-            grad[row, j] += np.float32(dx[j])
+            grad[row, j] += dx[j]
 
 
-def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
-    """[C + 1] chunk starts over tokens sorted by id: near-equal sizes, moved so no id but `pad` spans two chunks."""
+def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks of the tokens sorted by id: ([C + 1] token bounds of near-equal sizes, moved so that no id but `pad`
+    spans two chunks; [C + 1] word-table row bounds, chunk c owning rows from its first id to the next chunk's)."""
     n = sorted_ids.size
     bounds = np.linspace(0, n, chunks + 1).astype(np.int64)
     for c in range(1, chunks):
         b = bounds[c]
         if 0 < b < n and sorted_ids[b] == sorted_ids[b - 1] and sorted_ids[b] != pad:
             bounds[c] = np.searchsorted(sorted_ids, sorted_ids[b], side="right")
-    return np.maximum.accumulate(bounds)
+    bounds = np.maximum.accumulate(bounds)
+    rows = np.append(sorted_ids, vocab)[bounds].clip(0, vocab)
+    rows[0], rows[-1] = 0, vocab
+    return bounds, np.maximum.accumulate(rows)
 
 
 def threads() -> int:
@@ -289,22 +310,22 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     chunks = min(threads(), n)
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")
-    bounds = chunk_bounds(ids_np[order], chunks, pad)
-    dword = torch.zeros(word.shape[0] if need_word else 0, h)  # one memset: the only pass over the dense gradient
+    bounds, rows = chunk_bounds(ids_np[order], chunks, pad, word.shape[0] if need_word else 0)
+    dword = torch.empty(word.shape[0] if need_word else 0, h)  # the kernel writes every row once, zeros included
     dseg = torch.zeros(chunks, seg.shape[0], h)
     lo, hi = (int(pids.min()), int(pids.max())) if need_pos and pos is not None and n else (0, -1)
     dpos = torch.zeros(chunks, hi - lo + 1, h)
-    dgamma, dbeta = torch.zeros(chunks, h, dtype=torch.float64), torch.zeros(chunks, h, dtype=torch.float64)
+    dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     threads()
-    bad = backward(order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np, _np(gamma.float()),
-                   _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p), 1.0 / (1.0 - p),
-                   np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    bad = backward(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np,
+                   _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p),
+                   1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
     _check_bad(bad, "bertembed cpu backward")
     full_pos = torch.empty(0, h)
     if hi >= lo:
         full_pos = torch.zeros(pos.shape[0], h)
         full_pos[lo:hi + 1] = dpos.sum(0)
     dtype = word.dtype
-    return (dword.to(dtype), dseg.sum(0).to(dtype), full_pos.to(dtype), dgamma.sum(0).to(gamma.dtype),
-            dbeta.sum(0).to(gamma.dtype))
+    return (dword.to(dtype), dseg.sum(0).to(dtype), full_pos.to(dtype), dgamma.double().sum(0).to(gamma.dtype),
+            dbeta.double().sum(0).to(gamma.dtype))
