@@ -108,3 +108,19 @@ def test_patched_layer_matches_hf_embeddings_directly():
     ids = batch()["input_ids"]
     torch.testing.assert_close(fused(input_ids=ids, past_key_values_length=3),
                                hf(input_ids=ids, past_key_values_length=3), rtol=0, atol=5e-7 * 5)
+
+
+def test_patch_sentence_transformers_model(tmp_path):
+    """A real sentence-transformers model (Transformer + Pooling modules) over a tiny local BERT: same embeddings."""
+    st = pytest.importorskip("sentence_transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    transformers.BertModel(tiny_config()).save_pretrained(tmp_path)
+    model = st.SentenceTransformer(str(tmp_path), device="cpu")  # a plain BERT folder: Transformer + mean pooling
+    sentences = ["the cat sat on the mat", "a dog"]
+    expected = model.encode(sentences, convert_to_tensor=True)
+    bertembed.patch(model, backend="cpu")
+    assert sum(isinstance(m, BertEmbeddings) for m in model.modules()) == 1
+    torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True), expected, rtol=0, atol=1e-5)
