@@ -152,27 +152,43 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
             _store(out, i, j, y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0))
 
 
+@njit(cache=True)
+def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
+    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
+    has_pos = pos.shape[0] > 0
+    x = np.empty(out.shape[1], np.float32)
+    bad = 0
+    for i in range(lo, hi):
+        w, s, q = ids[i], tts[i], pids[i]
+        if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
+                           rstd)
+        else:
+            bad += 1
+    return bad
+
+
 @njit(parallel=True, cache=True)
 def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
     """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread), each with one scratch row.
+    tokens (a few per thread).
     """
-    n, h = out.shape
-    has_pos = pos.shape[0] > 0
+    n = out.shape[0]
     bad = 0
     for c in prange(chunks):
-        x = np.empty(h, np.float32)  # one scratch row per chunk, not per token
-        for i in range(c * n // chunks, (c + 1) * n // chunks):
-            w, s, q = ids[i], tts[i], pids[i]
-            if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
-                _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x,
-                               out, mean, rstd)
-            else:
-                bad += 1
+        bad += _forward_chunk(c * n // chunks, (c + 1) * n // chunks, ids, tts, pids, word, seg, pos, gamma, beta, eps,
+                              threshold, scale, seed, out, mean, rstd)
     return bad
+
+
+@njit(cache=True)
+def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+    """`forward` on the calling thread: for a few tokens, starting the thread pool costs more than the work."""
+    return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
+                          out, mean, rstd)
 
 
 @njit(cache=True)
@@ -210,32 +226,50 @@ def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma,
     (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not wanted; row k is position
     pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
     """
-    n, h = gout.shape
-    has_pos = pos.shape[0] > 0
-    want_word = dword.shape[0] > 0
     bad = 0
     for c in prange(bounds.size - 1):
-        x = np.empty(h, np.float32)
-        dx = np.empty(h, np.float32)
-        zeroed = rows[c]  # rows below this one are written
-        for k in range(bounds[c], bounds[c + 1]):
-            i = order[k]
-            w, s, q = ids[i], tts[i], pids[i]
-            if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
-                _sum_row(word, seg, pos, w, s, q, has_pos, x)
-                _row_backward(gout, i, x, mean[i], rstd[i], gamma, threshold, np.float32(scale), seed, dgamma[c],
-                              dbeta[c], dx)
-                if want_word and w >= zeroed:  # zero the rows up to this one (a [PAD] row may be the next chunk's)
-                    top = min(w + 1, rows[c + 1])
-                    dword[zeroed:top] = 0.0
-                    zeroed = top
-                _add_row(dword, w, dx, w != pad)
-                _add_row(dseg[c], s, dx, True)
-                _add_row(dpos[c], q - pos_lo, dx, dpos.shape[1] > 0)
-            else:
-                bad += 1
-        if want_word and rows[c + 1] > zeroed:
-            dword[zeroed:rows[c + 1]] = 0.0
+        bad += _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout,
+                               threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+    return bad
+
+
+@njit(cache=True)
+def backward_serial(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                    scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    """`backward` on the calling thread, for a few tokens."""
+    bad = 0
+    for c in range(bounds.size - 1):
+        bad += _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout,
+                               threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+    return bad
+
+
+@njit(cache=True)
+def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                    scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    h = gout.shape[1]
+    has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
+    x, dx = np.empty(h, np.float32), np.empty(h, np.float32)
+    zeroed = rows[c]  # rows below this one are written
+    bad = 0
+    for k in range(bounds[c], bounds[c + 1]):
+        i = order[k]
+        w, s, q = ids[i], tts[i], pids[i]
+        if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            bad += 1
+            continue
+        _sum_row(word, seg, pos, w, s, q, has_pos, x)
+        _row_backward(gout, i, x, mean[i], rstd[i], gamma, threshold, np.float32(scale), seed, dgamma[c], dbeta[c],
+                      dx)
+        if want_word and w >= zeroed:  # zero the rows up to this one (a [PAD] row may be the next chunk's)
+            top = min(w + 1, rows[c + 1])
+            dword[zeroed:top] = 0.0
+            zeroed = top
+        _add_row(dword, w, dx, w != pad)
+        _add_row(dseg[c], s, dx, True)
+        _add_row(dpos[c], q - pos_lo, dx, dpos.shape[1] > 0)
+    if want_word and rows[c + 1] > zeroed:
+        dword[zeroed:rows[c + 1]] = 0.0
     return bad
 
 
@@ -272,6 +306,8 @@ def threads() -> int:
 
 # ---- torch glue: tensors in, tensors out ------------------------------------------------------------------------
 
+_PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
+
 
 def _np(t):
     """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
@@ -295,7 +331,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     mean, rstd = torch.empty(n), torch.empty(n)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     chunks = max(1, min(n, 4 * threads()))
-    bad = forward(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
+    kernel = forward if n * h >= _PARALLEL_FROM else forward_serial
+    bad = kernel(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
                   float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
                   chunks)
     _check_bad(bad, "bertembed cpu forward")
@@ -307,7 +344,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
     dtype, from grad [N, H]. Always deterministic: see `backward`."""
     n, h = grad.shape
-    chunks = min(threads(), n)
+    chunks = max(1, min(threads(), n)) if n * h >= _PARALLEL_FROM else 1
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")
     bounds, rows = chunk_bounds(ids_np[order], chunks, pad, word.shape[0] if need_word else 0)
@@ -317,8 +354,8 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dpos = torch.zeros(chunks, hi - lo + 1, h)
     dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
-    threads()
-    bad = backward(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np,
+    kernel = backward if chunks > 1 else backward_serial
+    bad = kernel(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np,
                    _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p),
                    1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
     _check_bad(bad, "bertembed cpu backward")
