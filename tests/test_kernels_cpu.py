@@ -240,3 +240,14 @@ def test_bfloat16_tables_and_output(hidden):
     the bfloat16 reference, gradients of the same function computed in float32."""
     ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
     check_low_precision(ref, fused, awkward_ids(3, 24, ref.config.vocab_size))
+
+
+def test_compiled_module_forward_and_backward():
+    """torch.compile of the whole fused layer: the input checks break the graph, the custom op stays one node."""
+    ref, fused = twins(64, "cpu")
+    ids = awkward_ids(2, 9, ref.config.vocab_size)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused)
+    out_ref, out = run_both(ref, compiled, input_ids=ids, past_key_values_length=2)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)

@@ -29,15 +29,15 @@ BACKENDS = ("auto", "reference", "cpu", "triton")
 _DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, torch.float16, torch.bfloat16)}
 _INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
 _told: set[str] = set()
+_found: dict[str, bool] = {}
 
 
-@functools.cache
 def _missing(backend: str) -> str | None:
-    """Why `backend` cannot run in this environment, or None when it can."""
+    """Why `backend` cannot run in this environment, or None when it can (looked up once per backend)."""
     module = "numba" if backend == "cpu" else "triton"
-    if importlib.util.find_spec(module) is None:
-        return f"{module} is not installed: {_INSTALL[backend]}"
-    return None
+    if backend not in _found:
+        _found[backend] = importlib.util.find_spec(module) is not None
+    return None if _found[backend] else f"{module} is not installed: {_INSTALL[backend]}"
 
 
 def check_backend(backend: str) -> str:
