@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bertembed.bench import candidates as cands
-from bertembed.bench.cases import Case, bound_bytes, candidates_for
+from bertembed.bench.cases import CANDIDATES, Case, bound_bytes, candidates_for
 from bertembed.bench.measure import apply_steady_malloc, copy_bandwidth, peak_bytes, time_call, warm_up
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,8 @@ PREFIX = "BENCH "
 
 
 def setup(spec: dict[str, Any]) -> dict[str, Any]:
-    """Threads and allocator for this process; returns the metadata record (bandwidth per device, versions)."""
+    """Threads and allocator for this process; returns the metadata record (threads, whether mallopt took, the
+    1 GiB copy bandwidth per device)."""
     threads = int(spec["threads"])
     torch.set_num_threads(threads)
     try:
@@ -51,9 +52,6 @@ def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None,
                               "key": case.key, "candidate": name, "output_bytes": case.output_bytes}
     try:
         candidate = cands.build(name, work)
-    except cands.NotAvailable as err:
-        return {**record, "status": "not available", "note": str(err)}
-    try:
         warm_up(candidate.call, spec.get("warmup", 3))
         if case.mode == "fwd":
             record["max_abs_diff"] = cands.max_abs_diff(candidate.call(), reference)
@@ -63,6 +61,8 @@ def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None,
             record["peak_bytes"] = peak_bytes(candidate.call, case.device)
         else:
             record["note"] = "peak memory not measured: allocations are outside torch's allocator"
+    except cands.NotAvailable as err:
+        return {**record, "status": "not available", "note": str(err)}
     except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
         log.exception("%s failed on %s", name, case.key)
         return {**record, "status": "error", "note": f"{type(err).__name__}: {str(err)[:300]}"}
@@ -84,7 +84,7 @@ def case_bandwidth(case: Case, spec: dict[str, Any], dram: float) -> dict[str, f
 
 def run_cases(spec: dict[str, Any], bandwidth: dict[str, float]) -> Iterator[dict[str, Any]]:
     """Every (case, candidate) of `spec`, one record each, in order."""
-    names = tuple(spec.get("candidates") or cands_all())
+    names = tuple(spec.get("candidates") or CANDIDATES)
     for case_dict in spec["cases"]:
         case = Case.from_dict(case_dict)
         work = cands.make_workload(case, seed=spec.get("seed", 0), vocab_size=spec.get("vocab_size", 30522))
@@ -95,12 +95,6 @@ def run_cases(spec: dict[str, Any], bandwidth: dict[str, float]) -> Iterator[dic
             gc.collect()
         del work, reference
         gc.collect()
-
-
-def cands_all() -> tuple[str, ...]:
-    from bertembed.bench.cases import CANDIDATES
-
-    return CANDIDATES
 
 
 def main(argv: list[str] | None = None) -> None:
