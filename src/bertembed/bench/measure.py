@@ -93,17 +93,19 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, threads: int = 2,
 
 
 def apply_steady_malloc() -> bool:
-    """Set glibc's `M_TRIM_THRESHOLD` huge and `M_MMAP_MAX` 0 in this process (on top of `STEADY_ENV`, which
-    holds from the first allocation). Returns False where there is no glibc mallopt."""
+    """Set glibc's `M_MMAP_MAX` to 0 in this process, and `M_TRIM_THRESHOLD` to its largest int where `STEADY_ENV`
+    did not already set it from the first allocation (mallopt takes an int: it would lower the 1 TiB of the
+    environment to 2 GiB). Returns False where there is no glibc mallopt."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        ok_trim = libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(min(STEADY_TRIM_THRESHOLD, 2**31 - 1)))
-        ok_mmap = libc.mallopt(M_MMAP_MAX, ctypes.c_int(0))
+        ok = libc.mallopt(M_MMAP_MAX, ctypes.c_int(0))
+        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+            ok = ok and libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))
     except (OSError, AttributeError) as err:
         log.warning("no glibc mallopt (%s): the steady allocator condition relies on %s alone", err, STEADY_ENV)
         return False
-    return bool(ok_trim and ok_mmap)
+    return bool(ok)
 
 
 def allocator_env(condition: str, base: dict[str, str] | None = None) -> dict[str, str]:
