@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 
 from bertembed.kernels import cpu, fused_embeddings  # noqa: E402
 from kernel_helpers import (  # noqa: E402
+    assert_grad_close,
     assert_grads_match,
     assert_output_close,
     awkward_ids,
@@ -251,3 +252,16 @@ def test_compiled_module_forward_and_backward():
     out_ref, out = run_both(ref, compiled, input_ids=ids, past_key_values_length=2)
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
+
+
+def test_frozen_tables_get_no_gradient():
+    """Fine-tuning with frozen word and position tables: no dense gradient is built for them, the rest still match."""
+    ref, fused = twins(48, "cpu")
+    for layer in (ref, fused):
+        layer.word_embeddings.weight.requires_grad_(False)
+        layer.position_embeddings.weight.requires_grad_(False)
+    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(2, 11, ref.config.vocab_size))
+    assert_output_close(out, out_ref)
+    assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
+    for name in ("token_type_embeddings.weight", "LayerNorm.weight", "LayerNorm.bias"):
+        assert_grad_close(fused.get_parameter(name).grad, ref.get_parameter(name).grad, name)

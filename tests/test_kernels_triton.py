@@ -130,3 +130,17 @@ def test_position_type_none():
     assert_output_close(out, out_ref)
     for (name, p_ref), (_, p) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
         assert_grad_close(p.grad, p_ref.grad, name)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_frozen_tables_get_no_gradient(deterministic):
+    ref, fused = on_device(*twins(24, "triton"))
+    fused.deterministic = deterministic
+    for layer in (ref, fused):
+        layer.word_embeddings.weight.requires_grad_(False)
+        layer.position_embeddings.weight.requires_grad_(False)
+    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE))
+    assert_output_close(out, out_ref)
+    assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
+    assert_grad_close(fused.token_type_embeddings.weight.grad, ref.token_type_embeddings.weight.grad, "segment")
+    assert_grad_close(fused.LayerNorm.weight.grad, ref.LayerNorm.weight.grad, "LayerNorm.weight")

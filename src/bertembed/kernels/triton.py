@@ -164,13 +164,14 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dev = word.device
     want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=dev)
-    dword = torch.zeros(word.shape[0] if need_word else 0, h, **f32)
+    # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
+    dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
     dseg = torch.zeros(seg.shape[0], h, **f32)
-    dpos = torch.zeros(pos.shape[0] if want_pos else 0, h, **f32)
+    dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
     dgamma, dbeta = torch.zeros(programs, h, **f32), torch.zeros(programs, h, **f32)
-    dx = torch.empty(n if deterministic else 0, h, **f32)
+    dx = torch.empty(n if deterministic else 1, h, **f32)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     if n:
         _backward_kernel[(programs,)](
@@ -186,6 +187,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         if want_pos:
             _segment_sum(dx, pids, dpos)
     dtype = word.dtype
+    dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
     return (dword.to(dtype), dseg.to(dtype), dpos.to(dtype), dgamma.sum(0).to(gamma.dtype),
             dbeta.sum(0).to(gamma.dtype))
 
