@@ -17,7 +17,7 @@ _RESULT_STYLE = {"pass": "green", "miss": "red"}
 @app.command()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), short timers: "
-                                        "under a minute per allocator condition")] = False,
+                                        "under a minute for both allocator conditions")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch / ORT / numba threads")] = 2,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="write every measurement as JSON")] = None,
     markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="write the markdown report "
