@@ -54,13 +54,13 @@ def _bf16_bits(x):
     """float32 -> bfloat16 bits (uint32 holding 16 bits), round to nearest even, NaN stays NaN."""
 
 
-@overload(_bf16_bits, inline="always")
+@overload(_bf16_bits)
 def _bf16_bits_impl(x):
     def impl(x):
         u = np.float32(x).view(np.uint32)
-        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            return np.uint32(0x7FC0)
-        return np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        rounded = np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        return np.uint32(0x7FC0) if nan else rounded  # a select, not a branch: the loop stays vectorised
     return impl
 
 
@@ -75,19 +75,38 @@ def _round_like_impl(table, x):
     return lambda table, x: np.uint32(_bf16_bits(x) << np.uint32(16)).view(np.float32)
 
 
-def _store(out, i, j, y):
-    """Write one output element in the output's dtype."""
+def _normalize_into(out, i, x, m, r, gamma, beta):
+    """out[i] = (x - m) * r * gamma + beta in float32, stored in the output's dtype (one compiled loop per dtype)."""
 
 
-@overload(_store, inline="always")
-def _store_impl(out, i, j, y):
+@overload(_normalize_into)
+def _normalize_into_impl(out, i, x, m, r, gamma, beta):
     if isinstance(out.dtype, types.Float):
-        def impl(out, i, j, y):
-            out[i, j] = y
+        def impl(out, i, x, m, r, gamma, beta):
+            for j in range(x.size):
+                out[i, j] = (x[j] - m) * r * gamma[j] + beta[j]
         return impl
 
-    def impl_bits(out, i, j, y):
-        out[i, j] = np.uint16(_bf16_bits(np.float32(y)))
+    def impl_bits(out, i, x, m, r, gamma, beta):
+        for j in range(x.size):
+            out[i, j] = np.uint16(_bf16_bits((x[j] - m) * r * gamma[j] + beta[j]))
+    return impl_bits
+
+
+def _store_row(out, i, y):
+    """out[i] = y (a float32 row), in the output's dtype."""
+
+
+@overload(_store_row)
+def _store_row_impl(out, i, y):
+    if isinstance(out.dtype, types.Float):
+        def impl(out, i, y):
+            out[i, :] = y
+        return impl
+
+    def impl_bits(out, i, y):
+        for j in range(y.size):
+            out[i, j] = np.uint16(_bf16_bits(y[j]))
     return impl_bits
 
 
@@ -96,15 +115,29 @@ def _ids_ok(w, s, q, v, t, p, has_pos):
     return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
 
 
-@njit(cache=True)
 def _sum_row(word, seg, pos, w, s, q, has_pos, x):
     """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds."""
-    if has_pos:
-        for j in range(x.size):
-            x[j] = _round_like(word, _round_like(word, _widen(word[w, j]) + _widen(seg[s, j])) + _widen(pos[q, j]))
-    else:
+
+
+@overload(_sum_row)
+def _sum_row_impl(word, seg, pos, w, s, q, has_pos, x):
+    if isinstance(word.dtype, types.Float):
+        def impl(word, seg, pos, w, s, q, has_pos, x):
+            if has_pos:
+                for j in range(x.size):
+                    x[j] = (word[w, j] + seg[s, j]) + pos[q, j]
+            else:
+                for j in range(x.size):
+                    x[j] = word[w, j] + seg[s, j]
+        return impl
+
+    def impl_bits(word, seg, pos, w, s, q, has_pos, x):
         for j in range(x.size):
             x[j] = _round_like(word, _widen(word[w, j]) + _widen(seg[s, j]))
+        if has_pos:
+            for j in range(x.size):
+                x[j] = _round_like(word, x[j] + _widen(pos[q, j]))
+    return impl_bits
 
 
 # Only reductions may be reordered ("reassoc"), so they vectorise: float64 sums of float32 terms lose nothing by it.
@@ -143,13 +176,13 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
     if threshold == 0:
-        for j in range(h):
-            _store(out, i, j, (x[j] - m32) * r32 * gamma[j] + beta[j])
-    else:
-        scale32 = np.float32(scale)
-        for j in range(h):
-            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
-            _store(out, i, j, y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0))
+        _normalize_into(out, i, x, m32, r32, gamma, beta)
+        return
+    scale32 = np.float32(scale)
+    for j in range(h):
+        y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+        x[j] = y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0)
+    _store_row(out, i, x)
 
 
 @njit(cache=True)
