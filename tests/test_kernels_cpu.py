@@ -186,7 +186,10 @@ def test_functional_matches_module_and_fills_out_buffer():
         fused_embeddings(ids, *tables, backend="cpu", out=buffer)
 
 
-def test_auto_falls_back_with_a_logged_reason(caplog):
+def test_auto_falls_back_with_a_logged_reason(caplog, monkeypatch):
+    import bertembed.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_told", set())  # each reason is logged once per process
     ref, fused = twins(24, "auto")
     embeds = torch.randn(2, 3, 24)
     with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
@@ -265,3 +268,17 @@ def test_frozen_tables_get_no_gradient():
     assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
     for name in ("token_type_embeddings.weight", "LayerNorm.weight", "LayerNorm.bias"):
         assert_grad_close(fused.get_parameter(name).grad, ref.get_parameter(name).grad, name)
+
+
+def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch, caplog):
+    import bertembed.kernels as kernels
+
+    monkeypatch.setitem(kernels._found, "cpu", False)  # as if numba were not installed
+    monkeypatch.setattr(kernels, "_told", set())
+    with pytest.raises(ImportError, match="numba is not installed"):
+        twins(16, "cpu")
+    ref, fused = twins(16, "auto")
+    ids = awkward_ids(1, 4, ref.config.vocab_size)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        assert torch.equal(fused(ids), ref(ids))
+    assert "numba is not installed" in caplog.text
