@@ -1,6 +1,6 @@
 """The Triton kernels against the reference layer. Without a GPU they run on CPU tensors in Triton's interpreter
-(TRITON_INTERPRET=1, set here before triton is imported), on small shapes: the interpreter runs each program in Python.
-With CUDA they run on the GPU."""
+(TRITON_INTERPRET=1, set while the kernels are imported and during these tests only), on small shapes: the
+interpreter runs each program in Python. With CUDA they run on the GPU."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
+if SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
 pytest.importorskip("triton")
 
 from bertembed.kernels import triton as triton_kernels  # noqa: E402
@@ -25,9 +26,18 @@ from kernel_helpers import (  # noqa: E402
     twins,
 )
 
-if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if SET_HERE:
+    del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
+if not ON_GPU and not INTERPRET:
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
 
 
 def on_device(*layers):
