@@ -203,6 +203,28 @@ def test_auto_falls_back_with_a_logged_reason(caplog, monkeypatch):
     assert "torch.float64" in caplog.text
 
 
+def test_mixed_table_dtypes_fall_back(caplog, monkeypatch):
+    import bertembed.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_told", set())
+    ref, fused = twins(32, "cpu")
+    for layer in (ref, fused):
+        layer.token_type_embeddings.bfloat16()
+    ids = awkward_ids(2, 5, ref.config.vocab_size)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        assert torch.equal(fused(ids), ref(ids))
+    assert "different dtypes" in caplog.text
+
+
+def test_float32_layer_norm_with_bfloat16_tables():
+    """Mixed precision as often set up: bfloat16 tables, float32 LayerNorm weight and bias."""
+    ref, fused = twins(64, "cpu", dtype=torch.bfloat16)
+    for layer in (ref, fused):
+        layer.LayerNorm.float()
+    ids = awkward_ids(2, 9, ref.config.vocab_size)
+    torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

@@ -68,6 +68,12 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return ("reference", reason) if reason else (backend, None)
 
 
+def _mixed_tables(tables) -> str | None:
+    """The kernels read the three tables in one dtype (LayerNorm's weight and bias may be any float dtype)."""
+    dtypes = {t.dtype for t in tables[:3] if t is not None}
+    return f"the tables have different dtypes {sorted(map(str, dtypes))}" if len(dtypes) > 1 else None
+
+
 def _fall_back(reason: str) -> None:
     if reason not in _told:  # once per reason, not once per call
         _told.add(reason)
@@ -118,8 +124,9 @@ def _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, eps
     from bertembed.kernels.function import _backend_module
 
     flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
-    _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(), position, weight, bias, eps,
-                                         p, seed, out=out)
+    _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
+                                         None if position is None else position.contiguous(), weight, bias, eps, p,
+                                         seed, out=out)
     return out
 
 
@@ -168,6 +175,8 @@ def fused_embeddings(
                      None if position_embeddings is None else position_embeddings.shape[0],
                      token_type_embeddings.shape[0], float(eps))
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
+    if chosen != "reference" and (mixed := _mixed_tables(tables)):
+        chosen, reason = "reference", mixed
     p = dropout_p if training else 0.0
     if chosen == "reference":
         if reason:
@@ -199,15 +208,17 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
+    positions = layer.position_embeddings
+    tables = (word, layer.token_type_embeddings.weight, None if positions is None else positions.weight,
+              layer.LayerNorm.weight, layer.LayerNorm.bias)
     if chosen != "reference" and inputs_embeds is not None:
         chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
+    if chosen != "reference" and (mixed := _mixed_tables(tables)):
+        chosen, reason = "reference", mixed
     if chosen == "reference":
         if reason:
             _fall_back(reason)
         return None
-    positions = layer.position_embeddings
-    tables = (word, layer.token_type_embeddings.weight, None if positions is None else positions.weight,
-              layer.LayerNorm.weight, layer.LayerNorm.bias)
     p = layer.dropout.p if layer.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, getattr(layer, "deterministic", False), None)
