@@ -47,8 +47,10 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
         layer = BertEmbeddings(_config_of(hf), backend=backend)
     for name in _SHARED:
         setattr(layer, name, getattr(hf, name))
-    for name in _BUFFERS:
-        setattr(layer, name, getattr(hf, name))
+    device = hf.word_embeddings.weight.device
+    positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
+    for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
+        setattr(layer, name, getattr(hf, name, default))  # older transformers may lack a buffer
     layer.train(hf.training)
     object.__setattr__(layer, "_bertembed_original", hf)  # not a submodule: stays out of state_dict and .to()
     return layer
