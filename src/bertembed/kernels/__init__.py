@@ -206,6 +206,12 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
+    if layer.backend in ("cpu", "auto") and _found.get("cpu"):  # one sentence on the CPU: skip the glue
+        from bertembed.kernels.lean import try_infer
+
+        if (out := try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
+                             past_key_values_length)) is not None:
+            return out
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
     positions = layer.position_embeddings

@@ -1,0 +1,90 @@
+"""The short path for CPU inference on small inputs (a sentence or a few): the kernel's work there is about a
+microsecond, so the Python glue around it decides the latency.
+
+Same per-token kernel as `cpu.forward` (`cpu._forward_token`), so the same numbers. The differences are all glue:
+parameters are read through the module's dicts (no `nn.Module.__getattr__`), numpy views of the tables are cached
+while their storage stays the same, positions are computed in the kernel instead of materialised, and one compiled
+call checks every id before any table row is read. Anything this path does not cover (training, autograd, bfloat16,
+explicit position ids, `inputs_embeds`, large batches, a bad id) returns None, and the general path takes over: it
+raises the reference layer's errors.
+
+Dimension letters: B batch, L length, H hidden.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from bertembed.kernels import cpu
+
+_NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
+
+
+@njit(cache=True)
+def _infer(ids, tts, has_tts, past, word, seg, pos, gamma, beta, eps, out):
+    """out [B*L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]); returns False, computing nothing, when an
+    id, a segment id or a position lies outside its table."""
+    batch, length = ids.shape
+    if past + length > pos.shape[0]:
+        return False
+    for r in range(batch):
+        for c in range(length):
+            if not 0 <= ids[r, c] < word.shape[0] or has_tts and not 0 <= tts[r, c] < seg.shape[0]:
+                return False
+    n = batch * length
+    x, stats = np.empty(out.shape[1], np.float32), np.empty(2 * n, np.float32)
+    for r in range(batch):
+        for c in range(length):
+            s = tts[r, c] if has_tts else 0
+            cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
+                               _NO_DROPOUT, _SCALE, _SEED, x, out, stats[:n], stats[n:])
+    return True
+
+
+def _tables(layer) -> list[np.ndarray] | None:
+    """Numpy views of the five float32 CPU tables, cached on the layer while their storage is unchanged."""
+    modules = layer._modules
+    position = modules["position_embeddings"]
+    if position is None or not isinstance(position, torch.nn.Embedding):
+        return None
+    tensors = (modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
+               position._parameters["weight"], modules["LayerNorm"]._parameters["weight"],
+               modules["LayerNorm"]._parameters["bias"])
+    key = (*(t.data_ptr() for t in tensors), tensors[0].shape, tensors[2].shape)  # same storage and sizes
+    cached = layer.__dict__.get("_lean_tables")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None  # not cached: a dtype or device change always comes with new storage
+    arrays = [t.detach().numpy() for t in tensors]
+    layer.__dict__["_lean_tables"] = (key, arrays)
+    return arrays
+
+
+def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+    """The output [B, L, H], or None when these inputs are not for the short path."""
+    if layer.training or position_ids is not None or inputs_embeds is not None or type(input_ids) is not torch.Tensor \
+            or input_ids.dtype != torch.int64 or input_ids.dim() != 2 or type(past_key_values_length) is not int \
+            or past_key_values_length < 0:
+        return None
+    if torch.is_grad_enabled() or input_ids.device.type != "cpu" or not input_ids.is_contiguous():
+        return None  # autograd needs the custom op
+    tables = _tables(layer)
+    batch, length = input_ids.shape
+    if tables is None or batch * length * tables[0].shape[1] >= cpu._PARALLEL_FROM:
+        return None
+    ids = input_ids.numpy()
+    if token_type_ids is None:
+        tts, has_tts = ids, False
+    elif type(token_type_ids) is torch.Tensor and token_type_ids.dtype == torch.int64 \
+            and token_type_ids.shape == input_ids.shape and token_type_ids.is_contiguous() \
+            and token_type_ids.device.type == "cpu":
+        tts, has_tts = token_type_ids.numpy(), True
+    else:
+        return None
+    out = np.empty((batch * length, tables[0].shape[1]), np.float32)
+    if not _infer(ids, tts, has_tts, past_key_values_length, *tables, layer.config.layer_norm_eps, out):
+        return None  # a bad id: the general path raises the reference's error
+    return torch.from_numpy(out).view(batch, length, -1)

@@ -1,0 +1,78 @@
+"""The short CPU inference path (kernels/lean.py) against the reference layer, and its hand-offs to the general path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bertembed import BertEmbeddings, EmbeddingConfig
+from bertembed.kernels import lean
+
+
+def _pair(hidden=200, positions=64, seed=0):
+    torch.manual_seed(seed)
+    config = EmbeddingConfig(vocab_size=500, hidden_size=hidden, max_position_embeddings=positions)
+    ref = BertEmbeddings(config).eval()
+    with torch.no_grad():
+        ref.LayerNorm.weight.uniform_(0.5, 1.5)
+        ref.LayerNorm.bias.uniform_(-0.5, 0.5)
+    fused = BertEmbeddings(config, backend="cpu").eval()
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
+def _close(actual, expected):
+    tol = 5e-7 * max(1.0, expected.abs().max().item())
+    assert (actual - expected).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("shape,offset,types", [((1, 11), 0, True), ((1, 1), 0, False), ((3, 7), 5, True),
+                                                 ((2, 64), 0, False), ((1, 4), 60, True)])
+def test_short_path_matches_the_reference(shape, offset, types):
+    ref, fused = _pair()
+    ids = torch.randint(0, 500, shape)
+    ids[0, -1] = 0  # a [PAD] id
+    tts = torch.randint(0, 2, shape) if types else None
+    with torch.no_grad():
+        assert lean.try_infer(fused, ids, tts, None, None, offset) is not None  # the short path did run
+        _close(fused(ids, tts, past_key_values_length=offset), ref(ids, tts, past_key_values_length=offset))
+
+
+def test_bad_ids_get_the_reference_errors():
+    ref, fused = _pair()
+    with torch.no_grad():
+        for kwargs, pattern in [(dict(input_ids=torch.tensor([[1, 500]])), r"holds 500 .*\[0, 500\)"),
+                                (dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
+                                 r"token_type_ids holds 2"),
+                                (dict(input_ids=torch.ones(1, 65, dtype=torch.long)), r"65 tokens"),
+                                (dict(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values_length=62),
+                                 r"offset")]:
+            assert lean.try_infer(fused, kwargs.get("input_ids"), kwargs.get("token_type_ids"), None, None,
+                                  kwargs.get("past_key_values_length", 0)) is None
+            with pytest.raises(ValueError, match=pattern):
+                fused(**kwargs)
+
+
+def test_cached_tables_follow_new_weights():
+    ref, fused = _pair()
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.no_grad():
+        fused(ids)  # fills the cache
+        fused.load_state_dict({k: v * 2 for k, v in ref.state_dict().items()})  # in place: same storage
+        ref.load_state_dict(fused.state_dict())
+        _close(fused(ids), ref(ids))
+        fused.word_embeddings.weight.data = torch.randn(500, 200)  # new storage
+        ref.word_embeddings.weight.data = fused.word_embeddings.weight.data.clone()
+        _close(fused(ids), ref(ids))
+
+
+def test_what_the_short_path_leaves_to_the_general_one():
+    _, fused = _pair()
+    ids = torch.randint(0, 500, (1, 9))
+    assert lean.try_infer(fused, ids, None, None, None, 0) is None  # grad enabled: autograd needs the op
+    with torch.no_grad():
+        assert lean.try_infer(fused, ids.int(), None, None, None, 0) is None
+        assert lean.try_infer(fused, ids, None, torch.arange(9)[None], None, 0) is None
+        assert lean.try_infer(fused, torch.randint(0, 500, (64, 64)), None, None, None, 0) is None  # large
+        fused.train()
+        assert lean.try_infer(fused, ids, None, None, None, 0) is None
