@@ -87,6 +87,7 @@ def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
     assert report["conditions"]["steady"]["meta"]["mallopt_applied"] in (True, False)
     for condition in report["conditions"].values():
         assert condition["meta"]["bandwidth_bytes_per_s"]["cpu"] > 0
+        assert len(condition["meta"]["load_average"]) == 3
         by_name = {(r["case"]["mode"], r["candidate"]): r for r in condition["results"]}
         fwd = by_name[("fwd", "hf-eager")]
         assert fwd["status"] == "ok" and fwd["median_s"] > 0 and fwd["iqr_s"] >= 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -41,7 +42,8 @@ def setup(spec: dict[str, Any]) -> dict[str, Any]:
     bandwidth = {d: copy_bandwidth(d, spec.get("bandwidth_bytes", 1 << 30), threads,
                                    spec.get("bandwidth_min_run_time", 0.5)) for d in devices}
     return {"type": "meta", "condition": spec["condition"], "mallopt_applied": steady, "threads": threads,
-            "torch_threads": torch.get_num_threads(), "bandwidth_bytes_per_s": bandwidth}
+            "torch_threads": torch.get_num_threads(), "bandwidth_bytes_per_s": bandwidth,
+            "load_average": os.getloadavg()}  # other processes' load: > ~0.2 means the timings are disturbed
 
 
 def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None, spec: dict[str, Any],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -38,6 +39,10 @@ def bench(
 
         options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate)
         cases = plan_cases(options)
+    load = os.getloadavg()[0]
+    if load > 0.3:
+        console.print(f"[yellow]warning: load average {load:.2f} before starting: other processes are running, so "
+                      f"{threads}-thread timings will be disturbed (parallel regions wait for time slices)[/yellow]")
     started = time.perf_counter()
     report = _run_with_progress(options, cases, count_steps(options, cases))
     report["wall_seconds"] = time.perf_counter() - started
