@@ -125,3 +125,15 @@ def test_isolated_run_one_process_per_candidate():
     assert [r["candidate"] for r in condition["results"]] == ["hf-eager", "bertembed-reference"]
     assert all(r["status"] == "ok" and r["max_abs_diff"] == 0.0 for r in condition["results"])
     assert "one process per candidate" in markdown(report)
+
+
+def test_cli_rejects_bad_options_before_running():
+    from typer.testing import CliRunner
+
+    from bertembed.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--quick", "--allocator", "sometimes"])
+    assert result.exit_code == 2
+    assert "steady" in result.output and "sometimes" in result.output
+    result = CliRunner().invoke(app, ["bench", "--quick", "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
