@@ -87,6 +87,12 @@ def evaluate_targets(condition: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def by_case(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records grouped by case (in the order cases first appear), candidates in their run order within a case."""
+    keys = {k: i for i, k in enumerate(dict.fromkeys(r["key"] for r in results))}
+    return sorted(results, key=lambda r: keys[r["key"]])  # stable: keeps the candidates' order
+
+
 def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e3:.3f}"
 

@@ -76,6 +76,8 @@ def _run_with_progress(options, cases, total: int) -> dict:
 def _print_summary(report: dict) -> None:
     from rich.table import Table
 
+    from bertembed.bench.report import by_case
+
     for name, condition in report["conditions"].items():
         bandwidth = condition["meta"].get("bandwidth_bytes_per_s", {})
         table = Table(title=f"allocator {name}; copy bandwidth "
@@ -83,7 +85,7 @@ def _print_summary(report: dict) -> None:
         for column in ("case", "candidate", "ms", "IQR ms", "GB/s", "peak/out"):
             table.add_column(column, justify="left" if column in ("case", "candidate") else "right", no_wrap=True)
         notes: dict[str, str] = {}
-        for r in condition["results"]:
+        for r in by_case(condition["results"]):
             c = r["case"]
             case = (f"{'' if c['device'] == 'cpu' else c['device'] + ' '}H{c['hidden']} {c['batch']}x{c['length']} "
                     f"{c['mode']}{'' if c['dtype'] == 'float32' else ' ' + c['dtype']}")
@@ -93,7 +95,7 @@ def _print_summary(report: dict) -> None:
                 continue
             gbs, peak = r.get("achieved_bytes_per_s"), r.get("peak_bytes")
             table.add_row(case, r["candidate"], f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
-                          f"{gbs / 1e9:.1f}" if gbs else "", f"{peak / r['output_bytes']:.2f}x" if peak else "")
+                          f"{gbs / 1e9:.1f}" if gbs else "", f"{peak / r['output_bytes']:.2f}x" if peak is not None else "")
         console.print(table)
         for what, note in notes.items():
             console.print(f"  [dim]{what}: {note}[/dim]")
