@@ -94,8 +94,9 @@ def _print_summary(report: dict) -> None:
                 table.add_row(case, r["candidate"], r["status"], "", "", "")
                 continue
             gbs, peak = r.get("achieved_bytes_per_s"), r.get("peak_bytes")
+            peak_text = "" if peak is None else f"{peak / r['output_bytes']:.2f}x"
             table.add_row(case, r["candidate"], f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
-                          f"{gbs / 1e9:.1f}" if gbs else "", f"{peak / r['output_bytes']:.2f}x" if peak is not None else "")
+                          f"{gbs / 1e9:.1f}" if gbs else "", peak_text)
         console.print(table)
         for what, note in notes.items():
             console.print(f"  [dim]{what}: {note}[/dim]")
