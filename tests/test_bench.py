@@ -137,3 +137,15 @@ def test_cli_rejects_bad_options_before_running():
     assert "steady" in result.output and "sometimes" in result.output
     result = CliRunner().invoke(app, ["bench", "--quick", "--threads", "0"])
     assert result.exit_code == 2 and "--threads" in result.output
+
+
+def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch):
+    from bertembed.bench import worker
+
+    work = cands.make_workload(Case(16, 2, 3), vocab_size=50)
+    reference = cands.reference_output(work)
+    monkeypatch.setattr(cands, "build", lambda name, w: cands.Candidate(name, lambda: reference + 1e-3))
+    spec = {"condition": "steady", "threads": 1, "min_run_time": 0.01, "warmup": 1}
+    record = worker.measure_one("bertembed-fused", work, reference, spec, {"working_set": 1e10, "dram": 1e10})
+    assert record["status"] == "ok" and record["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert "OUTPUT DIFFERS" in record["note"]

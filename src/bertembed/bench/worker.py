@@ -58,16 +58,16 @@ def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None,
         if case.mode == "fwd":
             record["max_abs_diff"] = diff = cands.max_abs_diff(candidate.call(), reference)
             if diff > cands.DIFF_TOLERANCE[case.dtype]:
-                record["note"] = f"OUTPUT DIFFERS from the reference by up to {diff:.2e}: timing a different layer"
+                _note(record, f"OUTPUT DIFFERS from the reference by up to {diff:.2e}: timing a different layer")
         timing = time_call(candidate.call, int(spec["threads"]), float(spec["min_run_time"]), case.key)
         record.update(status="ok", median_s=timing.median, iqr_s=timing.iqr, runs=timing.runs)
         if candidate.torch_memory:
             record["peak_bytes"] = peak_bytes(candidate.call, case.device)
             if case.mode == "fwd" and record["peak_bytes"] < case.output_bytes:  # e.g. a numpy-backed output
-                record["note"] = (f"peak memory not measured: torch's allocator saw {record.pop('peak_bytes')} bytes, "
-                                  f"less than the output, so the output was allocated outside it")
+                _note(record, f"peak memory not measured: torch's allocator saw {record.pop('peak_bytes')} bytes, "
+                              f"less than the output, so the output was allocated outside it")
         else:
-            record["note"] = "peak memory not measured: allocations are outside torch's allocator"
+            _note(record, "peak memory not measured: allocations are outside torch's allocator")
     except cands.NotAvailable as err:
         return {**record, "status": "not available", "note": str(err)}
     except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
@@ -78,6 +78,10 @@ def measure_one(name: str, work: cands.Workload, reference: torch.Tensor | None,
         record.update(bound_s=traffic / bandwidth["working_set"], bound_dram_s=traffic / bandwidth["dram"],
                       copy_bytes_per_s=bandwidth["working_set"], achieved_bytes_per_s=traffic / timing.median)
     return record
+
+
+def _note(record: dict[str, Any], text: str) -> None:
+    record["note"] = "; ".join(filter(None, (record.get("note"), text)))
 
 
 def case_bandwidth(case: Case, spec: dict[str, Any], dram: float) -> dict[str, float]:
