@@ -94,3 +94,20 @@ def check_low_precision(ref, fused, ids) -> None:
     for name, p in fused.named_parameters():
         assert p.grad.dtype == dtype
         torch.testing.assert_close(p.grad, expected[name].to(dtype), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_never_reads_outside_a_table(kernels) -> None:
+    """Called directly (past validation), a backend's kernels skip a bad id and report it instead of reading out of
+    bounds: a word id past the table, a negative one, a segment id of 2, a position past the table."""
+    import pytest
+
+    word, seg, pos = torch.randn(10, 8), torch.randn(2, 8), torch.randn(16, 8)
+    ones, zeros = torch.ones(8), torch.zeros(8)
+    for ids, tts, pids in [([3, 10], [0, 0], [0, 1]), ([3, -1], [0, 0], [0, 1]), ([3, 4], [0, 2], [0, 1]),
+                           ([3, 4], [0, 0], [0, 16])]:
+        args = [torch.tensor(a) for a in (ids, tts, pids)]
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            kernels.run_forward(*args, word, seg, pos, ones, zeros, 1e-12, 0.0, 0)
+        with pytest.raises(RuntimeError, match="outside their tables"):
+            kernels.run_backward(torch.ones(2, 8), *args, word, seg, pos, ones, torch.zeros(2), torch.ones(2), 0.0,
+                                 0, 0)
