@@ -15,11 +15,11 @@ from bertembed.explain.positions import (
     dct_basis,
     lowfreq_share,
     peak_frequencies,
-    sinusoidal_numpy,
     spectrum,
     structure_correlation,
 )
 from bertembed.explain.tokens import spearman
+from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
 from conftest_explain import load_tables, make_tiny
 
@@ -65,7 +65,10 @@ def test_decomposition_parts_and_variance_shares(which, tiny):
 # --- positions ------------------------------------------------------------------------------------------------
 
 def test_sinusoid_helpers_match_the_torch_table_and_correlate_perfectly():
-    table = sinusoidal_numpy(64, 22)
+    table = sinusoidal_table_np(64, 22)
+    formula = np.array([[np.sin(p / 10000 ** (i / 22)) if i % 2 == 0 else np.cos(p / 10000 ** ((i - 1) / 22))
+                         for i in range(22)] for p in range(64)])
+    assert np.allclose(table, formula, atol=1e-12)
     assert np.allclose(table, sinusoidal_table(64, 22).double().numpy(), atol=1e-6)
     sim = cosine(torch.from_numpy(table)).numpy()
     assert structure_correlation(sim, sim) == pytest.approx(1.0)

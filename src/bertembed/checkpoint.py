@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.sources import Source, resolve
+from bertembed.sources import Source, read_json, resolve
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _weight_files(source: Source) -> tuple[list[Path], dict[str, Path]]:
             continue
         if not candidate.endswith(".index.json"):
             return [path], {}
-        weight_map = _read_json(path).get("weight_map")
+        weight_map = read_json(path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{path} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
         wanted = {k: v for k, v in weight_map.items() if _embedding_name(k) is not None}
@@ -202,16 +202,6 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
     if wrong:
         raise ValueError(f"checkpoint {source.describe()} disagrees with its config.json: " + "; ".join(wrong)
                          + ". The weights and the config come from different models")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); re-download it") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 def save_checkpoint(layer, folder: str | Path) -> Path:

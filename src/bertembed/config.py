@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from bertembed.sources import read_json
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,7 @@ class EmbeddingConfig:
                 path = path / "config.json"
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
-            try:
-                source = json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
-            if not isinstance(source, dict):
-                raise ValueError(f"{path} holds a JSON {type(source).__name__}, expected an object of config keys")
+            source = read_json(path, "an object of config keys")
         model_type = source.get("model_type", "bert")
         if model_type not in ("bert", None):
             log.warning("config model_type is %r, not 'bert': reading its BERT-style embedding keys anyway", model_type)

@@ -10,7 +10,6 @@ Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T tok
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +22,10 @@ from bertembed.validation import check_inputs
 
 
 def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
-    """The fixed table of "Attention Is All You Need": [P, H], sin on even columns, cos on odd ones."""
-    pos = torch.arange(positions, dtype=torch.float64)[:, None]
-    freq = torch.exp(torch.arange(0, hidden, 2, dtype=torch.float64) * (-math.log(10000.0) / hidden))
-    table = torch.zeros(positions, hidden, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(pos * freq)
-    table[:, 1::2] = torch.cos(pos * freq)
-    return table.float()
+    """The fixed table of "Attention Is All You Need": [P, H] float32, sin on even columns, cos on odd ones."""
+    from bertembed.numpy_layer import sinusoidal_table_np  # one formula, shared with the torch-free paths
+
+    return torch.from_numpy(sinusoidal_table_np(positions, hidden)).float()
 
 
 class SinusoidalPositions(nn.Module):

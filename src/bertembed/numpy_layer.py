@@ -19,6 +19,15 @@ from bertembed.config import EmbeddingConfig
 from bertembed.sources import Source
 
 
+def sinusoidal_table_np(positions: int, hidden: int) -> np.ndarray:
+    """The fixed table of "Attention Is All You Need": [P, H] float64, sin on even columns, cos on odd ones."""
+    pos = np.arange(positions, dtype=np.float64)[:, None]
+    freq = np.exp(np.arange(0, hidden, 2, dtype=np.float64) * (-np.log(10000.0) / hidden))
+    table = np.zeros((positions, hidden))
+    table[:, 0::2], table[:, 1::2] = np.sin(pos * freq), np.cos(pos * freq[: hidden // 2])
+    return table
+
+
 @dataclass
 class NumpyEmbeddings:
     """The five embedding tensors as float32 arrays, under `BertEmbeddings.state_dict()` names."""
@@ -70,8 +79,4 @@ class NumpyEmbeddings:
             return self.tensors["position_embeddings.weight"][:length]
         if kind == "none":
             return np.zeros((length, cfg.hidden_size), dtype=np.float32)
-        pos = np.arange(length, dtype=np.float64)[:, None]
-        freq = np.exp(np.arange(0, cfg.hidden_size, 2) * (-np.log(10000.0) / cfg.hidden_size))
-        table = np.zeros((length, cfg.hidden_size))
-        table[:, 0::2], table[:, 1::2] = np.sin(pos * freq), np.cos(pos * freq)
-        return table.astype(np.float32)
+        return sinusoidal_table_np(length, cfg.hidden_size).astype(np.float32)

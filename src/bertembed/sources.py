@@ -6,6 +6,7 @@ reader and the tokenizer never care where the files live. Nothing here imports t
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -49,6 +50,17 @@ class Source:
             path = self.folder / filename
             return path if path.is_file() else None
         return _hub_file(self.name, filename, self.revision, self.local_files_only)
+
+
+def read_json(path: str | Path, what: str = "an object") -> dict:
+    """A JSON object from a checkpoint's file; ValueError naming the file when it is broken or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected {what}")
+    return data
 
 
 def bundled_folder() -> Path:

@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bertembed.sources import Source, resolve
+from bertembed.sources import Source, read_json, resolve
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +165,7 @@ def _read_settings(source: Source) -> dict[str, Any]:
         path = source.file(name)
         if path is None:
             continue
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); re-download it") from err
+        data = read_json(path)
         settings.update({k: data[k] for k in ("do_lower_case", "strip_accents", "tokenize_chinese_chars") if k in data})
         for key in ("model_max_length", "max_position_embeddings"):
             value = data.get(key)

@@ -13,17 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bertembed.explain._common import ModelArg, cosine_matrix, load_layer, repr_html, row_norms, table
+from bertembed.numpy_layer import sinusoidal_table_np
 
 PRETRAIN_SHORT_LENGTH = 128  # BERT's pre-training length for 90% of the steps
-
-
-def sinusoidal_numpy(positions: int, hidden: int) -> np.ndarray:
-    """The fixed table of "Attention Is All You Need" [P, H] (sin on even columns, cos on odd), without torch."""
-    pos = np.arange(positions, dtype=np.float64)[:, None]
-    freq = np.exp(np.arange(0, hidden, 2, dtype=np.float64) * (-np.log(10000.0) / hidden))
-    out = np.zeros((positions, hidden))
-    out[:, 0::2], out[:, 1::2] = np.sin(pos * freq), np.cos(pos * freq[: hidden // 2])
-    return out
 
 
 def structure_correlation(sim_a: np.ndarray, sim_b: np.ndarray) -> float:
@@ -133,7 +125,7 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     if count < 3:
         raise ValueError(f"the position table has {count} rows; at least 3 are needed to compare structures")
     k = max(1, min(k, count - 1))
-    sinus = sinusoidal_numpy(*learned.shape)
+    sinus = sinusoidal_table_np(*learned.shape)
     sim, sin_sim = cosine_matrix(learned), cosine_matrix(sinus)
     norms = row_norms(learned)
     r = structure_correlation(sim, sin_sim)
