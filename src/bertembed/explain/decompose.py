@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.sources import Source
+from bertembed.sources import Source, resolve
 
 PARTS = ("word", "position", "segment")
 
@@ -115,8 +115,8 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
     layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
-    if layer is not None:
-        model = layer.source.name  # a loaded NumpyEmbeddings: reuse its tables, read its tokenizer
+    # resolve once: the tokenizer and the layer read the same checkpoint (a loaded layer brings its own source)
+    model = layer.source if layer is not None else resolve(model)
     tokenizer = Tokenizer.from_pretrained(model)
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:

@@ -59,7 +59,7 @@ def _labeller(layer, name: str):
         try:
             from bertembed.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_pretrained(layer.source.name)
+            tokenizer = Tokenizer.from_pretrained(layer.source)
             return lambda i: f"{tokenizer.backend.id_to_token(i)} ({i})"
         except (FileNotFoundError, ValueError):
             return lambda i: f"id {i}"

@@ -64,7 +64,7 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
     if not text.strip():
         raise ValueError('the text is empty; give a sentence, e.g. "I am Sinan"')
     layer = load_layer(model)
-    tokenizer = Tokenizer.from_pretrained(layer.source.name)
+    tokenizer = Tokenizer.from_pretrained(layer.source)
     enc = tokenizer(text, truncation=False, padding=False)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]

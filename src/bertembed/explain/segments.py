@@ -59,7 +59,7 @@ def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
         raise ValueError(f"{layer.source.name} has {seg.shape[0]} segment row(s); segments A and B need 2")
     if not text.strip():
         raise ValueError('the text is empty; give a sentence, e.g. "The quick brown fox"')
-    tokenizer = Tokenizer.from_pretrained(layer.source.name)
+    tokenizer = Tokenizer.from_pretrained(layer.source)
     enc = tokenizer(text, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         raise ValueError(f"the text is {len(enc.input_ids)} tokens, the model has {tokenizer.max_length} positions")

@@ -77,7 +77,7 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     if not token.strip():
         raise ValueError('the token is empty; give one vocabulary entry, e.g. "king"')
     layer = load_layer(model)
-    tokenizer = Tokenizer.from_pretrained(layer.source.name)
+    tokenizer = Tokenizer.from_pretrained(layer.source)
     words = table(layer, "word")
     token_id = _token_id(tokenizer, token)
     norms = row_norms(words)
