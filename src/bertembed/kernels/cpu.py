@@ -1,9 +1,9 @@
 """CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward.
 
-Forward, per token: gather the word row, add the segment row, then the position row (the reference's order), LayerNorm
-with statistics accumulated in float64 and kept as float32 mean/rstd, scale and shift, dropout. Backward, per token:
-recompute the sum from the tables (cheaper than keeping it: no [N, H] tensor is saved), LayerNorm backward, and add
-the row gradient into the table gradients.
+Forward, per token, in two passes over the row: gather the word row, add the segment row, then the position row (the
+reference's order) while accumulating the LayerNorm statistics in float64; then normalise, scale and shift, dropout,
+store (float32 mean/rstd are kept). Backward, per token: recompute the sum from the tables (cheaper than keeping it:
+no [N, H] tensor is saved), LayerNorm backward, and add the row gradient into the table gradients.
 
 Tables and outputs are float32 or bfloat16. numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern:
 widened to float32 by a shift, rounded back to nearest-even. The bfloat16 sums are rounded after each add, as torch
@@ -75,39 +75,15 @@ def _round_like_impl(table, x):
     return lambda table, x: np.uint32(_bf16_bits(x) << np.uint32(16)).view(np.float32)
 
 
-def _normalize_into(out, i, x, m, r, gamma, beta):
-    """out[i] = (x - m) * r * gamma + beta in float32, stored in the output's dtype (one compiled loop per dtype)."""
+def _narrow(out, y):
+    """A float32 value as an element of `out` (identity for float32, rounded bits for bfloat16)."""
 
 
-@overload(_normalize_into)
-def _normalize_into_impl(out, i, x, m, r, gamma, beta):
+@overload(_narrow, inline="always")
+def _narrow_impl(out, y):
     if isinstance(out.dtype, types.Float):
-        def impl(out, i, x, m, r, gamma, beta):
-            for j in range(x.size):
-                out[i, j] = (x[j] - m) * r * gamma[j] + beta[j]
-        return impl
-
-    def impl_bits(out, i, x, m, r, gamma, beta):
-        for j in range(x.size):
-            out[i, j] = np.uint16(_bf16_bits((x[j] - m) * r * gamma[j] + beta[j]))
-    return impl_bits
-
-
-def _store_row(out, i, y):
-    """out[i] = y (a float32 row), in the output's dtype."""
-
-
-@overload(_store_row)
-def _store_row_impl(out, i, y):
-    if isinstance(out.dtype, types.Float):
-        def impl(out, i, y):
-            out[i, :] = y
-        return impl
-
-    def impl_bits(out, i, y):
-        for j in range(y.size):
-            out[i, j] = np.uint16(_bf16_bits(y[j]))
-    return impl_bits
+        return lambda out, y: y
+    return lambda out, y: np.uint16(_bf16_bits(y))
 
 
 @njit(cache=True)
@@ -115,74 +91,90 @@ def _ids_ok(w, s, q, v, t, p, has_pos):
     return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
 
 
+def _pair(word, seg, w, s, j):
+    """Element j of word[w] + seg[s] in float32, rounded as the tables' dtype rounds."""
+
+
+@overload(_pair, inline="always")
+def _pair_impl(word, seg, w, s, j):
+    return lambda word, seg, w, s, j: _round_like(word, _widen(word[w, j]) + _widen(seg[s, j]))
+
+
+def _plus_pos(word, v, pos, q, j):
+    """v + pos[q, j] in float32, rounded as the tables' dtype rounds."""
+
+
+@overload(_plus_pos, inline="always")
+def _plus_pos_impl(word, v, pos, q, j):
+    return lambda word, v, pos, q, j: _round_like(word, v + _widen(pos[q, j]))
+
+
 def _sum_row(word, seg, pos, w, s, q, has_pos, x):
-    """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds."""
+    """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
+    mean and biased variance, accumulated in float64. The sums are of x - x[0] (a shift near the mean), so the variance
+    keeps its digits however large the mean."""
 
 
-@overload(_sum_row)
+# `reassoc` lets the float64 sums vectorise (they lose nothing by it). It would also let LLVM regroup the float32 adds
+# of `_pair` and `_plus_pos`, which it does not do: the tests hold the kernels to the reference's roundings. float32
+# tables: one pass, the moments taken as x is written. bfloat16: the roundings' integer work leaves LLVM's vectoriser
+# out when mixed with the sums, so x is written first (two short loops) and its moments taken from it.
+@overload(_sum_row, jit_options={"fastmath": {"reassoc"}})
 def _sum_row_impl(word, seg, pos, w, s, q, has_pos, x):
     if isinstance(word.dtype, types.Float):
-        def impl(word, seg, pos, w, s, q, has_pos, x):
+        def fused(word, seg, pos, w, s, q, has_pos, x):
+            first = _pair(word, seg, w, s, 0)
+            shift = np.float64(_plus_pos(word, first, pos, q, 0) if has_pos else first)
+            total, squares = 0.0, 0.0
             if has_pos:
                 for j in range(x.size):
-                    x[j] = (word[w, j] + seg[s, j]) + pos[q, j]
+                    x[j] = v = _plus_pos(word, _pair(word, seg, w, s, j), pos, q, j)
+                    total, squares = total + (v - shift), squares + (v - shift) ** 2
             else:
                 for j in range(x.size):
-                    x[j] = word[w, j] + seg[s, j]
-        return impl
+                    x[j] = v = _pair(word, seg, w, s, j)
+                    total, squares = total + (v - shift), squares + (v - shift) ** 2
+            return _moments(total, squares, shift, x.size)
+        return fused
 
-    def impl_bits(word, seg, pos, w, s, q, has_pos, x):
+    def separate(word, seg, pos, w, s, q, has_pos, x):
         for j in range(x.size):
-            x[j] = _round_like(word, _widen(word[w, j]) + _widen(seg[s, j]))
+            x[j] = _pair(word, seg, w, s, j)
         if has_pos:
             for j in range(x.size):
-                x[j] = _round_like(word, x[j] + _widen(pos[q, j]))
-    return impl_bits
+                x[j] = _plus_pos(word, x[j], pos, q, j)
+        shift = np.float64(x[0])
+        total, squares = 0.0, 0.0
+        for j in range(x.size):
+            total, squares = total + (x[j] - shift), squares + (x[j] - shift) ** 2
+        return _moments(total, squares, shift, x.size)
+    return separate
 
 
-# Only reductions may be reordered ("reassoc"), so they vectorise: float64 sums of float32 terms lose nothing by it.
-# Everything else keeps IEEE order (no fastmath), so float32 sums match the reference's roundings.
-@njit(cache=True, fastmath={"reassoc"})
-def _moments(x):
-    """Mean and biased variance of a float32 row, accumulated in float64 (two passes)."""
-    total = 0.0
-    for j in range(x.size):
-        total += x[j]
-    m = total / x.size
-    sq = 0.0
-    for j in range(x.size):
-        d = x[j] - m
-        sq += d * d
-    return m, sq / x.size
-
-
-@njit(cache=True, fastmath={"reassoc"})
-def _ln_sums(g, xhat):
-    """sum(g) and sum(g * xhat) over a row, accumulated in float64."""
-    sa, sb = 0.0, 0.0
-    for j in range(g.size):
-        sa += g[j]
-        sb += g[j] * np.float64(xhat[j])
-    return sa, sb
+@njit(cache=True)
+def _moments(total, squares, shift, h):
+    """(mean, biased variance) from the sums of x - shift and of its squares over h elements."""
+    centre = total / h
+    return shift + centre, max(squares / h - centre * centre, 0.0)
 
 
 @njit(cache=True)
 def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
+    """Two passes over the row: the sum with its moments, then LayerNorm and dropout into out[i]."""
     h = x.size
-    _sum_row(word, seg, pos, w, s, q, has_pos, x)
-    m, var = _moments(x)
+    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x)
     # Statistics accumulate in float64, then round to float32: from there on the same float32 operations in the same
-    # order as torch's LayerNorm, ((x - mean) * rstd) * weight + bias (float64 here cost twice the time).
+    # order as torch's LayerNorm, ((x - mean) * rstd) * weight + bias.
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
     if threshold == 0:
-        _normalize_into(out, i, x, m32, r32, gamma, beta)
+        for j in range(h):
+            out[i, j] = _narrow(out, (x[j] - m32) * r32 * gamma[j] + beta[j])
         return
     scale32 = np.float32(scale)
     for j in range(h):
         y = (x[j] - m32) * r32 * gamma[j] + beta[j]
-        x[j] = y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0)
-    _store_row(out, i, x)
+        out[i, j] = _narrow(out, y * scale32 if _keep(seed, i * h + j, threshold) else np.float32(0.0))
 
 
 @njit(cache=True)
@@ -224,24 +216,32 @@ def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, 
                           out, mean, rstd)
 
 
-@njit(cache=True)
-def _row_backward(gout, i, x, m, r, gamma, threshold, scale, seed, dgamma, dbeta, dx):
+@njit(cache=True, fastmath={"reassoc"})
+def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
     """LayerNorm (and dropout) backward of token i, float32 with float64 row sums: dx[:] = d loss / d sum.
 
-    x holds the recomputed sum and is overwritten with xhat; dgamma, dbeta [H] float32 partials are added into.
+    The sum is recomputed from the tables (cheaper than keeping it: no [N, H] tensor is saved), and xhat from it as the
+    forward did, into x; dgamma, dbeta [H] float32 partials are added into. Each loop writes one or two arrays, few
+    enough for LLVM's vectoriser to check them for overlap.
     """
     h = x.size
+    _sum_row(word, seg, pos, w, s, q, has_pos, x)
     for j in range(h):
-        x[j] = (x[j] - m) * r  # xhat, as the forward computed it
-        dx[j] = _widen(gout[i, j])
+        x[j] = (x[j] - m) * r
     if threshold > 0:
         for j in range(h):
-            dx[j] = dx[j] * scale if _keep(seed, i * h + j, threshold) else np.float32(0.0)
+            dx[j] = _widen(gout[i, j]) * scale if _keep(seed, i * h + j, threshold) else np.float32(0.0)
+    else:
+        for j in range(h):
+            dx[j] = _widen(gout[i, j])
+    sa, sb = 0.0, 0.0
     for j in range(h):
         dgamma[j] += dx[j] * x[j]
         dbeta[j] += dx[j]
-        dx[j] = dx[j] * gamma[j]
-    sa, sb = _ln_sums(dx, x)
+        g = dx[j] * gamma[j]
+        dx[j] = g
+        sa += g
+        sb += g * np.float64(x[j])
     a, b = np.float32(sa / h), np.float32(sb / h)
     for j in range(h):
         dx[j] = r * (dx[j] - a - x[j] * b)
@@ -291,9 +291,8 @@ def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, p
         if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
             bad += 1
             continue
-        _sum_row(word, seg, pos, w, s, q, has_pos, x)
-        _row_backward(gout, i, x, mean[i], rstd[i], gamma, threshold, np.float32(scale), seed, dgamma[c], dbeta[c],
-                      dx)
+        _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
+                      seed, dgamma[c], dbeta[c], x, dx)
         if want_word and w >= zeroed:  # zero the rows up to this one (a [PAD] row may be the next chunk's)
             top = min(w + 1, rows[c + 1])
             dword[zeroed:top] = 0.0
