@@ -65,6 +65,22 @@ def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
     assert err_kernel <= max(err_torch, 5e-7)
 
 
+def test_large_mean_keeps_the_variance():
+    """The kernel takes the variance in one pass, as E[(x - x0)^2] - E[x - x0]^2 in float64 (x0 the row's first
+    entry). Rows whose mean (300) is ~10^4 times their spread: float32 rounding of the sum itself dominates the error
+    then, for torch too, and the kernel must be no further from the float64 result than about torch is."""
+    ref, fused = twins(768, "cpu")
+    with torch.no_grad():
+        for layer in (ref, fused):
+            layer.word_embeddings.weight.add_(300.0)
+    ids = awkward_ids(2, 16, ref.config.vocab_size)
+    exact = ref.double()(ids)
+    ref.float()
+    err_kernel = (fused(ids).double() - exact).abs().max().item()
+    err_torch = (ref(ids).double() - exact).abs().max().item()
+    assert err_kernel <= max(2 * err_torch, 5e-6)
+
+
 @pytest.mark.parametrize("position_ids", ["shared", "per-row"])
 def test_explicit_position_ids(position_ids):
     ref, fused = twins(64, "cpu")
