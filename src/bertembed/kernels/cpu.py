@@ -256,7 +256,7 @@ def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma,
     between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. It also owns
     word-gradient rows [rows[c], rows[c+1]) and writes each exactly once, zeros included, in id order: dword [V, H]
     comes uninitialised, and the dense gradient costs one pass of writes, not a memset and then a scatter (shape
-    (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not wanted; row k is position
+    (0, H): not wanted; rows all V: dword comes zeroed, and the kernel only adds). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not wanted; row k is position
     pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
     """
     bad = 0
@@ -379,8 +379,12 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     chunks = max(1, min(threads(), n)) if n * h >= _PARALLEL_FROM else 1
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")
-    bounds, rows = chunk_bounds(ids_np[order], chunks, pad, word.shape[0] if need_word else 0)
-    dword = torch.empty(word.shape[0] if need_word else 0, h)  # the kernel writes every row once, zeros included
+    vocab = word.shape[0] if need_word else 0
+    bounds, rows = chunk_bounds(ids_np[order], chunks, pad, vocab)
+    if chunks == 1 and vocab:  # few tokens: one thread would write all V rows; torch's memset spreads the zeros
+        dword, rows = torch.zeros(vocab, h), np.full_like(rows, vocab)  # every row written: the kernel only adds
+    else:
+        dword = torch.empty(vocab, h)  # the kernel writes every row once, zeros included
     dseg = torch.zeros(chunks, seg.shape[0], h)
     lo, hi = (int(pids.min()), int(pids.max())) if need_pos and pos is not None and n else (0, -1)
     dpos = torch.zeros(chunks, hi - lo + 1, h)
