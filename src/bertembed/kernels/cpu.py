@@ -225,9 +225,12 @@ def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, thresh
     enough for LLVM's vectoriser to check them for overlap.
     """
     h = x.size
-    _sum_row(word, seg, pos, w, s, q, has_pos, x)
-    for j in range(h):
-        x[j] = (x[j] - m) * r
+    if has_pos:  # xhat, from the sum recomputed as the forward computed it (its moments are saved: not taken again)
+        for j in range(h):
+            x[j] = (_plus_pos(word, _pair(word, seg, w, s, j), pos, q, j) - m) * r
+    else:
+        for j in range(h):
+            x[j] = (_pair(word, seg, w, s, j) - m) * r
     if threshold > 0:
         for j in range(h):
             dx[j] = _widen(gout[i, j]) * scale if _keep(seed, i * h + j, threshold) else np.float32(0.0)
@@ -256,8 +259,9 @@ def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma,
     between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. It also owns
     word-gradient rows [rows[c], rows[c+1]) and writes each exactly once, zeros included, in id order: dword [V, H]
     comes uninitialised, and the dense gradient costs one pass of writes, not a memset and then a scatter (shape
-    (0, H): not wanted; rows all V: dword comes zeroed, and the kernel only adds). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not wanted; row k is position
-    pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
+    (0, H): not wanted; rows all V: dword comes zeroed, and the kernel only adds). dseg [C, T, H], dpos [C, R, H]
+    float32 per-chunk partials (R = 0: not wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32
+    per-chunk partials.
     """
     bad = 0
     for c in prange(bounds.size - 1):
