@@ -66,9 +66,9 @@ def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
 
 
 def test_large_mean_keeps_the_variance():
-    """The kernel takes the variance in one pass, as E[(x - x0)^2] - E[x - x0]^2 in float64 (x0 the row's first
-    entry). Rows whose mean (300) is ~10^4 times their spread: float32 rounding of the sum itself dominates the error
-    then, for torch too, and the kernel must be no further from the float64 result than about torch is."""
+    """The kernel takes the variance in one pass, as E[(x - x0)^2] - E[x - x0]^2 with float32 sums (x0 near the
+    row's mean). Rows whose mean (300) is ~10^4 times their spread: float32 rounding of the sum itself dominates the
+    error then, for torch too, and the kernel must be no further from the float64 result than about torch is."""
     ref, fused = twins(768, "cpu")
     with torch.no_grad():
         for layer in (ref, fused):
@@ -79,6 +79,18 @@ def test_large_mean_keeps_the_variance():
     err_kernel = (fused(ids).double() - exact).abs().max().item()
     err_torch = (ref(ids).double() - exact).abs().max().item()
     assert err_kernel <= max(2 * err_torch, 5e-6)
+
+
+def test_outlying_first_entries_cost_no_digits():
+    """The one-pass variance is taken around a shift; a row's first entries far from its mean (here 40 spreads out)
+    must not make it cancel: float32 sums around the first entry alone miss the tolerance by 8 ulps at H 768."""
+    ref, fused = twins(768, "cpu")
+    with torch.no_grad():
+        for layer in (ref, fused):
+            layer.word_embeddings.weight[:, :16] += 1.0
+    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(4, 64, ref.config.vocab_size))
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
 
 
 @pytest.mark.parametrize("position_ids", ["shared", "per-row"])

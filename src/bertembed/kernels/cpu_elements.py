@@ -1,0 +1,138 @@
+"""Element-level building blocks of the CPU kernels (numba): the dropout hash, bfloat16 widening and rounding, a
+token's table rows, and a prefetch. `bertembed.kernels.cpu` builds the per-token passes from them.
+
+numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern: widened to float32 by a shift, rounded back to
+nearest-even by integer arithmetic. Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
+
+numba's on-disk cache (`cache=True`) is keyed on the file of the function it compiled, not on the helpers it inlined:
+after editing this file, delete the `__pycache__/*.nbi` and `*.nbc` files of `bertembed/kernels`, or the kernels in
+`cpu.py` and `lean.py` run stale code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+
+def dropout_threshold(p: float) -> np.uint64:
+    """An element is kept when its 24 random bits are >= this; 0 means no dropout."""
+    return np.uint64(round(p * (1 << 24)))
+
+
+@njit(cache=True, inline="always")
+def keep(seed, index, threshold):
+    """splitmix64 of (seed, element index): the same mask in forward and backward without storing it."""
+    z = seed + np.uint64(index) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
+
+
+def widen(v):
+    """A table element as float32 (identity for float32, bit shift for bfloat16 bits)."""
+
+
+@overload(widen, inline="always")
+def _widen_impl(v):
+    if isinstance(v, types.Float):
+        return lambda v: v
+    return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
+
+
+def bf16_bits(x):
+    """float32 -> bfloat16 bits (uint32 holding 16 bits), round to nearest even, NaN stays NaN."""
+
+
+@overload(bf16_bits)
+def _bf16_bits_impl(x):
+    def impl(x):
+        u = np.float32(x).view(np.uint32)
+        rounded = np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        return np.uint32(0x7FC0) if nan else rounded  # a select, not a branch: the loop stays vectorised
+    return impl
+
+
+def round_like(table, x):
+    """Round a float32 sum to the table's precision, as torch rounds each add in the table's dtype."""
+
+
+@overload(round_like, inline="always")
+def _round_like_impl(table, x):
+    if isinstance(table.dtype, types.Float):
+        return lambda table, x: x
+    return lambda table, x: np.uint32(bf16_bits(x) << np.uint32(16)).view(np.float32)
+
+
+def narrow(out, y):
+    """A float32 value as an element of `out` (identity for float32, rounded bits for bfloat16)."""
+
+
+@overload(narrow, inline="always")
+def _narrow_impl(out, y):
+    if isinstance(out.dtype, types.Float):
+        return lambda out, y: y
+    return lambda out, y: np.uint16(bf16_bits(y))
+
+
+@njit(cache=True)
+def ids_ok(w, s, q, v, t, p, has_pos):
+    return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
+
+
+def add_rounded(v, row, j):
+    """v + row[j] in float32, rounded as the row's dtype rounds (bfloat16 tables: each add, as torch rounds)."""
+
+
+@overload(add_rounded, inline="always")
+def _add_rounded_impl(v, row, j):
+    return lambda v, row, j: round_like(row, v + widen(row[j]))
+
+
+def token_rows(word, seg, pos, w, s, q, has_pos):
+    """The token's three table rows as 1-D views (`seg`'s row stands in for an absent position row, never read).
+
+    Loops over 1-D rows vectorise where the same loops indexing two 2-D tables do not: for bfloat16, word[w, j] +
+    seg[s, j] with its rounding ran 5x slower than over the rows (LLVM left it scalar)."""
+
+
+@overload(token_rows, inline="always")
+def _token_rows_impl(word, seg, pos, w, s, q, has_pos):
+    def impl(word, seg, pos, w, s, q, has_pos):
+        srow = seg[s]
+        return word[w], srow, pos[q] if has_pos else srow
+    return impl
+
+
+_LINE = 64  # bytes in a cache line
+
+
+@intrinsic
+def prefetch_row(typingctx, table, row):
+    """Start loading table[row, :] into the caches, one prefetch per cache line, and return at once.
+
+    A prefetch is a hint: it reads nothing the program sees and cannot fault, so the kernels run it for the next
+    tokens' rows while they compute this one's. The caller still passes only rows inside the table."""
+    step = max(1, _LINE // (table.dtype.bitwidth // 8))
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array = context.make_array(array_type)(context, builder, args[0])
+        int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
+        columns = builder.extract_value(array.shape, 1)
+        with cgutils.for_range_slice(builder, ir.Constant(int64, 0), columns, ir.Constant(int64, step),
+                                     intp=int64) as (column, _):
+            address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1], column])
+            # llvm.prefetch(address, read, keep in all cache levels, data)
+            builder.call(prefetch, [builder.bitcast(address, byte_ptr), ir.Constant(int32, 0), ir.Constant(int32, 3),
+                                    ir.Constant(int32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(table, row), codegen
