@@ -33,16 +33,32 @@ CASES = [  # name, batch, length, dtype, mode
 
 
 def load_revision(rev: str):
-    """`src/bertembed/kernels/cpu.py` as it was at `rev`, imported as a module of its own."""
+    """`src/bertembed/kernels/cpu.py` as it was at `rev`, imported as a module of its own, with the `cpu_elements.py`
+    of the same revision where it has one (imported under its own name too, so the working tree's stays out)."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{rev}:src/bertembed/kernels/cpu.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "cpu_at_revision.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("cpu_at_revision", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    folder = Path(tempfile.mkdtemp())
+
+    def source(name: str) -> str | None:
+        shown = subprocess.run(["git", "show", f"{rev}:src/bertembed/kernels/{name}.py"], cwd=root,
+                               capture_output=True, text=True)
+        return shown.stdout if shown.returncode == 0 else None
+
+    def load(name: str, text: str):
+        path = folder / f"{name}_at_revision.py"  # a file of its own: numba's cache is keyed on it
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        return module
+
+    text = source("cpu")
+    if text is None:
+        raise SystemExit(f"{rev} has no src/bertembed/kernels/cpu.py")
+    if (elements := source("cpu_elements")) is not None:
+        load("cpu_elements", elements)
+        text = text.replace("bertembed.kernels.cpu_elements", "cpu_elements_at_revision")
+    return load("cpu", text)
 
 
 def make_step(kernels, batch: int, length: int, dtype: torch.dtype, mode: str, hidden: int = 768):
