@@ -53,6 +53,28 @@ def test_mostly_padding_and_thread_counts(threads):
     assert_grads_match(ref, fused)
 
 
+@pytest.mark.parametrize(("hidden", "threads"), [(97, 2), (768, 3), (200, 2)])
+def test_streamed_word_gradient_zeros(hidden, threads, monkeypatch):
+    """Large word gradients get their zeros by non-temporal stores, the unaligned ends of each run of rows by ordinary
+    ones (hidden 97 and 200: rows that do not start on a cache line); forced on here for a small table."""
+    monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
+    ref, fused = twins(hidden, "cpu")
+    ids = awkward_ids(16, 128, ref.config.vocab_size)  # enough for the parallel kernels; [PAD] and repeated ids
+    ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out_ref, out = run_both(ref, fused, input_ids=ids)
+    finally:
+        torch.set_num_threads(before)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+    grad = fused.word_embeddings.weight.grad
+    unused = torch.ones(ref.config.vocab_size, dtype=torch.bool)
+    unused[ids.unique()] = False
+    assert grad[0].abs().max() == 0 and grad[unused].abs().max() == 0
+
+
 def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
     """H=2 makes LayerNorm a cancellation (x - mean is tiny when the two entries are close): torch's float32 mean is
     then off by more than 5e-7, so the check here is against the float64 result, where the kernel must do no worse."""

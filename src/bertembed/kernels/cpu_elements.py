@@ -136,3 +136,46 @@ def prefetch_row(typingctx, table, row):
         return context.get_dummy_value()
 
     return types.void(table, row), codegen
+
+
+@intrinsic
+def stream_zeros(typingctx, table, lo, hi):
+    """table[lo:hi] = 0 for a C-contiguous 2-D table, the 64-byte aligned middle with non-temporal stores.
+
+    Non-temporal stores write whole cache lines straight to memory: no read of the old line first, and nothing of the
+    cache evicted for zeros nobody reads soon. They are weakly ordered: call `store_fence` before other threads or
+    Python read the table. The unaligned head and tail (under a line each) are ordinary stores."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array = context.make_array(array_type)(context, builder, args[0])
+        int1, int8, int64 = ir.IntType(1), ir.IntType(8), ir.IntType(64)
+        column = ir.Constant(int64, 0)
+        start, stop = (builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, array, [row, column]),
+                                        int64) for row in args[1:])
+        first = builder.and_(builder.add(start, ir.Constant(int64, _LINE - 1)), ir.Constant(int64, -_LINE))
+        first = builder.select(builder.icmp_unsigned("<", first, stop), first, stop)  # first aligned byte, or stop
+        last = builder.and_(stop, ir.Constant(int64, -_LINE))
+        last = builder.select(builder.icmp_unsigned("<", last, first), first, last)  # end of the aligned middle
+        memset_type = ir.FunctionType(ir.VoidType(), [int8.as_pointer(), int8, int64, int1])
+        memset = cgutils.get_or_insert_function(builder.module, memset_type, "llvm.memset.p0.i64")
+        for begin, end in ((start, first), (last, stop)):
+            builder.call(memset, [builder.inttoptr(begin, int8.as_pointer()), ir.Constant(int8, 0),
+                                  builder.sub(end, begin), ir.Constant(int1, 0)])
+        line = ir.VectorType(int64, _LINE // 8)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range_slice(builder, first, last, ir.Constant(int64, _LINE), intp=int64) as (address, _):
+            store = builder.store(ir.Constant(line, None), builder.inttoptr(address, line.as_pointer()), align=_LINE)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.void(table, lo, hi), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence: every store before it, non-temporal ones included, is visible before any after it."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
