@@ -347,3 +347,17 @@ def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch,
     with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
         assert torch.equal(fused(ids), ref(ids))
     assert "numba is not installed" in caplog.text
+
+
+def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
+    """numba would load a kernel cached before an edit to a file it inlines; such cache indexes are deleted."""
+    import os
+
+    files = {name: tmp_path / name for name in ("cpu.f-1.py311.nbi", "lean.g-2.py311.nbi", "other.h-3.py311.nbi",
+                                                 "cpu.k-4.py311.nbi")}
+    for path in files.values():
+        path.write_bytes(b"")
+        os.utime(path, (0, 0))  # 1970: older than any source file
+    os.utime(files["cpu.k-4.py311.nbi"], (4e9, 4e9))  # 2096: newer than any source file
+    cpu._drop_stale_caches(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.k-4.py311.nbi", "other.h-3.py311.nbi"]
