@@ -5,8 +5,7 @@ numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern: widened to
 nearest-even by integer arithmetic. Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
 
 numba's on-disk cache (`cache=True`) is keyed on the file of the function it compiled, not on the helpers it inlined:
-after editing this file, delete the `__pycache__/*.nbi` and `*.nbc` files of `bertembed/kernels`, or the kernels in
-`cpu.py` and `lean.py` run stale code.
+`cpu.py` deletes the cached kernels of `cpu.py` and `lean.py` that are older than this file when it is imported.
 """
 
 from __future__ import annotations
