@@ -69,7 +69,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             or input_ids.dtype != torch.int64 or input_ids.dim() != 2 or type(past_key_values_length) is not int \
             or past_key_values_length < 0:
         return None
-    if torch.is_grad_enabled() or input_ids.device.type != "cpu" or not input_ids.is_contiguous():
+    if torch.is_grad_enabled() or not input_ids.is_cpu or not input_ids.is_contiguous():
         return None  # autograd needs the custom op
     tables = _tables(layer)
     batch, length = input_ids.shape
@@ -80,7 +80,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         tts, has_tts = ids, False
     elif type(token_type_ids) is torch.Tensor and token_type_ids.dtype == torch.int64 \
             and token_type_ids.shape == input_ids.shape and token_type_ids.is_contiguous() \
-            and token_type_ids.device.type == "cpu":
+            and token_type_ids.is_cpu:
         tts, has_tts = token_type_ids.numpy(), True
     else:
         return None
