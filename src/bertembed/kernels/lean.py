@@ -49,10 +49,12 @@ def _tables(layer) -> list[np.ndarray] | None:
     position = modules["position_embeddings"]
     if position is None or not isinstance(position, torch.nn.Embedding):
         return None
-    tensors = (modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
-               position._parameters["weight"], modules["LayerNorm"]._parameters["weight"],
-               modules["LayerNorm"]._parameters["bias"])
-    key = (*(t.data_ptr() for t in tensors), tensors[0].shape, tensors[2].shape)  # same storage and sizes
+    norm = modules["LayerNorm"]._parameters
+    tensors = word, segment, position, weight, bias = (
+        modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
+        position._parameters["weight"], norm["weight"], norm["bias"])
+    key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.shape,
+           position.shape)  # same storage (the cached views keep the old one alive, so no reuse) and sizes
     cached = layer.__dict__.get("_lean_tables")
     if cached is not None and cached[0] == key:
         return cached[1]
