@@ -27,7 +27,8 @@ def _close(actual, expected):
 
 
 @pytest.mark.parametrize("shape,offset,types", [((1, 11), 0, True), ((1, 1), 0, False), ((3, 7), 5, True),
-                                                 ((2, 64), 0, False), ((1, 4), 60, True)])
+                                                 ((2, 64), 0, False), ((1, 4), 60, True),
+                                                 ((16, 64), 0, True), ((40, 17), 3, False)])  # these on all threads
 def test_short_path_matches_the_reference(shape, offset, types):
     ref, fused = _pair()
     ids = torch.randint(0, 500, shape)
@@ -40,13 +41,18 @@ def test_short_path_matches_the_reference(shape, offset, types):
 
 def test_bad_ids_get_the_reference_errors():
     ref, fused = _pair()
+    large = torch.randint(0, 500, (16, 64))  # the parallel short path; its last id is the bad one below
     with torch.no_grad():
         for kwargs, pattern in [(dict(input_ids=torch.tensor([[1, 500]])), r"holds 500 .*\[0, 500\)"),
                                 (dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
                                  r"token_type_ids holds 2"),
                                 (dict(input_ids=torch.ones(1, 65, dtype=torch.long)), r"65 tokens"),
                                 (dict(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values_length=62),
-                                 r"offset")]:
+                                 r"offset"),
+                                (dict(input_ids=large.clone().index_put_((torch.tensor(15), torch.tensor(63)),
+                                                                         torch.tensor(500))), r"holds 500"),
+                                (dict(input_ids=large, token_type_ids=torch.full((16, 64), 2)),
+                                 r"token_type_ids holds 2")]:
             assert lean.try_infer(fused, kwargs.get("input_ids"), kwargs.get("token_type_ids"), None, None,
                                   kwargs.get("past_key_values_length", 0)) is None
             with pytest.raises(ValueError, match=pattern):
@@ -73,6 +79,5 @@ def test_what_the_short_path_leaves_to_the_general_one():
     with torch.no_grad():
         assert lean.try_infer(fused, ids.int(), None, None, None, 0) is None
         assert lean.try_infer(fused, ids, None, torch.arange(9)[None], None, 0) is None
-        assert lean.try_infer(fused, torch.randint(0, 500, (64, 64)), None, None, None, 0) is None  # large
         fused.train()
         assert lean.try_infer(fused, ids, None, None, None, 0) is None

@@ -334,10 +334,15 @@ def _np(t):
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _check_bad(bad: int, where: str) -> None:
+def check_bad(bad: int, where: str) -> None:
     if bad:
         raise RuntimeError(f"{where}: {bad} tokens had ids outside their tables and were skipped; ids must be checked "
                            f"with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
+
+
+def forward_chunks(tokens: int) -> int:
+    """Blocks of tokens for `forward`: a few per thread, so a thread that started late does not hold up the rest."""
+    return max(1, min(tokens, 4 * threads()))
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None):
@@ -349,12 +354,12 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     out = torch.empty(n, h, dtype=word.dtype) if out is None else out.view(n, h)
     mean, rstd = torch.empty(n), torch.empty(n)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
-    chunks = max(1, min(n, 4 * threads()))
+    chunks = forward_chunks(n)
     kernel = forward if n * h >= _PARALLEL_FROM else forward_serial
     bad = kernel(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
                   float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
                   chunks)
-    _check_bad(bad, "bertembed cpu forward")
+    check_bad(bad, "bertembed cpu forward")
     return out, mean, rstd
 
 
@@ -383,7 +388,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                    _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p),
                    1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta),
                    stream)
-    _check_bad(bad, "bertembed cpu backward")
+    check_bad(bad, "bertembed cpu backward")
     full_pos = torch.empty(0, h)
     if hi >= lo:
         full_pos = torch.zeros(pos.shape[0], h)
