@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from bertembed.kernels import cpu, fused_embeddings  # noqa: E402
+from bertembed.kernels import cpu, cpu_elements, fused_embeddings  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grad_close,
     assert_grads_match,
@@ -359,5 +359,5 @@ def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
         path.write_bytes(b"")
         os.utime(path, (0, 0))  # 1970: older than any source file
     os.utime(files["cpu.k-4.py311.nbi"], (4e9, 4e9))  # 2096: newer than any source file
-    cpu._drop_stale_caches(tmp_path)
+    cpu_elements._drop_stale_caches(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.k-4.py311.nbi", "other.h-3.py311.nbi"]

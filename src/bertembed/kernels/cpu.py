@@ -16,8 +16,6 @@ Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segmen
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numba
 import numpy as np
 import torch
@@ -35,33 +33,6 @@ from bertembed.kernels.cpu_elements import (
     token_rows,
     widen,
 )
-
-_HERE = Path(__file__).parent
-# numba keys a file's on-disk cache on that file alone (numba issue 1833): a kernel that inlines helpers from another
-# file keeps running their old code after an edit there. Which files each cached module inlines:
-_INLINES = {"cpu": ("cpu_elements.py",), "lean": ("cpu_elements.py", "cpu.py")}
-
-
-def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
-    """Delete the cache index of `cpu.py` or `lean.py` when a file it inlines is newer, so numba compiles afresh.
-
-    Editing the source matters only in a checkout (an install rewrites every file, which numba does notice). With
-    NUMBA_CACHE_DIR set the caches live elsewhere and this does nothing."""
-    try:
-        changed = {name: (_HERE / name).stat().st_mtime for name in ("cpu_elements.py", "cpu.py")}
-        indexes = list(folder.glob("*.nbi"))
-    except OSError:
-        return
-    for index in indexes:
-        module = index.name.split(".", 1)[0]
-        try:
-            if any(changed[name] > index.stat().st_mtime for name in _INLINES.get(module, ())):
-                index.unlink()
-        except OSError:  # another process got there first
-            pass
-
-
-_drop_stale_caches()
 
 
 # `reassoc` lets the float32 sums vectorise (many partial sums, each short). It would also let LLVM regroup the adds

@@ -1,20 +1,52 @@
 """Element-level building blocks of the CPU kernels (numba): the dropout hash, bfloat16 widening and rounding, a
-token's table rows, and a prefetch. `bertembed.kernels.cpu` builds the per-token passes from them.
+token's table rows, prefetch and non-temporal zeros, and a guard against stale on-disk caches.
+`bertembed.kernels.cpu` builds the per-token passes from them.
 
 numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern: widened to float32 by a shift, rounded back to
 nearest-even by integer arithmetic. Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
 
 numba's on-disk cache (`cache=True`) is keyed on the file of the function it compiled, not on the helpers it inlined:
-`cpu.py` deletes the cached kernels of `cpu.py` and `lean.py` that are older than this file when it is imported.
+importing this module deletes the cached kernels of `cpu.py` and `lean.py` that are older than a file they inline.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+_HERE = Path(__file__).parent
+# numba keys a file's on-disk cache on that file alone (numba issue 1833): a kernel that inlines helpers from another
+# file keeps running their old code after an edit there. Which files each cached module inlines:
+_INLINES = {"cpu": ("cpu_elements.py",), "lean": ("cpu_elements.py", "cpu.py")}
+
+
+def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
+    """Delete the cache index of `cpu.py` or `lean.py` when a file it inlines is newer, so numba compiles afresh.
+
+    Runs when this module is imported, which `cpu.py` does first, before any kernel is compiled or loaded.
+
+    Editing the source matters only in a checkout (an install rewrites every file, which numba does notice). With
+    NUMBA_CACHE_DIR set the caches live elsewhere and this does nothing."""
+    try:
+        changed = {name: (_HERE / name).stat().st_mtime for name in ("cpu_elements.py", "cpu.py")}
+        indexes = list(folder.glob("*.nbi"))
+    except OSError:
+        return
+    for index in indexes:
+        module = index.name.split(".", 1)[0]
+        try:
+            if any(changed[name] > index.stat().st_mtime for name in _INLINES.get(module, ())):
+                index.unlink()
+        except OSError:  # another process got there first
+            pass
+
+
+_drop_stale_caches()
 
 
 def dropout_threshold(p: float) -> np.uint64:
