@@ -1,0 +1,72 @@
+"""Where a fused CPU forward spends its time outside the kernel: the module's forward, the kernels' torch glue
+(`cpu.run_forward`) and the kernel alone (numpy arguments built once, one output buffer), timed alternately in one
+process, eval mode under `torch.no_grad()`, H 768, random BERT-sized tables, 2 threads.
+
+    MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/glue_overhead.py
+
+Prints the median over blocks of each block's median call, in ms. To compare revisions, run it with
+`PYTHONPATH=<worktree>/src` for each, one after the other (the VM's memory speed drifts: repeat both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from bertembed import BertEmbeddings, EmbeddingConfig
+from bertembed.kernels import cpu
+
+SHAPES = [(32, 128), (1, 11)]
+
+
+def candidates(batch: int, length: int) -> dict:
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=30522, hidden_size=768), backend="cpu").eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30522, (batch, length), generator=gen)
+    types = torch.randint(0, 2, (batch, length), generator=gen)
+    positions = torch.arange(length).repeat(batch)
+    tables = (layer.word_embeddings.weight, layer.token_type_embeddings.weight, layer.position_embeddings.weight,
+              layer.LayerNorm.weight, layer.LayerNorm.bias)
+    n = batch * length
+    out, mean, rstd = torch.empty(n, 768), torch.empty(n), torch.empty(n)
+    kernel = cpu.forward if n * 768 >= cpu._PARALLEL_FROM else cpu.forward_serial
+    arrays = [cpu._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables)]
+    args = (*arrays, 1e-12, cpu.dropout_threshold(0.0), 1.0, np.uint64(0), cpu._np(out), cpu._np(mean),
+            cpu._np(rstd), max(1, min(n, 4 * cpu.threads())))  # as run_forward chooses
+    return {
+        "module forward": lambda: layer(ids, types),
+        "cpu.run_forward": lambda: cpu.run_forward(ids.reshape(-1), types.reshape(-1), positions, *tables, 1e-12,
+                                                   0.0, 0),
+        "kernel alone": lambda: kernel(*args),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        for batch, length in SHAPES:
+            steps = candidates(batch, length)
+            calls = 30 if batch * length > 100 else 2000
+            medians = {name: [] for name in steps}
+            for step in steps.values():
+                step(), step()
+            for _ in range(args.blocks):
+                for name, step in steps.items():
+                    times = []
+                    for _ in range(calls):
+                        start = time.perf_counter()
+                        step()
+                        times.append(time.perf_counter() - start)
+                    medians[name].append(np.median(times))
+            line = "  ".join(f"{name} {np.median(m) * 1e3:.4f} ms" for name, m in medians.items())
+            print(f"({batch}, {length}): {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
