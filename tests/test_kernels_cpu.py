@@ -43,6 +43,11 @@ def test_mostly_padding_and_thread_counts(threads):
     ref, fused = twins(256, "cpu")
     ids = awkward_ids(8, 128, ref.config.vocab_size)  # big enough for the parallel kernels
     ids[:, 32:] = 0
+    _check_on_threads(ref, fused, ids, threads)
+
+
+def _check_on_threads(ref, fused, ids, threads: int) -> None:
+    """Both layers forward and backward on `threads` torch (and so numba) threads; outputs and gradients compared."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -61,14 +66,7 @@ def test_streamed_word_gradient_zeros(hidden, threads, monkeypatch):
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(16, 128, ref.config.vocab_size)  # enough for the parallel kernels; [PAD] and repeated ids
     ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out_ref, out = run_both(ref, fused, input_ids=ids)
-    finally:
-        torch.set_num_threads(before)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
+    _check_on_threads(ref, fused, ids, threads)
     grad = fused.word_embeddings.weight.grad
     unused = torch.ones(ref.config.vocab_size, dtype=torch.bool)
     unused[ids.unique()] = False
