@@ -111,3 +111,20 @@ def check_never_reads_outside_a_table(kernels) -> None:
         with pytest.raises(RuntimeError, match="outside their tables"):
             kernels.run_backward(torch.ones(2, 8), *args, word, seg, pos, ones, torch.zeros(2), torch.ones(2), 0.0,
                                  0, 0)
+
+
+def check_empty_batches(backend: str, device: str = "cpu") -> None:
+    """No sequences, or sequences of no tokens: the reference's empty outputs, in inference and in training, where
+    every parameter gets a zero gradient of its own shape."""
+    ref, fused = twins(16, backend, vocab=50)
+    ref, fused = ref.to(device), fused.to(device)
+    for shape in [(0, 5), (2, 0)]:
+        ids = torch.zeros(shape, dtype=torch.long, device=device)
+        with torch.no_grad():
+            assert fused(ids).shape == ref(ids).shape == (*shape, 16)
+        fused.train()
+        fused(ids).sum().backward()
+        fused.eval()
+        for name, param in fused.named_parameters():
+            assert param.grad is not None and param.grad.shape == param.shape and not param.grad.any(), name
+            param.grad = None

@@ -16,6 +16,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_empty_batches,
     check_low_precision,
     check_never_reads_outside_a_table,
     run_both,
@@ -359,3 +360,7 @@ def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
     os.utime(files["cpu.k-4.py311.nbi"], (4e9, 4e9))  # 2096: newer than any source file
     cpu_elements._drop_stale_caches(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.k-4.py311.nbi", "other.h-3.py311.nbi"]
+
+
+def test_empty_batches():
+    check_empty_batches("cpu")

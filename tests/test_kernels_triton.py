@@ -21,6 +21,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_empty_batches,
     check_low_precision,
     check_never_reads_outside_a_table,
     run_both,
@@ -146,3 +147,7 @@ def test_frozen_tables_get_no_gradient(deterministic):
     assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
     assert_grad_close(fused.token_type_embeddings.weight.grad, ref.token_type_embeddings.weight.grad, "segment")
     assert_grad_close(fused.LayerNorm.weight.grad, ref.LayerNorm.weight.grad, "LayerNorm.weight")
+
+
+def test_empty_batches():
+    check_empty_batches("triton", DEVICE)

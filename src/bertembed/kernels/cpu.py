@@ -360,9 +360,8 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                    1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta),
                    stream)
     check_bad(bad, "bertembed cpu backward")
-    full_pos = torch.empty(0, h)
+    full_pos = torch.zeros(pos.shape[0] if need_pos and pos is not None else 0, h)  # no tokens: zeros
     if hi >= lo:
-        full_pos = torch.zeros(pos.shape[0], h)
         full_pos[lo:hi + 1] = dpos.sum(0)
     dtype = word.dtype
     return (dword.to(dtype), dseg.sum(0).to(dtype), full_pos.to(dtype), dgamma.double().sum(0).to(gamma.dtype),

@@ -42,7 +42,7 @@ def embeddings_op(
     out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
                                                            None if position is None else position.contiguous(),
                                                            weight, bias, eps, p, seed)
-    return out.view(batch, length, -1), mean.view(batch, length), rstd.view(batch, length)
+    return out.view(batch, length, word.shape[1]), mean.view(batch, length), rstd.view(batch, length)
 
 
 @embeddings_op.register_fake

@@ -66,7 +66,7 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
     bad = cpu.forward(ids.reshape(n), segments, positions, *tables, eps, _NO_DROPOUT, _SCALE, _SEED,
-                      out.numpy().reshape(n, -1), stats[:n], stats[n:], cpu.forward_chunks(n))
+                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu.forward_chunks(n))
     cpu.check_bad(bad, "bertembed cpu forward (short path)")
     return out
 
@@ -118,6 +118,6 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     if batch * length * tables[0].shape[1] >= cpu._PARALLEL_FROM:
         return _infer_parallel(ids, tts, has_tts, past_key_values_length, tables, eps)
     out = np.empty((batch, length, tables[0].shape[1]), np.float32)
-    if not _infer(ids, tts, has_tts, past_key_values_length, *tables, eps, out.reshape(batch * length, -1)):
+    if not _infer(ids, tts, has_tts, past_key_values_length, *tables, eps, out.reshape(batch * length, out.shape[2])):
         return None  # a bad id: the general path raises the reference's error
     return torch.from_numpy(out)
