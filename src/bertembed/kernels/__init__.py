@@ -219,7 +219,7 @@ def _short_path():
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    if layer.backend in ("cpu", "auto") and _found.get("cpu"):  # one sentence on the CPU: skip the glue
+    if layer.backend in ("cpu", "auto") and _found.get("cpu"):  # CPU inference: the short path, when it applies
         if (out := _short_path()(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                  past_key_values_length)) is not None:
             return out

@@ -1,8 +1,9 @@
 """The short path for CPU inference: the Python glue between `BertEmbeddings.forward` and the kernel, cut down.
 
 A sentence's kernel work is a few microseconds, so the glue decides its latency; at (32, 128) the general path's glue
-(input checks in torch, position and segment tensors, the custom op's argument handling) costs about 0.13 ms of
-1.2, run while the kernel has just flushed the caches. Same per-token kernel as `cpu.forward`
+(input checks in torch, position and segment tensors, the custom op's argument handling) cost about 0.25 ms of 1.3,
+half of what this path's does (`benchmarks/glue_overhead.py`), since it runs while the kernel has just flushed the
+caches. Same per-token kernel as `cpu.forward`
 (`cpu._forward_token`), so the same numbers. The differences are all glue: parameters are read through the module's
 dicts (no `nn.Module.__getattr__`), numpy views of the tables are cached while their storage stays the same, and one
 compiled call checks every id before any table row is read. Small inputs run serially with positions computed in the
@@ -74,13 +75,13 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
 def _tables(layer) -> list[np.ndarray] | None:
     """Numpy views of the five float32 CPU tables, cached on the layer while their storage is unchanged."""
     modules = layer._modules
-    position = modules["position_embeddings"]
-    if position is None or not isinstance(position, torch.nn.Embedding):
+    positions = modules["position_embeddings"]
+    if positions is None or not isinstance(positions, torch.nn.Embedding):
         return None
     norm = modules["LayerNorm"]._parameters
     tensors = word, segment, position, weight, bias = (
         modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
-        position._parameters["weight"], norm["weight"], norm["bias"])
+        positions._parameters["weight"], norm["weight"], norm["bias"])
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.shape,
            position.shape)  # same storage (the cached views keep the old one alive, so no reuse) and sizes
     cached = layer.__dict__.get("_lean_tables")
