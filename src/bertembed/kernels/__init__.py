@@ -98,10 +98,11 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
         return _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, config.layer_norm_eps, p, seed)
     if not _needs_autograd(tables) and not torch.compiler.is_compiling():  # inference: skip the op's dispatch (~50 us)
         return _run_into(None, backend, input_ids, token_type_ids, position_ids, tables, config.layer_norm_eps, p, seed)
-    from bertembed.kernels.function import embeddings_op
+    from bertembed.kernels.function import EagerEmbeddings, embeddings_op
 
-    result, _mean, _rstd = embeddings_op(input_ids, token_type_ids, position_ids, word, segment, position, weight,
-                                         bias, config.layer_norm_eps, p, seed, pad, backend, deterministic)
+    run = embeddings_op if torch.compiler.is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
+    result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias,
+                               config.layer_norm_eps, p, seed, pad, backend, deterministic)
     return result
 
 

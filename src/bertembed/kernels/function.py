@@ -1,8 +1,9 @@
 """The fused layer as a PyTorch custom op with its own backward, so autograd and `torch.compile` both see one node.
 
 `bertembed::embeddings` runs the forward kernel of a backend ("cpu": numba, "triton"), `bertembed::embeddings_backward`
-the backward one. `torch.library.register_autograd` ties them together (it builds the `torch.autograd.Function` that
-autograd runs) and `register_fake` gives `torch.compile` the output shapes without running a kernel.
+the backward one. `torch.library.register_autograd` ties them together and `register_fake` gives `torch.compile` the
+output shapes without running a kernel. In eager mode the same forward and backward run as `EagerEmbeddings`, a plain
+`torch.autograd.Function`, which skips the custom op's dispatch (Python, about 70 us a call).
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
@@ -27,6 +28,16 @@ def _backend_module(backend: str):
     raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
 
 
+def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
+             backend, deterministic):
+    batch, length = input_ids.shape
+    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
+                                                           None if position is None else position.contiguous(),
+                                                           weight, bias, eps, p, seed)
+    return out.view(batch, length, word.shape[1]), mean.view(batch, length), rstd.view(batch, length)
+
+
 @torch.library.custom_op("bertembed::embeddings", mutates_args=())
 def embeddings_op(
     input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
@@ -37,12 +48,8 @@ def embeddings_op(
 
     Ids are [B, L] and already validated. `padding_idx` (-1: none) and `deterministic` are read by the backward.
     """
-    batch, length = input_ids.shape
-    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
-    out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
-                                                           None if position is None else position.contiguous(),
-                                                           weight, bias, eps, p, seed)
-    return out.view(batch, length, word.shape[1]), mean.view(batch, length), rstd.view(batch, length)
+    return _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
+                    padding_idx, backend, deterministic)
 
 
 @embeddings_op.register_fake
@@ -53,13 +60,8 @@ def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, 
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
 
 
-@torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
-def embeddings_backward_op(
-    grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
-    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
-    backend: str, deterministic: bool, need_word: bool, need_position: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
+def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+               padding_idx, backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
     flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
     kwargs = {"deterministic": deterministic} if backend == "triton" else {}
@@ -67,6 +69,17 @@ def embeddings_backward_op(
         grad.reshape(-1, hidden), *flat, word.contiguous(), segment.contiguous(),
         None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,
         padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
+
+
+@torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
+def embeddings_backward_op(
+    grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
+    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
+    backend: str, deterministic: bool, need_word: bool, need_position: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
+    return _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p,
+                      seed, padding_idx, backend, deterministic, need_word, need_position)
 
 
 @embeddings_backward_op.register_fake
@@ -87,16 +100,35 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.options = (p, seed, padding_idx, backend, deterministic)
 
 
-def _backward(ctx, grad, _grad_mean, _grad_rstd):
-    input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
-    p, seed, padding_idx, backend, deterministic = ctx.options
-    need = ctx.needs_input_grad
-    dword, dseg, dpos, dweight, dbias = embeddings_backward_op(
-        grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-        padding_idx, backend, deterministic, need[3], position is not None and need[5])
-    return (None, None, None, dword if need[3] else None, dseg if need[4] else None,
-            dpos if position is not None and need[5] else None, dweight if need[6] else None,
-            dbias if need[7] else None, None, None, None, None, None, None)
+def _backward_with(gradients):
+    """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager)."""
+    def backward(ctx, grad, _grad_mean, _grad_rstd):
+        input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
+        p, seed, padding_idx, backend, deterministic = ctx.options
+        need = ctx.needs_input_grad
+        dword, dseg, dpos, dweight, dbias = gradients(
+            grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+            padding_idx, backend, deterministic, need[3], position is not None and need[5])
+        return (None, None, None, dword if need[3] else None, dseg if need[4] else None,
+                dpos if position is not None and need[5] else None, dweight if need[6] else None,
+                dbias if need[7] else None, None, None, None, None, None, None)
+
+    return backward
 
 
-embeddings_op.register_autograd(_backward, setup_context=_setup_context)
+embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_context=_setup_context)
+
+
+class EagerEmbeddings(torch.autograd.Function):
+    """The op's forward and backward as a plain autograd.Function, for eager mode: torch.library's dispatch of a
+    custom op costs about 70 us a call in Python, more than a sentence's kernels. `torch.compile` gets the op, which it
+    can trace. `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    backward = staticmethod(_backward_with(_gradients))
