@@ -66,7 +66,6 @@ def test_streamed_word_gradient_zeros(hidden, threads, batch, length, monkeypatc
     ones (hidden 97 and 200: rows that do not start on a cache line); forced on here for a small table. (16, 128):
     the parallel backward, each thread zeroing the rows it owns; (1, 11): zeros on all threads, then one adds."""
     monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
-    monkeypatch.setattr(cpu, "_STREAM_ALONE_FROM", 0)
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)  # [PAD] and repeated ids
     ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks

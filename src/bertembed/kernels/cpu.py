@@ -178,7 +178,7 @@ def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma,
     word-gradient rows [rows[c], rows[c+1]) and writes each once, zeros included, in id order: dword [V, H] comes
     uninitialised, and the dense gradient costs one pass of writes, not a memset and then a scatter (shape (0, H): not
     wanted; rows all V: dword comes zeroed, and the kernel only adds). `stream`: the zeros go out as non-temporal
-    stores (for a table too large to stay in cache). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0:
+    stores (for a large table: see `_STREAM_FROM`). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0:
     not wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
     """
     bad = 0
@@ -301,15 +301,13 @@ def threads() -> int:
 
 # ---- torch glue: tensors in, tensors out ------------------------------------------------------------------------
 
-# Word gradients this large get their zeros by non-temporal stores. Zeroing 94 MB (H 768) in 7-row pieces on this
-# 2-core VM: 2.5 ms against 4.8 ms with ordinary stores; at 47 MB (H 384) ordinary stores won (0.86 against 1.44 ms):
-# a table that size still fits the cache, and the optimizer reads it next.
-_STREAM_FROM = 64 << 20  # bytes
-# A sentence's backward zeroes the word gradient in a pass of its own, on all threads, then adds its few rows on one.
-# That pass streams from 16 MB: against torch.zeros with the caches full of other data (as after an optimizer step),
-# 16 MB 1.15 -> 0.52 ms, 47 MB 2.90 -> 1.22, 94 MB 5.71 -> 2.20; with the table still in cache, 0.30 -> 0.35 ms,
-# 0.94 -> 1.00 and 2.08 -> 2.00 (2 threads, this VM).
-_STREAM_ALONE_FROM = 16 << 20  # bytes
+# Word gradients this large get their zeros by non-temporal stores, which skip reading each line first and leave the
+# cache to data that is read again. Backward at (32, 128) on this 2-core VM, ordinary stores -> streamed, with the
+# table still in cache / with the caches full of other data (as after an optimizer step): H 384 (47 MB) 5.46 -> 4.03
+# / 6.68 -> 5.35 ms, H 192 (23 MB) 3.10 -> 2.64 / 4.13 -> 3.54 ms. A sentence zeroes the table in a pass of its own,
+# on all threads, against torch.zeros: 16 MB 0.30 -> 0.35 / 1.15 -> 0.52 ms, 47 MB 0.94 -> 1.00 / 2.90 -> 1.22,
+# 94 MB 2.08 -> 2.00 / 5.71 -> 2.20.
+_STREAM_FROM = 16 << 20  # bytes
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 
 
@@ -351,7 +349,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 def _zeros_on_all_threads(rows: int, h: int) -> torch.Tensor:
     """torch.zeros(rows, h), by non-temporal stores on all threads when large (torch's memset goes through the
     cache: it reads each line before writing it, and evicts other data for zeros)."""
-    if rows * h * 4 < _STREAM_ALONE_FROM:
+    if rows * h * 4 < _STREAM_FROM:
         return torch.zeros(rows, h)
     table = torch.empty(rows, h)
     stream_zero_table(_np(table), 4 * threads())
