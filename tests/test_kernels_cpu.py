@@ -59,13 +59,16 @@ def _check_on_threads(ref, fused, ids, threads: int) -> None:
     assert_grads_match(ref, fused)
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 16, 128), (768, 3, 16, 128), (200, 2, 16, 128), (97, 2, 1, 11), (768, 3, 1, 11)])
-def test_streamed_word_gradient_zeros(hidden, threads, batch, length, monkeypatch):
+def test_large_word_gradient_zeros(hidden, threads, batch, length, fresh, monkeypatch):
     """Large word gradients get their zeros by non-temporal stores, the unaligned ends of each run of rows by ordinary
-    ones (hidden 97 and 200: rows that do not start on a cache line); forced on here for a small table. (16, 128):
-    the parallel backward, each thread zeroing the rows it owns; (1, 11): zeros on all threads, then one adds."""
+    ones (hidden 97 and 200: rows that do not start on a cache line); or, in memory fresh from the kernel, 2 MB pages
+    and ordinary stores. Forced here for a small table. (16, 128): the parallel backward, each thread zeroing the rows
+    it owns; (1, 11): zeros on all threads, then one adds."""
     monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
+    monkeypatch.setattr(cpu.pages, "is_fresh", lambda table: fresh)  # advise_if_fresh asks it
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)  # [PAD] and repeated ids
     ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from bertembed.kernels import pages
 from bertembed.kernels.cpu_elements import (
     add_rounded,
     dropout_threshold,
@@ -334,7 +335,10 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32). `out`, if given, is written in place.
     """
     n, h = ids.numel(), word.shape[1]
-    out = torch.empty(n, h, dtype=word.dtype) if out is None else out.view(n, h)
+    if out is None:
+        out = torch.empty(n, h, dtype=word.dtype)
+        pages.advise_if_fresh(out)
+    out = out.view(n, h)
     mean, rstd = torch.empty(n), torch.empty(n)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     chunks = forward_chunks(n)
@@ -346,14 +350,19 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     return out, mean, rstd
 
 
-def _zeros_on_all_threads(rows: int, h: int) -> torch.Tensor:
-    """torch.zeros(rows, h), by non-temporal stores on all threads when large (torch's memset goes through the
-    cache: it reads each line before writing it, and evicts other data for zeros)."""
-    if rows * h * 4 < _STREAM_FROM:
-        return torch.zeros(rows, h)
+def _word_gradient(rows: int, h: int) -> tuple[torch.Tensor, bool]:
+    """An uninitialised [rows, h] float32 word gradient, and whether to stream its zeros: from `_STREAM_FROM`, unless
+    its memory is fresh from the kernel (`kernels/pages.py`), which gets 2 MB pages and ordinary stores instead."""
     table = torch.empty(rows, h)
-    stream_zero_table(_np(table), 4 * threads())
-    return table
+    fresh = pages.advise_if_fresh(table)
+    return table, table.nbytes >= _STREAM_FROM and not fresh
+
+
+def _zero_on_all_threads(table: torch.Tensor, stream: bool) -> None:
+    if stream:
+        stream_zero_table(_np(table), 4 * threads())
+    else:
+        table.zero_()  # torch's fill, on all threads
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
@@ -366,17 +375,16 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     order = np.argsort(ids_np, kind="stable")
     vocab = word.shape[0] if need_word else 0
     bounds, rows = chunk_bounds(ids_np[order], chunks, pad, vocab)
+    dword, stream = _word_gradient(vocab, h)  # the kernel writes every row once, zeros included
     if chunks == 1 and vocab:  # few tokens: the zeros first, spread over the threads; then the kernel only adds
-        dword, rows = _zeros_on_all_threads(vocab, h), np.full_like(rows, vocab)
-    else:
-        dword = torch.empty(vocab, h)  # the kernel writes every row once, zeros included
+        _zero_on_all_threads(dword, stream)
+        rows = np.full_like(rows, vocab)
     dseg = torch.zeros(chunks, seg.shape[0], h)
     lo, hi = (int(pids.min()), int(pids.max())) if need_pos and pos is not None and n else (0, -1)
     dpos = torch.zeros(chunks, hi - lo + 1, h)
     dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     kernel = backward if chunks > 1 else backward_serial
-    stream = dword.nbytes >= _STREAM_FROM
     bad = kernel(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np,
                    _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p),
                    1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta),

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from bertembed.kernels import cpu
+from bertembed.kernels import cpu, pages
 
 _NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
 
@@ -63,6 +63,7 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     batch, length = ids.shape
     n = batch * length
     out = torch.empty(batch, length, word.shape[1])  # torch's allocator: its memory profiler sees the output
+    pages.advise_if_fresh(out)
     stats = np.empty(2 * n, np.float32)
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)

@@ -1,0 +1,56 @@
+"""`bertembed.kernels.pages`: telling fresh memory from kept memory, and asking for huge pages without harm."""
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bertembed.kernels import pages
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and madvise are Linux calls here")
+
+
+def _mapped(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A float32 tensor over a new anonymous mapping (the mapping is returned too, to keep it alive)."""
+    region = mmap.mmap(-1, nbytes)
+    return region, torch.from_numpy(np.frombuffer(region, dtype=np.float32))
+
+
+@linux
+def test_a_new_mapping_is_fresh_until_written():
+    region, t = _mapped(8 << 20)
+    assert pages.is_fresh(t)
+    t[: mmap.PAGESIZE].fill_(1.0)  # the first pages are in RAM now
+    assert not pages.is_fresh(t)
+    del t
+    region.close()
+
+
+def test_kept_and_tiny_memory_is_not_fresh():
+    assert not pages.is_fresh(torch.ones(1 << 20))  # written: in RAM
+    assert not pages.is_fresh(torch.empty(3))  # no whole page inside
+
+
+@linux
+def test_huge_page_advice_keeps_the_memory_as_it_was():
+    region, t = _mapped(8 << 20)
+    pages.advise_huge_pages(t)
+    assert t.abs().max().item() == 0.0  # a new mapping reads as zeros, advised or not
+    t[100:200] = 2.0
+    pages.advise_huge_pages(t)  # advising written memory changes no value
+    assert t.sum().item() == 200.0
+    pages.advise_huge_pages(torch.empty(3))  # under 2 MB: nothing to advise, no error
+    del t
+    region.close()
+
+
+@linux
+def test_advise_if_fresh_only_for_large_fresh_memory():
+    region, t = _mapped(8 << 20)
+    assert pages.advise_if_fresh(t)
+    assert not pages.advise_if_fresh(t[: 1 << 18])  # 1 MB: under the size worth advising
+    del t
+    region.close()
+    assert not pages.advise_if_fresh(torch.ones(2 << 20))  # 8 MB, written
