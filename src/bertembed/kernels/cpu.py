@@ -375,7 +375,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     order = np.argsort(ids_np, kind="stable")
     vocab = word.shape[0] if need_word else 0
     bounds, rows = chunk_bounds(ids_np[order], chunks, pad, vocab)
-    dword, stream = _word_gradient(vocab, h)  # the kernel writes every row once, zeros included
+    dword, stream = _word_gradient(vocab, h)  # uninitialised: the kernel writes every row once, zeros included
     if chunks == 1 and vocab:  # few tokens: the zeros first, spread over the threads; then the kernel only adds
         _zero_on_all_threads(dword, stream)
         rows = np.full_like(rows, vocab)

@@ -1,4 +1,5 @@
-"""Fresh memory for a large gradient: telling it apart, and asking for huge pages for it (Linux; elsewhere no-ops).
+"""Fresh memory for large outputs and gradients: telling it apart, and asking for huge pages for it (Linux; elsewhere
+no-ops).
 
 Under glibc's default settings an allocation over 32 MB (BERT-base's 94 MB word gradient) is a new mapping: none of
 its pages is in RAM, and the kernel zero-fills each 4 KB page at its first write, one fault per page. On this VM,
