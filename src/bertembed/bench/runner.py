@@ -36,7 +36,7 @@ class BenchOptions:
 
     quick: bool = False
     threads: int = 2
-    allocator: str = "both"
+    allocator: str | None = None  # None: "steady" for --quick (the targets' condition), "both" for the full run
     candidates: tuple[str, ...] = CANDIDATES
     cases: list[Case] | None = None
     device: str = "auto"
@@ -50,6 +50,8 @@ class BenchOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.allocator is None:
+            self.allocator = "steady" if self.quick else "both"
         if self.allocator not in CONDITIONS:
             raise ValueError(f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}")
         if self.threads < 1:
@@ -83,6 +85,7 @@ def worker_spec(options: BenchOptions, condition: str, cases: list[Case]) -> dic
         "candidates": list(options.candidates), "min_run_time": options.min_run_time or (0.1 if options.quick else 1.0),
         "bandwidth_bytes": options.bandwidth_bytes, "bandwidth_min_run_time": 0.2 if options.quick else 1.0,
         "vocab_size": options.vocab_size, "warmup": options.warmup,
+        "prewarm_kernels": "bertembed-fused" in options.candidates,
     }
 
 

@@ -17,15 +17,15 @@ _RESULT_STYLE = {"pass": "green", "miss": "red"}
 
 @app.command()
 def bench(
-    quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), short timers: "
-                                        "under a minute for both allocator conditions")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), short timers, "
+                                        "the steady allocator only: under a minute")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch / ORT / numba threads")] = 2,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="write every measurement as JSON")] = None,
     markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="write the markdown report "
                                                          "(for BENCHMARKS.md)")] = None,
-    allocator: Annotated[str, typer.Option("--allocator", help="glibc malloc condition: steady (no trim, no "
-                                           "per-allocation mmap), default, or both (each in its own process)")]
-    = "both",
+    allocator: Annotated[Optional[str], typer.Option("--allocator", help="glibc malloc condition: steady (no trim, "
+                                                     "no per-allocation mmap), default, or both (each in its own "
+                                                     "process); default: steady with --quick, else both")] = None,
     device: Annotated[str, typer.Option("--device", help="auto (CPU, plus CUDA when visible), cpu or cuda")]
     = "auto",
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="one process per candidate, "
