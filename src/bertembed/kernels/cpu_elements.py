@@ -140,6 +140,31 @@ def _token_rows_impl(word, seg, pos, w, s, q, has_pos):
     return impl
 
 
+@intrinsic
+def borrowed(typingctx, array):
+    """The same array without its reference to the memory's owner: copies and views of it take no reference either,
+    so per-token code that passes it on makes no atomic reference-count updates (numba's would, on counts that all
+    threads share). Valid while the caller holds the original."""
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        null = context.get_constant_null(types.MemInfoPointer(types.voidptr))
+        view.meminfo = null
+        view.parent = context.get_constant_null(types.pyobject)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
+@intrinsic
+def hold(typingctx, array):
+    """Nothing, but a use of `array`: numba frees a local array after its last use, and a `borrowed` view of it must
+    not outlive it. Call it after the view's last use."""
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return types.void(array), codegen
+
+
 _LINE = 64  # bytes in a cache line
 
 

@@ -21,6 +21,7 @@ import torch
 from numba import njit
 
 from bertembed.kernels import cpu, pages
+from bertembed.kernels.cpu_elements import borrowed, hold
 
 _NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
 
@@ -46,12 +47,17 @@ def _infer(ids, tts, has_tts, past, word, seg, pos, gamma, beta, eps, out):
         return False
     batch, length = ids.shape
     n = batch * length
-    x, stats = np.empty(out.shape[1], np.float32), np.empty(2 * n, np.float32)
+    scratch, stats = np.empty(out.shape[1], np.float32), np.empty((2, n), np.float32)
+    x, mean, rstd = borrowed(scratch), borrowed(stats[0]), borrowed(stats[1])
+    word, seg, pos, gamma, beta, out = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(beta), \
+        borrowed(out)
     for r in range(batch):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
             cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                               _NO_DROPOUT, _SCALE, _SEED, x, out, stats[:n], stats[n:])
+                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd)
+    hold(scratch)
+    hold(stats)
     return True
 
 

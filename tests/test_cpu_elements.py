@@ -1,0 +1,31 @@
+"""Building blocks of the CPU kernels that the layer tests reach only through their results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from numba import njit  # noqa: E402
+
+from bertembed.kernels import cpu_elements  # noqa: E402
+
+
+@njit
+def _fill_through_borrowed(a, n):
+    scratch = np.arange(n).astype(np.float32)  # a local owner: numba frees it after its last use unless held
+    view, rows = cpu_elements.borrowed(scratch), cpu_elements.borrowed(a)
+    for j in range(n):
+        rows[1, j] = view[j] * 2 + rows[0, j]
+    first_row = rows[0]  # a view of a borrowed array
+    first_row[0] = 7
+    cpu_elements.hold(scratch)
+    return view.sum()
+
+
+def test_borrowed_views_share_memory_and_hold_keeps_the_owner():
+    a = np.ones((2, 5), np.float32)
+    assert _fill_through_borrowed(a, 5) == 10.0
+    np.testing.assert_array_equal(a[1], [1, 3, 5, 7, 9])
+    np.testing.assert_array_equal(a[0], [7, 1, 1, 1, 1])
