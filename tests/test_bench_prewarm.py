@@ -3,6 +3,7 @@ until that is done; `--quick` runs the steady allocator only unless asked for bo
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -90,3 +91,13 @@ def test_the_prewarm_process_runs_the_fused_path(caplog):
         warm.wait()
         warm.wait()  # a second wait returns at once
     assert warm._proc.returncode == 0 and not caplog.records
+
+
+def test_the_prewarm_is_quiet_when_the_fused_path_is_not_available(monkeypatch):
+    from bertembed.bench import prewarm
+
+    def refuse(name, work):
+        raise cands.NotAvailable("numba is not installed")
+
+    monkeypatch.setattr(cands, "build", refuse)
+    prewarm.main(['{"cases": [' + json.dumps(Case(16, 1, 3).to_dict()) + '], "vocab_size": 50}'])  # no exception
