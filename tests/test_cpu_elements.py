@@ -24,7 +24,7 @@ def _fill_through_borrowed(a, n):
     return view.sum()
 
 
-def test_borrowed_views_share_memory_and_hold_keeps_the_owner():
+def test_borrowed_views_read_and_write_their_owners_memory():
     a = np.ones((2, 5), np.float32)
     assert _fill_through_borrowed(a, 5) == 10.0
     np.testing.assert_array_equal(a[1], [1, 3, 5, 7, 9])

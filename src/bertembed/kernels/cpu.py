@@ -237,7 +237,7 @@ def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, p
         if want_word:
             zeroed = _word_row(dword, w, pad, dx, zeroed, rows[c + 1], stream)
         _add_row(dseg, s, dx, True)
-        _add_row(dpos, q - pos_lo, dx, dpos.shape[0] > 0)
+        _add_row(dpos, q - pos_lo, dx, True)  # (no-op for a [0, H] dpos: positions not wanted)
     hold(scratch)
     if want_word:
         _zero_rows(dword, zeroed, rows[c + 1], stream)
@@ -307,8 +307,6 @@ def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> t
 
 def threads() -> int:
     """Use as many numba threads as torch does (`torch.set_num_threads` governs both)."""
-    import torch
-
     count = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(count)
     return count
