@@ -34,6 +34,7 @@ from bertembed.kernels.cpu_elements import (
     store_fence,
     stream_zeros,
     token_rows,
+    wide_vectors,
     widen,
 )
 
@@ -45,6 +46,7 @@ def _sum_row(word, seg, pos, w, s, q, has_pos, x):
     """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
     mean and biased variance, from float32 sums: of x - x[0] for the mean (so a large mean loses no digits), then of
     (x - mean)^2. As close to the float64 result as torch's LayerNorm is."""
+    wide_vectors()
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     first = add_rounded(widen(wrow[0]), srow, 0)
     shift = add_rounded(first, prow, 0) if has_pos else first
@@ -64,6 +66,7 @@ def _sum_row(word, seg, pos, w, s, q, has_pos, x):
 def _moments(x, shift, total):
     """(float32 mean, biased variance) of x, given the sum of x - shift: the variance from a second pass around the
     mean (x is in L1 by then), so nothing cancels, wherever the row's entries lie."""
+    wide_vectors()
     mean = np.float32(shift + total / x.size)
     squares = np.float32(0.0)
     for j in range(x.size):
@@ -99,6 +102,7 @@ _AHEAD = 2
 @njit(cache=True)
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
     """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
+    wide_vectors()
     has_pos = pos.shape[0] > 0
     # Borrowed: no atomic reference counts per token, on counts both threads update (with `_forward_token` inlined,
     # one thread, rows in cache: about 460 -> 300 ns a token).
@@ -151,6 +155,7 @@ def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, thresh
     forward did, into x; dgamma, dbeta [H] float32 partials are added into. Each loop writes one or two arrays, few
     enough for LLVM's vectoriser to check them for overlap.
     """
+    wide_vectors()
     h = x.size
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     if has_pos:  # xhat, from the sum recomputed as the forward computed it (its moments are saved: not taken again)
@@ -212,6 +217,7 @@ def backward_serial(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos,
 @njit(cache=True)
 def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
                     scale, seed, pad, dword, dseg, dpos, dgamma, dbeta, stream):
+    wide_vectors()
     h = gout.shape[1]
     has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
     scratch = np.empty((2, h), np.float32)
@@ -251,6 +257,7 @@ def _word_row(dword, w, pad, dx, zeroed, end, stream):
     """Token's dx into the word gradient; returns the new `zeroed`. Rows [zeroed, end) are this chunk's and not written
     yet: the rows between the last id and this one had no token (zeros), the first token of an id sets its row (no
     zeros written first, then read back), later ones add. A [PAD] row gets zeros; it may be the next chunk's (end)."""
+    wide_vectors()
     if w < zeroed:
         _add_row(dword, w, dx, w != pad)
         return zeroed
@@ -285,6 +292,7 @@ def stream_zero_table(table, pieces):
 
 @njit(cache=True)
 def _add_row(grad, row, dx, wanted):
+    wide_vectors()
     if wanted and grad.shape[0] > 0:
         for j in range(dx.size):
             grad[row, j] += dx[j]
