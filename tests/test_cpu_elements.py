@@ -29,3 +29,19 @@ def test_borrowed_views_read_and_write_their_owners_memory():
     assert _fill_through_borrowed(a, 5) == 10.0
     np.testing.assert_array_equal(a[1], [1, 3, 5, 7, 9])
     np.testing.assert_array_equal(a[0], [7, 1, 1, 1, 1])
+
+
+@njit
+def _scaled_sum(a, k):
+    cpu_elements.wide_vectors()
+    total = np.float32(0.0)
+    for j in range(a.size):
+        total += a[j] * k
+    return total
+
+
+def test_wide_vectors_marks_the_function_and_changes_no_result():
+    a = np.arange(37, dtype=np.float32)
+    assert _scaled_sum(a, np.float32(2.0)) == np.float32(2 * a.sum())
+    (ir,) = _scaled_sum.inspect_llvm().values()
+    assert '"prefer-vector-width"="512"' in ir
