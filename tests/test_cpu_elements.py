@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("numba")
 
+import numba  # noqa: E402
 from numba import njit  # noqa: E402
 
 from bertembed.kernels import cpu_elements  # noqa: E402
@@ -32,16 +33,17 @@ def test_borrowed_views_read_and_write_their_owners_memory():
 
 
 @njit
-def _scaled_sum(a, k):
-    cpu_elements.wide_vectors()
+def _scaled_sum(a, k, wide):
+    cpu_elements.wide_vectors(wide)
     total = np.float32(0.0)
     for j in range(a.size):
         total += a[j] * k
     return total
 
 
-def test_wide_vectors_marks_the_function_and_changes_no_result():
+@pytest.mark.parametrize("wide", [True, None])
+def test_wide_vectors_marks_only_the_wide_version_and_changes_no_result(wide):
     a = np.arange(37, dtype=np.float32)
-    assert _scaled_sum(a, np.float32(2.0)) == np.float32(2 * a.sum())
-    (ir,) = _scaled_sum.inspect_llvm().values()
-    assert '"prefer-vector-width"="512"' in ir
+    assert _scaled_sum(a, np.float32(2.0), wide) == np.float32(2 * a.sum())
+    (ir,) = (text for signature, text in _scaled_sum.inspect_llvm().items() if signature[2] == numba.typeof(wide))
+    assert ('"prefer-vector-width"="512"' in ir) == (wide is True)

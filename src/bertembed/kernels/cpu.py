@@ -42,11 +42,11 @@ from bertembed.kernels.cpu_elements import (
 # `reassoc` lets the float32 sums vectorise (many partial sums, each short). It would also let LLVM regroup the adds
 # of `add_rounded`, which it does not do: the tests hold the kernels to the reference's roundings.
 @njit(cache=True, fastmath={"reassoc"})
-def _sum_row(word, seg, pos, w, s, q, has_pos, x):
+def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
     """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
     mean and biased variance, from float32 sums: of x - x[0] for the mean (so a large mean loses no digits), then of
     (x - mean)^2. As close to the float64 result as torch's LayerNorm is."""
-    wide_vectors()
+    wide_vectors(wide)
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     first = add_rounded(widen(wrow[0]), srow, 0)
     shift = add_rounded(first, prow, 0) if has_pos else first
@@ -59,14 +59,14 @@ def _sum_row(word, seg, pos, w, s, q, has_pos, x):
         for j in range(x.size):
             x[j] = v = add_rounded(widen(wrow[j]), srow, j)
             total += v - shift
-    return _moments(x, shift, total)
+    return _moments(x, shift, total, wide)
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _moments(x, shift, total):
+def _moments(x, shift, total, wide):
     """(float32 mean, biased variance) of x, given the sum of x - shift: the variance from a second pass around the
     mean (x is in L1 by then), so nothing cancels, wherever the row's entries lie."""
-    wide_vectors()
+    wide_vectors(wide)
     mean = np.float32(shift + total / x.size)
     squares = np.float32(0.0)
     for j in range(x.size):
@@ -75,11 +75,13 @@ def _moments(x, shift, total):
 
 
 @njit(cache=True, inline="always")
-def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
+def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
+                   wide):
     """Two passes over the row: the sum with its moments, then LayerNorm and dropout into out[i]. Inlined: as a call
-    it passed ten arrays by value (600 bytes) per token."""
+    it passed ten arrays by value (600 bytes) per token. `wide`: True for 512-bit vectors (many tokens a thread),
+    None for LLVM's default (one sentence): see `wide_vectors`."""
     h = x.size
-    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x)
+    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     # The statistics round to float32: from there on the same float32 operations in the same order as torch's
     # LayerNorm, ((x - mean) * rstd) * weight + bias.
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
@@ -102,7 +104,7 @@ _AHEAD = 2
 @njit(cache=True)
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
     """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
-    wide_vectors()
+    wide_vectors(True)
     has_pos = pos.shape[0] > 0
     # Borrowed: no atomic reference counts per token, on counts both threads update (with `_forward_token` inlined,
     # one thread, rows in cache: about 460 -> 300 ns a token).
@@ -117,7 +119,7 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
         w, s, q = ids[i], tts[i], pids[i]
         if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
             _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
-                           rstd)
+                           rstd, True)
         else:
             bad += 1
     hold(scratch)
@@ -155,7 +157,7 @@ def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, thresh
     forward did, into x; dgamma, dbeta [H] float32 partials are added into. Each loop writes one or two arrays, few
     enough for LLVM's vectoriser to check them for overlap.
     """
-    wide_vectors()
+    wide_vectors(True)
     h = x.size
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     if has_pos:  # xhat, from the sum recomputed as the forward computed it (its moments are saved: not taken again)
@@ -217,7 +219,7 @@ def backward_serial(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos,
 @njit(cache=True)
 def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
                     scale, seed, pad, dword, dseg, dpos, dgamma, dbeta, stream):
-    wide_vectors()
+    wide_vectors(True)
     h = gout.shape[1]
     has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
     scratch = np.empty((2, h), np.float32)
@@ -257,7 +259,7 @@ def _word_row(dword, w, pad, dx, zeroed, end, stream):
     """Token's dx into the word gradient; returns the new `zeroed`. Rows [zeroed, end) are this chunk's and not written
     yet: the rows between the last id and this one had no token (zeros), the first token of an id sets its row (no
     zeros written first, then read back), later ones add. A [PAD] row gets zeros; it may be the next chunk's (end)."""
-    wide_vectors()
+    wide_vectors(True)
     if w < zeroed:
         _add_row(dword, w, dx, w != pad)
         return zeroed
@@ -292,7 +294,7 @@ def stream_zero_table(table, pieces):
 
 @njit(cache=True)
 def _add_row(grad, row, dx, wanted):
-    wide_vectors()
+    wide_vectors(True)
     if wanted and grad.shape[0] > 0:
         for j in range(dx.size):
             grad[row, j] += dx[j]

@@ -21,7 +21,7 @@ import torch
 from numba import njit
 
 from bertembed.kernels import cpu, pages
-from bertembed.kernels.cpu_elements import borrowed, hold, wide_vectors
+from bertembed.kernels.cpu_elements import borrowed, hold
 
 _NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
 
@@ -43,7 +43,6 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
 def _infer(ids, tts, has_tts, past, word, seg, pos, gamma, beta, eps, out):
     """out [B*L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]) on this thread; returns False, computing
     nothing, when an id, a segment id or a position lies outside its table."""
-    wide_vectors()
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return False
     batch, length = ids.shape
@@ -56,7 +55,7 @@ def _infer(ids, tts, has_tts, past, word, seg, pos, gamma, beta, eps, out):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
             cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd)
+                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None)
     hold(scratch)
     hold(stats)
     return True
