@@ -92,9 +92,10 @@ def test_tiny_hidden_is_at_least_as_close_to_float64_as_torch():
 
 
 def test_large_mean_keeps_the_variance():
-    """The kernel takes the variance in one pass, as E[(x - x0)^2] - E[x - x0]^2 with float32 sums (x0 near the
-    row's mean). Rows whose mean (300) is ~10^4 times their spread: float32 rounding of the sum itself dominates the
-    error then, for torch too, and the kernel must be no further from the float64 result than about torch is."""
+    """The kernel takes float32 moments: the mean from a sum around the row's first entry, the variance from a second
+    pass around the mean. Rows whose mean (300) is ~10^4 times their spread: float32 rounding of the sum itself
+    dominates the error then, for torch too, and the kernel must be no further from the float64 result than about
+    torch is."""
     ref, fused = twins(768, "cpu")
     with torch.no_grad():
         for layer in (ref, fused):
@@ -106,6 +107,29 @@ def test_large_mean_keeps_the_variance():
     err_torch = (ref(ids).double() - exact).abs().max().item()
     assert err_kernel <= max(2 * err_torch, 5e-6)
 
+
+
+@pytest.mark.parametrize("hidden", [97, 768, 4096])
+def test_large_mean_gradients_are_as_close_to_float64_as_torch(hidden):
+    """The backward's row sums are float32 (many short partial sums). For rows whose mean (300) is ~10^4 times their
+    spread, the word gradient must be no further from the float64 result than torch's float32 backward is."""
+    ref, fused = twins(hidden, "cpu", vocab=200)
+    with torch.no_grad():
+        for layer in (ref, fused):
+            layer.word_embeddings.weight.add_(300.0)
+    ids = torch.randperm(200, generator=torch.Generator().manual_seed(3))[:64].view(2, 32)  # one token a row
+    upstream = torch.randn(2, 32, hidden, generator=torch.Generator().manual_seed(4))
+
+    def word_grad(layer, dtype):
+        layer.to(dtype).zero_grad()
+        (layer(ids) * upstream.to(dtype)).sum().backward()
+        return layer.word_embeddings.weight.grad[ids].double()
+
+    exact = word_grad(ref, torch.float64)
+    scale = exact.abs().max().item()
+    err_kernel = (word_grad(fused, torch.float32) - exact).abs().max().item() / scale
+    err_torch = (word_grad(ref, torch.float32) - exact).abs().max().item() / scale
+    assert err_kernel <= max(err_torch, 1e-6)
 
 def test_outlying_first_entries_cost_no_digits():
     """The one-pass variance is taken around a shift; a row's first entries far from its mean (here 40 spreads out)
