@@ -41,9 +41,26 @@ def _scaled_sum(a, k, wide):
     return total
 
 
-@pytest.mark.parametrize("wide", [True, None])
+@njit
+def _asks_at_run_time(flag):
+    cpu_elements.wide_vectors(flag > 0)
+
+
+@njit
+def _sums(a, k):
+    """The three versions of `_scaled_sum`, each called with a constant, as the kernels call their row passes."""
+    return _scaled_sum(a, k, True), _scaled_sum(a, k, False), _scaled_sum(a, k, None)
+
+
+@pytest.mark.parametrize("wide", [True, False, None])
 def test_wide_vectors_marks_only_the_wide_version_and_changes_no_result(wide):
     a = np.arange(37, dtype=np.float32)
-    assert _scaled_sum(a, np.float32(2.0), wide) == np.float32(2 * a.sum())
-    (ir,) = (text for signature, text in _scaled_sum.inspect_llvm().items() if signature[2] == numba.typeof(wide))
+    assert _sums(a, np.float32(2.0)) == (np.float32(2 * a.sum()),) * 3
+    (ir,) = (text for signature, text in _scaled_sum.inspect_llvm().items()
+             if getattr(signature[2], "literal_value", None) is wide)
     assert ('"prefer-vector-width"="512"' in ir) == (wide is True)
+
+
+def test_wide_vectors_wants_a_constant():
+    with pytest.raises(numba.TypingError, match="constant True, False or None"):
+        _asks_at_run_time(1)

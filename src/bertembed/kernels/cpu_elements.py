@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import errors, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -239,19 +239,23 @@ def store_fence(typingctx):
 
 @intrinsic
 def wide_vectors(typingctx, wide):
-    """Nothing, but with `wide` True, asks LLVM to vectorise the calling function with 512-bit vectors where the CPU
-    has them; with `wide` None, leaves LLVM's choice. The choice goes by the argument's type (bool or None), so a
-    helper that passes its own `wide` on is compiled once for each.
+    """Nothing, but with `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where
+    the CPU has them; with None or a literal False, leaves LLVM's choice (a run-time bool does not compile). The
+    choice goes by the argument's type, so a helper that passes its own `wide` on is compiled once for each.
 
     LLVM's x86 tuning prefers 256-bit vectors on most AVX-512 CPUs (the wide ones used to lower the clock), so numba's
     loops use half the register width. Per function, through the `prefer-vector-width` attribute; on a CPU without
     AVX-512 it changes nothing. Wide vectors pay where a thread runs many tokens; one sentence (11 tokens) ran
     0.4 us slower with them."""
-    if not isinstance(wide, (types.Boolean, types.NoneType)):
-        return None
+    if isinstance(wide, types.NoneType):
+        asked = False
+    elif isinstance(wide, types.BooleanLiteral):
+        asked = wide.literal_value
+    else:
+        raise errors.TypingError(f"wide_vectors takes a constant True, False or None, not {wide}")
 
     def codegen(context, builder, signature, args):
-        if isinstance(signature.args[0], types.Boolean):
+        if asked:
             # llvmlite's attribute set accepts only enum attributes; a string attribute is written out as given.
             set.add(builder.function.attributes, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
