@@ -256,8 +256,12 @@ def wide_vectors(typingctx, wide):
 
     def codegen(context, builder, signature, args):
         if asked:
-            # llvmlite's attribute set accepts only enum attributes; a string attribute is written out as given.
-            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+            # llvmlite's attribute set accepts only enum attributes; a string attribute is written out as given. Should
+            # a later llvmlite keep them otherwise, the hint is lost and nothing else.
+            try:
+                set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+            except TypeError:
+                pass
         return context.get_dummy_value()
 
     return types.void(wide), codegen
