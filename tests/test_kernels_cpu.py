@@ -108,7 +108,6 @@ def test_large_mean_keeps_the_variance():
     assert err_kernel <= max(2 * err_torch, 5e-6)
 
 
-
 @pytest.mark.parametrize("hidden", [97, 768, 4096])
 def test_large_mean_gradients_are_as_close_to_float64_as_torch(hidden):
     """The backward's row sums are float32 (many short partial sums). For rows whose mean (300) is ~10^4 times their
@@ -131,9 +130,11 @@ def test_large_mean_gradients_are_as_close_to_float64_as_torch(hidden):
     err_torch = (word_grad(ref, torch.float32) - exact).abs().max().item() / scale
     assert err_kernel <= max(err_torch, 1e-6)
 
+
 def test_outlying_first_entries_cost_no_digits():
-    """The one-pass variance is taken around a shift; a row's first entries far from its mean (here 40 spreads out)
-    must not make it cancel: float32 sums around the first entry alone miss the tolerance by 8 ulps at H 768."""
+    """The mean is summed around the row's first entry; a row's first entries far from its mean (here 40 spreads out)
+    must not make it cancel: a one-pass float32 variance around the first entry missed the tolerance by 8 ulps at
+    H 768, hence the variance's second pass around the mean."""
     ref, fused = twins(768, "cpu")
     with torch.no_grad():
         for layer in (ref, fused):
