@@ -50,7 +50,8 @@ def assert_grad_close(grad: torch.Tensor, ref: torch.Tensor, name: str = "") -> 
 def run_both(ref, fused, grad_seed: int = 2, **inputs):
     """Forward both layers, backward the same random upstream gradient; returns (out_ref, out_fused)."""
     out_ref, out = ref(**inputs), fused(**inputs)
-    upstream = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out_ref.dtype)
+    upstream = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(grad_seed))
+    upstream = upstream.to(out_ref.device, out_ref.dtype)
     (out_ref * upstream).sum().backward()
     (out * upstream).sum().backward()
     return out_ref, out

@@ -15,6 +15,7 @@ if SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
 pytest.importorskip("triton")
 
+from bertembed.kernels import fused_embeddings  # noqa: E402
 from bertembed.kernels import triton as triton_kernels  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grad_close,
@@ -57,6 +58,98 @@ def test_forward_and_gradients_match_reference(hidden, batch, length, past, dete
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
     assert fused.word_embeddings.weight.grad[0].abs().max() == 0
+
+
+@pytest.mark.parametrize(("hidden", "batch", "length", "past"), [(97, 2, 9, 3), (48, 3, 1, 7), (16, 1, 512, 0)])
+def test_inference_positions_come_from_the_row(hidden, batch, length, past):
+    """Under no_grad with default positions the kernel computes `past + token index` itself; out= too."""
+    ref, fused = on_device(*twins(hidden, "triton"))
+    ids = awkward_ids(batch, length, ref.config.vocab_size).to(DEVICE)
+    segments = torch.randint(0, 2, (batch, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        for types in (None, segments):
+            got = fused(ids, token_type_ids=types, past_key_values_length=past)
+            assert_output_close(got, ref(ids, token_type_ids=types, past_key_values_length=past))
+        expected = ref(ids, past_key_values_length=past)
+        out = torch.full_like(expected, float("nan"))
+        tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
+        fused_embeddings(ids, *tables, fused.LayerNorm.weight, fused.LayerNorm.bias, past_key_values_length=past,
+                         backend="triton", out=out)
+    assert_output_close(out, expected)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("stats", [True, False])
+def test_several_rows_per_program_match_one(rows, stats):
+    """The forward kernel with 2 or 4 token rows per program (9 tokens: the last program is part-empty), against
+    one row per program and the reference; the statistics agree too."""
+    ref, fused = on_device(*twins(97, "triton"))
+    ids = awkward_ids(1, 9, ref.config.vocab_size).to(DEVICE)
+    tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
+    flat, ln = ids.reshape(-1), fused.LayerNorm
+    with torch.no_grad():
+        results = [triton_kernels.run_forward(flat, torch.zeros_like(flat), None, *tables, ln.weight, ln.bias, ln.eps,
+                                              0.0, 0, stats=stats, length=9, rows=r) for r in (1, rows)]
+        assert_output_close(results[1][0].view(1, 9, 97), ref(ids))
+    assert_output_close(results[1][0], results[0][0])
+    for one, many in zip(results[0][1:], results[1][1:], strict=True):  # mean, rstd (None without stats)
+        assert (one is None and many is None) or torch.allclose(one, many, rtol=1e-6, atol=0)
+
+
+def test_a_bad_id_past_the_checks_gets_a_nan_row_and_reads_nothing():
+    """The kernel itself, handed a word id past the table: that token's row is NaN, every other row is right (on
+    CPU tensors the interpreter also counts it and raises; on a GPU there is no read-back)."""
+    ref, fused = on_device(*twins(32, "triton", vocab=50))
+    ids = torch.tensor([[3, 4, 5], [6, 50, 7]]).to(DEVICE)
+    good = ids.clamp(max=49)
+    tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
+    out = torch.zeros(2, 3, 32, device=DEVICE)
+    flat = ids.reshape(-1)
+    raised = False
+    with torch.no_grad():
+        try:
+            triton_kernels.run_forward(flat, torch.zeros_like(flat), torch.arange(3, device=DEVICE).repeat(2),
+                                       *tables, fused.LayerNorm.weight, fused.LayerNorm.bias, 1e-12, 0.0, 0, out=out)
+        except RuntimeError as err:
+            raised = "1 tokens had ids outside" in str(err)
+        expected = ref(good)
+    assert raised != ON_GPU
+    assert out[1, 1].isnan().all()
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[1, 1] = False
+    assert_output_close(out[keep], expected[keep])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="id_checks='device' applies to CUDA tensors; on CPU ids are always checked")
+def test_device_id_checks_give_nan_rows_without_raising():
+    ref, fused = on_device(*twins(32, "triton", vocab=50))
+    fused.id_checks = "device"
+    ids = torch.tensor([[3, 4, 5], [6, 50, 7]], device=DEVICE)
+    with torch.no_grad():
+        out = fused(ids)
+        expected = ref(ids.clamp(max=49))
+    assert out[1, 1].isnan().all() and not out[0].isnan().any()
+    assert_output_close(out[0], expected[0])
+    fused.id_checks = "host"
+    with pytest.raises(ValueError, match="outside the word table"):
+        fused(ids)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a whole transformers model on the GPU")
+def test_patched_model_on_gpu_matches_and_compiles():
+    import copy
+
+    import bertembed
+    from conftest import make_hf_model
+
+    original = make_hf_model("bert-base").to(DEVICE)
+    patched = bertembed.patch(copy.deepcopy(original), backend="triton")
+    ids = awkward_ids(4, 64, 30522).to(DEVICE)
+    with torch.no_grad():
+        expected = original(ids).last_hidden_state
+        torch.testing.assert_close(patched(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+        compiled = torch.compile(patched)
+        torch.testing.assert_close(compiled(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("hidden", [384, 768, 1024])

@@ -21,15 +21,20 @@ def _check_int(name: str, ids: torch.Tensor) -> None:
                          f"convert with {name}.long()")
 
 
-def _check_range(name: str, ids: torch.Tensor, limit: int, table: str, fix: str) -> None:
-    if ids.numel() == 0:
+def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None:
+    """Each (name, ids, limit, table, fix): every id in [0, limit), or a ValueError naming the first bad one. The
+    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call."""
+    checks = [c for c in checks if c[1].numel()]
+    if not checks:
         return
-    low, high = torch.aminmax(ids)
-    low, high = int(low), int(high)
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        where = tuple(int(i) for i in (ids == bad).nonzero()[0])
-        raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): {fix}")
+    bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
+    for i, (name, ids, limit, table, fix) in enumerate(checks):
+        low, high = bounds[2 * i], bounds[2 * i + 1]
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+            raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
+                             f"{fix}")
 
 
 def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int, int]:
@@ -58,8 +63,12 @@ def check_inputs(
     position_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     past_key_values_length: int,
+    check_ranges: bool = True,
 ) -> tuple[int, int]:
-    """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input."""
+    """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
+
+    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are): for the GPU kernels with
+    `id_checks="device"`, which check each id themselves and so need no wait for the device."""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
             or past_key_values_length < 0:
@@ -70,21 +79,24 @@ def check_inputs(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
             f"positions up to {past_key_values_length + length - 1}, but the position table has {limit} rows: "
             f"truncate to {max(limit - past_key_values_length, 0)} tokens (the tokenizer's truncation does this)")
+    ranges = []
     if input_ids is not None:
-        _check_range("input_ids", input_ids, config.vocab_size, "word",
-                     "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size")
+        ranges.append(("input_ids", input_ids, config.vocab_size, "word",
+                       "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
     if token_type_ids is not None:
         _check_int("token_type_ids", token_type_ids)
         if tuple(token_type_ids.shape) != shape:
             raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but the input has {shape}; "
                              f"give one segment id per token")
-        _check_range("token_type_ids", token_type_ids, config.type_vocab_size, "segment",
-                     "use 0 for the first segment and 1 for the second")
+        ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "segment",
+                       "use 0 for the first segment and 1 for the second"))
     if position_ids is not None:
         _check_int("position_ids", position_ids)
         if tuple(position_ids.shape) not in (shape, (1, length)):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but the input has {shape}; "
                              f"pass [B, L] or [1, L] (shared by the batch)")
-        _check_range("position_ids", position_ids, limit, "position",
-                     f"positions count from 0 and stop at {limit - 1}; truncate the sequence")
+        ranges.append(("position_ids", position_ids, limit, "position",
+                       f"positions count from 0 and stop at {limit - 1}; truncate the sequence"))
+    if check_ranges:
+        _check_ranges(ranges)
     return batch, length

@@ -5,7 +5,8 @@
 
 Backends: "cpu" (numba, `cpu.py`), "triton" (`triton.py`: CUDA, or CPU tensors under TRITON_INTERPRET=1), "reference"
 (the plain PyTorch layer in `bertembed/embeddings.py`, which every kernel is tested against), and "auto", which picks
-the fused kernel for the tensors' device and falls back to the reference with a logged reason.
+the fused kernel for the tensors' device and falls back to the reference with a logged reason. Inference in eval
+mode takes a short path with less Python around the kernel: `lean.py` on the CPU, `lean_gpu.py` on a GPU.
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
@@ -16,6 +17,7 @@ import functools
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,6 +32,24 @@ _DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, tor
 _INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
 _told: set[str] = set()
 _found: dict[str, bool] = {}
+
+
+ID_CHECKS = ("host", "device")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How the fused kernels run. `deterministic`: bitwise-repeatable GPU gradients (a fixed summation order instead
+    of atomics). `id_checks`: "host" checks every id before any kernel runs, raising the reference layer's errors (on
+    a GPU the check waits for the device once a call); "device" (GPU only) leaves that to the kernel, which never reads
+    outside a table and gives a token with a bad id a row of NaN instead of raising, with no wait."""
+
+    deterministic: bool = False
+    id_checks: str = "host"
+
+    def __post_init__(self) -> None:
+        if self.id_checks not in ID_CHECKS:
+            raise ValueError(f"id_checks must be one of {ID_CHECKS}, got {self.id_checks!r}")
 
 
 def _missing(backend: str) -> str | None:
@@ -82,27 +102,29 @@ def _fall_back(reason: str) -> None:
 
 def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_ids: Tensor | None,
          position_ids: Tensor | None, past_key_values_length: int, tables: tuple, p: float, padding_idx: int | None,
-         deterministic: bool, out: Tensor | None) -> Tensor:
+         options: KernelOptions, out: Tensor | None) -> Tensor:
     """Validate (same errors as the reference, before any kernel), fill default ids, run the op."""
-    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length)
+    device_checks = options.id_checks == "device" and backend == "triton" and input_ids.device.type == "cuda"
+    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
+                                 check_ranges=not device_checks)
     word, segment, position, weight, bias = tables
     device = word.device
     if token_type_ids is None:
         token_type_ids = torch.zeros((1, 1), dtype=torch.int64, device=device).expand(batch, length)
+    seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
+    if out is not None or not _needs_autograd(tables) and not torch.compiler.is_compiling():
+        # inference: the forward kernel alone, skipping the op's dispatch (~50 us)
+        return _run_into(out, backend, input_ids, token_type_ids, position_ids, past_key_values_length, tables,
+                         config.layer_norm_eps, p, seed)
     if position_ids is None:
         position_ids = torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
     position_ids = position_ids.expand(batch, length)
-    seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     pad = -1 if padding_idx is None else int(padding_idx)
-    if out is not None:
-        return _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, config.layer_norm_eps, p, seed)
-    if not _needs_autograd(tables) and not torch.compiler.is_compiling():  # inference: skip the op's dispatch (~50 us)
-        return _run_into(None, backend, input_ids, token_type_ids, position_ids, tables, config.layer_norm_eps, p, seed)
     from bertembed.kernels.function import EagerEmbeddings, embeddings_op
 
     run = embeddings_op if torch.compiler.is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
     result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias,
-                               config.layer_norm_eps, p, seed, pad, backend, deterministic)
+                               config.layer_norm_eps, p, seed, pad, backend, options.deterministic)
     return result
 
 
@@ -110,13 +132,15 @@ def _needs_autograd(tables) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tables)
 
 
-def _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, eps, p, seed) -> Tensor:
-    """The forward kernel alone, into a caller's buffer (`out`) or a new one: inference only (no autograd node)."""
+def _run_into(out, backend, input_ids, token_type_ids, position_ids, past, tables, eps, p, seed) -> Tensor:
+    """The forward kernel alone, into a caller's buffer (`out`) or a new one: inference only (no autograd node).
+    The GPU kernel computes default positions itself; the CPU one takes an id per token."""
     if _needs_autograd(tables):
         raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
                          "or drop out= to get a tensor autograd can differentiate")
     word, segment, position, weight, bias = tables
-    shape = (*input_ids.shape, word.shape[1])
+    batch, length = input_ids.shape
+    shape = (batch, length, word.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=word.dtype, device=word.device)
     elif tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
@@ -124,10 +148,14 @@ def _run_into(out, backend, input_ids, token_type_ids, position_ids, tables, eps
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
     from bertembed.kernels.function import _backend_module
 
-    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
-    _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
+    extra = dict(stats=False, length=length, past=past) if backend == "triton" else {}
+    if position_ids is None and backend != "triton":
+        position_ids = torch.arange(past, past + length, device=word.device)[None]
+    ids = [t if t is None else t.expand(batch, length).reshape(-1).to(torch.int64).contiguous()
+           for t in (input_ids, token_type_ids, position_ids)]
+    _backend_module(backend).run_forward(*ids, word.contiguous(), segment.contiguous(),
                                          None if position is None else position.contiguous(), weight, bias, eps, p,
-                                         seed, out=out)
+                                         seed, out=out, **extra)
     return out
 
 
@@ -155,6 +183,7 @@ def fused_embeddings(
     padding_idx: int | None = 0,
     backend: str = "auto",
     deterministic: bool = False,
+    id_checks: str = "host",
     out: Tensor | None = None,
 ) -> Tensor:
     """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H].
@@ -168,10 +197,13 @@ def fused_embeddings(
         padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
         backend: "auto", "cpu", "triton" or "reference" (the plain PyTorch ops, for comparison).
         deterministic: bitwise-reproducible gradients on GPU (the CPU backward always is).
+        id_checks: "host" (ids checked before any kernel) or "device" (GPU: no wait; bad ids give NaN rows); see
+            `KernelOptions`.
         out: a [B, L, H] buffer to write into; inference only.
     Raises the reference layer's ValueErrors on bad input, before any kernel runs.
     """
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
+    options = KernelOptions(deterministic, id_checks)
     config = _config(word_embeddings.shape[0], word_embeddings.shape[1],
                      None if position_embeddings is None else position_embeddings.shape[0],
                      token_type_embeddings.shape[0], float(eps))
@@ -185,7 +217,7 @@ def fused_embeddings(
         return _reference(config, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                           padding_idx, out)
     return _run(config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
-                padding_idx, deterministic, out)
+                padding_idx, options, out)
 
 
 def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p, padding_idx, out):
@@ -208,14 +240,12 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
 _imported: dict[str, object] = {}
 
 
-def _short_path():
-    """`lean.try_infer`, imported once (an import statement costs 0.6 us per call, a tenth of a sentence's latency;
-    a plain dict, not functools.cache, which torch.compile warns about)."""
-    if "lean" not in _imported:
-        from bertembed.kernels.lean import try_infer
-
-        _imported["lean"] = try_infer
-    return _imported["lean"]
+def _short_path(module: str = "lean"):
+    """`try_infer` of `kernels/lean.py` (CPU) or `kernels/lean_gpu.py`, imported once (an import statement costs 0.6 us
+    per call, a tenth of a sentence's latency; a plain dict, not functools.cache, which torch.compile warns about)."""
+    if module not in _imported:
+        _imported[module] = importlib.import_module(f"bertembed.kernels.{module}").try_infer
+    return _imported[module]
 
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
@@ -223,6 +253,11 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     if layer.backend in ("cpu", "auto") and _found.get("cpu"):  # CPU inference: the short path, when it applies
         if (out := _short_path()(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                  past_key_values_length)) is not None:
+            return out
+    if layer.backend in ("triton", "auto") and _found.get("triton") and type(input_ids) is torch.Tensor \
+            and input_ids.is_cuda:  # GPU inference: its short path
+        if (out := _short_path("lean_gpu")(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
+                                           past_key_values_length)) is not None:
             return out
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
@@ -239,4 +274,9 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
         return None
     p = layer.dropout.p if layer.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
-                layer.word_embeddings.padding_idx, getattr(layer, "deterministic", False), None)
+                layer.word_embeddings.padding_idx, _layer_options(layer), None)
+
+
+def _layer_options(layer) -> KernelOptions:
+    """The layer's `deterministic` and `id_checks` attributes (set them on a layer to change how it runs)."""
+    return KernelOptions(getattr(layer, "deterministic", False), getattr(layer, "id_checks", "host"))

@@ -5,7 +5,11 @@ tables' dtype after each add, as torch does in float16/bfloat16), LayerNorm in f
 `tl.rand(seed, element)` (recomputed in backward, never stored). Backward: each program takes a block of rows,
 recomputes the sum from the tables, does the LayerNorm backward, and adds the row gradients into float32 table
 gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer summed per table row in a fixed
-order by a second kernel. LayerNorm weight and bias gradients are per-program partials summed by torch.
+order by a second kernel. The segment gradient and LayerNorm's weight and bias gradients are per-program partials
+summed by torch (every token adds into one of the few segment rows: atomics there serialise).
+
+Input ids are checked before a kernel runs (`bertembed.validation`); past that, a token whose id falls outside a
+table reads nothing and gets a row of NaN.
 
 Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported).
 
@@ -32,89 +36,114 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _sum_rows(ids, tts, pids, word, seg, pos, row, cols, cmask, H, V, T, P,
-              HAS_POS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
-    """(x [BLOCK] float32 = (word[w] + seg[s]) + pos[q], ids valid); invalid ids load nothing.
-
-    Ids and `ok` are broadcast to [BLOCK]: the interpreter cannot mask a block with a scalar condition."""
-    zero = tl.zeros([BLOCK], dtype=tl.int64)
-    w = zero + tl.load(ids + row)
-    s = zero + tl.load(tts + row)
-    q = zero + tl.load(pids + row)
+def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS: tl.constexpr,
+              POS_IDS: tl.constexpr, ROUND: tl.constexpr):
+    """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
+    rows `rows` [R]; invalid ids load nothing. Without position ids (POS_IDS false) a token's position is
+    `past + row % L`. (Eviction-policy hints, evict_first on word rows and evict_last on the shared segment and
+    position rows, made the forward 3-7% slower on an H100: left out.)"""
+    w = tl.load(ids + rows)
+    s = tl.load(tts + rows)
+    if POS_IDS:
+        q = tl.load(pids + rows)
+    else:
+        q = past + rows % L
     ok = (w >= 0) & (w < V) & (s >= 0) & (s < T)
     if HAS_POS:
         ok = ok & (q >= 0) & (q < P)
-    m = cmask & ok
-    x = tl.load(word + w * H + cols, mask=m, other=0.0).to(tl.float32)
-    x = x + tl.load(seg + s * H + cols, mask=m, other=0.0).to(tl.float32)
+    m = ok[:, None] & cmask[None, :]
+    c = cols[None, :]
+    x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
+    x = x + tl.load(seg + s[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
     if ROUND:
         x = _round_to(x, word.dtype.element_ty)
     if HAS_POS:
-        x = x + tl.load(pos + q * H + cols, mask=m, other=0.0).to(tl.float32)
+        x = x + tl.load(pos + q[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
         if ROUND:
             x = _round_to(x, word.dtype.element_ty)
     return x, ok, w, s, q
 
 
 @triton.jit
-def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, H, V, T, P, eps, p, seed,
-                    HAS_POS: tl.constexpr, ROUND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, N, H, V, T, P, L, past, eps,
+                    p, seed, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, ROUND: tl.constexpr,
+                    DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, R: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """R token rows. A token with an id outside its table reads nothing and gets a row of NaN; COUNT adds it to
+    `bad` (read back on CPU tensors, where the interpreter runs). STATS stores the rows' mean and 1/std (training)."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    live = rows < N
+    rows = tl.minimum(rows, N - 1)  # the last program's spare rows recompute row N - 1 and store nothing
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
-    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, row, cols, cmask, H, V, T, P, HAS_POS, ROUND, BLOCK)
-    mu = tl.sum(x, axis=0) / H
-    d = tl.where(cmask, x - mu, 0.0)
-    r = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / H + eps)
+    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
+                               POS_IDS, ROUND)
+    mu = tl.sum(x, axis=1) / H
+    d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
+    r = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / H + eps)
     g = tl.load(gamma + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(beta + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = d * r * g + b
+    y = d * r[:, None] * g[None, :] + b[None, :]
+    at = rows[:, None] * H + cols[None, :]
     if DROPOUT:
-        keep = tl.rand(seed, row * H + cols) >= p
-        y = tl.where(keep, y / (1.0 - p), 0.0)
-    tl.store(out + row * H + cols, _round_to(y, out.dtype.element_ty).to(out.dtype.element_ty), mask=cmask & ok)
-    tl.store(mean + row, mu)
-    tl.store(rstd + row, r)
-    tl.atomic_add(bad + cols * 0, 1, mask=(cols == 0) & (ok == 0))
+        y = tl.where(tl.rand(seed, at) >= p, y / (1.0 - p), 0.0)
+    y = tl.where(ok[:, None], y, float("nan"))
+    tl.store(out + at, _round_to(y, out.dtype.element_ty).to(out.dtype.element_ty),
+             mask=live[:, None] & cmask[None, :])
+    if STATS:
+        tl.store(mean + rows, mu, mask=live)
+        tl.store(rstd + rows, r, mask=live)
+    if COUNT:
+        tl.atomic_add(bad + rows * 0, 1, mask=live & (ok == 0))
 
 
 @triton.jit
 def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx_buf, dword, dseg, dpos,
-                     dgamma, dbeta, bad, N, H, V, T, P, p, seed, pad, ROWS: tl.constexpr, HAS_POS: tl.constexpr,
-                     ROUND: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, WANT_WORD: tl.constexpr,
-                     WANT_POS: tl.constexpr, BLOCK: tl.constexpr):
+                     dgamma, dbeta, bad, N, H, V, T, P, L, past, p, seed, pad, ROWS: tl.constexpr,
+                     HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, ROUND: tl.constexpr, DROPOUT: tl.constexpr,
+                     ATOMIC: tl.constexpr, WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr, COUNT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). The segment gradient goes into this
+    program's own [T, H] slab of `dseg` (every token adds to one of a few rows: atomics there would serialise),
+    LayerNorm's into its row of `dgamma`, `dbeta`."""
     prog = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
-    g = tl.load(gamma + cols, mask=cmask, other=0.0).to(tl.float32)
-    acc_g = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK], dtype=tl.float32)
+    c, cm = cols[None, :], cmask[None, :]
+    g = tl.load(gamma + c, mask=cm, other=0.0).to(tl.float32)
+    acc_g = tl.zeros([1, BLOCK], dtype=tl.float32)
+    acc_b = tl.zeros([1, BLOCK], dtype=tl.float32)
     for k in range(ROWS):
-        row = prog * ROWS + k
-        live = (tl.zeros([BLOCK], dtype=tl.int64) + row) < N
-        row = tl.minimum(row, N - 1)
-        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, row, cols, cmask, H, V, T, P, HAS_POS, ROUND,
-                                   BLOCK)
-        ok = ok & live
-        xhat = tl.where(cmask, (x - tl.load(mean + row)) * tl.load(rstd + row), 0.0)
-        gy = tl.load(grad + row * H + cols, mask=cmask & ok, other=0.0).to(tl.float32)
+        rows = prog * ROWS + k + tl.arange(0, 1)
+        live = rows < N
+        rows = tl.minimum(rows, N - 1)
+        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
+                                   POS_IDS, ROUND)
+        m = (ok & live)[:, None] & cm
+        xhat = tl.where(cm, (x - tl.load(mean + rows)[:, None]) * tl.load(rstd + rows)[:, None], 0.0)
+        at = rows[:, None] * H + c
+        gy = tl.load(grad + at, mask=m, other=0.0).to(tl.float32)
         if DROPOUT:
-            gy = tl.where(tl.rand(seed, row * H + cols) >= p, gy / (1.0 - p), 0.0)
+            gy = tl.where(tl.rand(seed, at) >= p, gy / (1.0 - p), 0.0)
         acc_g += gy * xhat
         acc_b += gy
         gg = gy * g
-        dx = tl.load(rstd + row) * (gg - tl.sum(gg, axis=0) / H - xhat * (tl.sum(gg * xhat, axis=0) / H))
+        mean_gg = tl.sum(gg, axis=1)[:, None] / H
+        mean_ggx = tl.sum(gg * xhat, axis=1)[:, None] / H
+        dx = tl.load(rstd + rows)[:, None] * (gg - mean_gg - xhat * mean_ggx)
+        slab = dseg + (prog * T + s[:, None]) * H + c  # only this program touches its slab: a plain read-add-write
+        tl.store(slab, tl.load(slab, mask=m, other=0.0) + dx, mask=m)
         if ATOMIC:
             if WANT_WORD:
-                tl.atomic_add(dword + w * H + cols, dx, mask=cmask & ok & (w != pad))
-            tl.atomic_add(dseg + s * H + cols, dx, mask=cmask & ok)
+                tl.atomic_add(dword + w[:, None] * H + c, dx, mask=m & (w != pad)[:, None])
             if WANT_POS:
-                tl.atomic_add(dpos + q * H + cols, dx, mask=cmask & ok)
+                tl.atomic_add(dpos + q[:, None] * H + c, dx, mask=m)
         else:
-            tl.store(dx_buf + row * H + cols, dx, mask=cmask & ok)
-        tl.atomic_add(bad + cols * 0, 1, mask=(cols == 0) & live & (ok == 0))
-    tl.store(dgamma + prog * H + cols, acc_g, mask=cmask)
-    tl.store(dbeta + prog * H + cols, acc_b, mask=cmask)
+            tl.store(dx_buf + at, dx, mask=m)
+        if COUNT:
+            tl.atomic_add(bad + rows * 0, 1, mask=live & (ok == 0))
+    tl.store(dgamma + prog * H + c, acc_g, mask=cm)
+    tl.store(dbeta + prog * H + c, acc_b, mask=cm)
 
 
 @triton.jit
@@ -129,10 +158,10 @@ def _segment_sum_kernel(dx, order, begins, ends, rows, out, H, BLOCK: tl.constex
     tl.store(out + tl.load(rows + i).to(tl.int64) * H + cols, acc, mask=cmask)
 
 
-def _check_bad(bad: torch.Tensor, where: str) -> None:
-    """Count of tokens a kernel skipped for bad ids; read only on CPU (interpreter), a GPU sync is not worth it: the
-    loads are masked, so a bad id reads nothing either way."""
-    if bad.device.type == "cpu" and int(bad):
+def _check_bad(bad: torch.Tensor | None, where: str) -> None:
+    """Count of tokens a kernel skipped for bad ids; kept and read only on CPU tensors (the interpreter): on a GPU the
+    loads are masked, so a bad id reads nothing, and its output row is NaN; a read-back would cost a sync."""
+    if bad is not None and int(bad):
         raise RuntimeError(f"{where}: {int(bad)} tokens had ids outside their tables and were skipped; ids must be "
                            f"checked with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
 
@@ -141,54 +170,81 @@ def _block(hidden: int) -> int:
     return triton.next_power_of_2(hidden)
 
 
-def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None):
-    """As `bertembed.kernels.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32)."""
+def _bad_counter(device: torch.device) -> torch.Tensor | None:
+    return torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cpu" else None
+
+
+def _positions(pids, length: int | None, past: int) -> tuple[dict, int, int]:
+    """Kernel arguments for the positions: given ids, or none (the kernel takes `past + row % length`)."""
+    if pids is not None:
+        return dict(POS_IDS=True), 1, 0
+    if length is None:
+        raise ValueError("run_forward/run_backward without position ids need length= (tokens per sequence)")
+    return dict(POS_IDS=False), max(length, 1), past  # length 0: no tokens, no programs
+
+
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
+                stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
+                rows: int = 1):
+    """As `bertembed.kernels.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
+
+    GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without
+    an id tensor; `stats=False` (inference) skips mean and rstd, returned as None. Tuning (benchmarks/gpu_triton.py):
+    `rows` token rows per program (a power of 2) and `num_warps`. The defaults, one row and a warp per 256 bytes of
+    row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and 1024 (or within 2%)."""
     n, h = ids.numel(), word.shape[1]
-    out = torch.empty(n, h, dtype=word.dtype, device=word.device) if out is None else out.view(n, h)
-    mean = torch.empty(n, device=word.device)
-    rstd = torch.empty(n, device=word.device)
-    bad = torch.zeros(1, dtype=torch.int32, device=word.device)
+    dev = word.device
+    out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
+    mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
+    bad = _bad_counter(dev)
+    position, length, past = _positions(pids, length, past)
     if n:
-        _forward_kernel[(n,)](ids, tts, pids, word, seg, word if pos is None else pos, gamma, beta, out, mean, rstd,
-                              bad, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], eps, p, seed,
-                              HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
-                              BLOCK=_block(h), num_warps=min(max(_block(h) // 256, 1), 8))
+        block = _block(h)
+        _forward_kernel[(triton.cdiv(n, rows),)](
+            ids, tts, ids if pids is None else pids, word, seg, word if pos is None else pos, gamma, beta, out, mean,
+            rstd, ids if bad is None else bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0],
+            length, past, eps, p, seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
+            STATS=stats, COUNT=bad is not None, R=rows, BLOCK=block,
+            num_warps=num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8), **position)
     _check_bad(bad, "bertembed triton forward")
-    return out, mean, rstd
+    return (out, mean, rstd) if stats else (out, None, None)
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
-    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False,
+                 length: int | None = None, past: int = 0):
+    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order;
+    `pids=None` as in `run_forward`."""
     n, h = grad.shape
     dev = word.device
     want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=dev)
-    # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
-    dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
-    dseg = torch.zeros(seg.shape[0], h, **f32)
-    dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
+    # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
+    dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
+    dseg = torch.zeros(programs, seg.shape[0], h, **f32)  # a [T, H] slab per program, summed below
+    dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
     dgamma, dbeta = torch.zeros(programs, h, **f32), torch.zeros(programs, h, **f32)
     dx = torch.empty(n if deterministic else 1, h, **f32)
-    bad = torch.zeros(1, dtype=torch.int32, device=dev)
+    bad = _bad_counter(dev)
+    position, length, past = _positions(pids, length, past)
     if n:
         _backward_kernel[(programs,)](
-            grad.contiguous(), ids, tts, pids, word, seg, word if pos is None else pos, gamma, mean, rstd, dx, dword,
-            dseg, dpos, dgamma, dbeta, bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], p,
-            seed, pad, ROWS=rows, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
-            ATOMIC=not deterministic, WANT_WORD=need_word, WANT_POS=want_pos, BLOCK=_block(h))
+            grad.contiguous(), ids, tts, ids if pids is None else pids, word, seg, word if pos is None else pos,
+            gamma, mean, rstd, dx, dword, dseg, dpos, dgamma, dbeta, ids if bad is None else bad, n, h,
+            word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], length, past, p, seed, pad, ROWS=rows,
+            HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, ATOMIC=not deterministic,
+            WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h), **position)
     _check_bad(bad, "bertembed triton backward")
     if deterministic and n:
         if need_word:
             _segment_sum(dx, ids, dword, skip=pad)
-        _segment_sum(dx, tts, dseg)
         if want_pos:
-            _segment_sum(dx, pids, dpos)
+            _segment_sum(dx, pids if pids is not None else past + torch.arange(n, device=dev) % length, dpos)
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
-    return (dword.to(dtype), dseg.to(dtype), dpos.to(dtype), dgamma.sum(0).to(gamma.dtype),
+    return (dword.to(dtype), dseg.sum(0).to(dtype), dpos.to(dtype), dgamma.sum(0).to(gamma.dtype),
             dbeta.sum(0).to(gamma.dtype))
 
 
