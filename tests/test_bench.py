@@ -54,6 +54,31 @@ def test_sweep_and_candidates():
         Case(768, 1, 1, mode="backward")
 
 
+def test_sweep_narrowed_by_device_hidden_and_shape(monkeypatch):
+    from bertembed.bench import runner
+    from bertembed.cli.bench import _shapes
+
+    monkeypatch.setattr(runner, "_cuda_available", lambda: True)
+    opts = BenchOptions(device="cuda", hiddens=(1024,), shapes=_shapes(["64x512", "1X11"]))
+    cases = runner.plan_cases(opts)
+    assert opts.allocator == "steady"  # glibc's settings do not touch GPU memory: one condition
+    assert {c.device for c in cases} == {"cuda"} and {c.hidden for c in cases} == {1024}
+    assert {(c.batch, c.length, c.mode, c.dtype) for c in cases} == {
+        (64, 512, "fwd", "float32"), (64, 512, "fwdbwd", "float32"), (1, 11, "fwd", "float32"),
+        (1, 11, "fwdbwd", "float32"), (64, 512, "fwd", "bfloat16")}
+    assert {c.device for c in runner.plan_cases(BenchOptions(device="auto", quick=True))} == {"cpu", "cuda"}
+    assert {c.device for c in runner.plan_cases(BenchOptions(device="cpu", quick=True))} == {"cpu"}
+    assert "bertembed-fused-device-checks" in candidates_for(cases[0])
+    assert "bertembed-fused-device-checks" not in candidates_for(Case(768, 32, 128))
+    for bad in (["64by512"], ["0x5"]):
+        with pytest.raises(ValueError, match="--shape"):
+            BenchOptions(shapes=_shapes(bad))
+    with pytest.raises(ValueError, match="--device"):
+        BenchOptions(device="gpu")
+    with pytest.raises(ValueError, match="--hidden"):
+        BenchOptions(hiddens=(0,))
+
+
 def _fake(key_case: Case, candidate: str, **fields) -> dict:
     return {"key": key_case.key, "case": key_case.to_dict(), "candidate": candidate, "status": "ok",
             "output_bytes": key_case.output_bytes, **fields}

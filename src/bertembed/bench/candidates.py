@@ -5,6 +5,7 @@
     ort-fused            ONNX Runtime's com.microsoft EmbedLayerNormalization, CPU provider, forward only
     bertembed-reference  bertembed.BertEmbeddings, the reference
     bertembed-fused      bertembed.BertEmbeddings(backend="cpu" | "triton"), when bertembed.kernels exists
+    bertembed-fused-device-checks   the same on a GPU with `id_checks = "device"`: no wait for the device per call
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -97,7 +98,7 @@ def _hf_module(work: Workload) -> nn.Module:
     return module
 
 
-def _fused_module(work: Workload) -> nn.Module:
+def _fused_module(work: Workload, id_checks: str = "host") -> nn.Module:
     backend = "cpu" if work.case.device == "cpu" else "triton"
     try:
         from bertembed.kernels import fused_embeddings  # noqa: F401  (presence check)
@@ -113,6 +114,7 @@ def _fused_module(work: Workload) -> nn.Module:
         raise NotAvailable(f"backend={backend!r} refused: {err}") from err
     _check_no_fallback(backend, work)
     module.load_state_dict(work.state_dict)
+    module.id_checks = id_checks
     return module
 
 
@@ -205,6 +207,8 @@ def build(name: str, work: Workload) -> Candidate:
         return Candidate(name, _torch_call(_reference_module(work), work))
     if name == "bertembed-fused":
         return Candidate(name, _torch_call(_fused_module(work), work))
+    if name == "bertembed-fused-device-checks":
+        return Candidate(name, _torch_call(_fused_module(work, "device"), work))
     raise ValueError(f"unknown candidate {name!r}")
 
 

@@ -14,10 +14,14 @@ SHAPES: tuple[tuple[int, int], ...] = ((1, 11), (32, 128), (8, 512), (64, 512)) 
 QUICK_HIDDENS: tuple[int, ...] = (768,)
 QUICK_SHAPES: tuple[tuple[int, int], ...] = ((1, 11), (32, 128))
 MODES: tuple[str, ...] = ("fwd", "fwdbwd")
-CANDIDATES: tuple[str, ...] = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused")
+CANDIDATES: tuple[str, ...] = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused",
+                               "bertembed-fused-device-checks")
 # Candidates that run bfloat16 tables: ORT's op is float32 here, and compiling bf16 would double the compile time.
-BF16_CANDIDATES: tuple[str, ...] = ("hf-eager", "bertembed-reference", "bertembed-fused")
-GPU_CANDIDATES: tuple[str, ...] = ("hf-eager", "hf-compile", "bertembed-reference", "bertembed-fused")
+BF16_CANDIDATES: tuple[str, ...] = ("hf-eager", "bertembed-reference", "bertembed-fused",
+                                    "bertembed-fused-device-checks")
+GPU_CANDIDATES: tuple[str, ...] = ("hf-eager", "hf-compile", "bertembed-reference", "bertembed-fused",
+                                   "bertembed-fused-device-checks")
+CPU_CANDIDATES: tuple[str, ...] = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused")
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -74,20 +78,23 @@ def bound_seconds(case: Case, bandwidth_bytes_per_s: float) -> float:
     return bound_bytes(case.batch, case.length, case.hidden, case.itemsize) / bandwidth_bytes_per_s
 
 
-def default_cases(quick: bool = False, hiddens: tuple[int, ...] | None = None, device: str = "cpu") -> list[Case]:
+def default_cases(quick: bool = False, hiddens: tuple[int, ...] | None = None, device: str = "cpu",
+                  shapes: tuple[tuple[int, int], ...] | None = None) -> list[Case]:
     """The issue's sweep: float32 forward and fwd+bwd over hiddens x shapes, plus a bfloat16 forward at (64, 512)
-    per hidden (compared with float32 there). `quick`: hidden 768, (1, 11) and (32, 128), float32 only."""
+    per hidden (compared with float32 there). `quick`: hidden 768, (1, 11) and (32, 128), float32 only. `hiddens`
+    and `shapes` narrow it (the bfloat16 case stays only if (64, 512) does)."""
     hiddens = hiddens or (QUICK_HIDDENS if quick else HIDDENS)
-    shapes = QUICK_SHAPES if quick else SHAPES
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     cases = [Case(h, b, length, mode, "float32", device) for h in hiddens for b, length in shapes for mode in MODES]
-    if not quick:
+    if not quick and (64, 512) in shapes:
         cases += [Case(h, 64, 512, "fwd", "bfloat16", device) for h in hiddens]
     return cases
 
 
 def candidates_for(case: Case, names: tuple[str, ...] = CANDIDATES) -> list[str]:
-    """The candidates that run `case`: ORT is CPU-only and forward-only; bf16 runs only some (see BF16_CANDIDATES)."""
-    allowed = GPU_CANDIDATES if case.device != "cpu" else CANDIDATES
+    """The candidates that run `case`: ORT is CPU-only and forward-only, the GPU's id checks GPU-only; bf16 runs only
+    some (see BF16_CANDIDATES)."""
+    allowed = GPU_CANDIDATES if case.device != "cpu" else CPU_CANDIDATES
     if case.dtype != "float32":
         allowed = tuple(n for n in allowed if n in BF16_CANDIDATES)
     return [n for n in names if n in allowed]

@@ -10,6 +10,7 @@ from typing import Any
 from bertembed.bench.cases import Case
 
 FUSED = "bertembed-fused"
+FUSED_DEV = "bertembed-fused-device-checks"
 _H768 = "cpu H=768 B=32 L=128 fwd float32"
 _H768_BWD = "cpu H=768 B=32 L=128 fwdbwd float32"
 _ONE = "cpu H=768 B=1 L=11 fwd float32"
@@ -53,6 +54,10 @@ TARGETS: tuple[Target, ...] = (
            ("median_s", _GPU, FUSED), ">=", 0.8),
     Target("GPU: Triton forward vs torch.compile (H1024 B64 L512)", ("median_s", _GPU, "hf-compile"),
            ("median_s", _GPU, FUSED), ">", 1.0),
+    Target("GPU: fraction of copy bandwidth, id checks on the device (H1024 B64 L512)", ("bound_s", _GPU, FUSED_DEV),
+           ("median_s", _GPU, FUSED_DEV), ">=", 0.8),
+    Target("GPU: Triton forward, id checks on the device, vs torch.compile (H1024 B64 L512)",
+           ("median_s", _GPU, "hf-compile"), ("median_s", _GPU, FUSED_DEV), ">", 1.0),
 )
 _OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
 

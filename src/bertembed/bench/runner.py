@@ -25,14 +25,15 @@ from bertembed.bench.worker import PREFIX
 
 log = logging.getLogger(__name__)
 
+DEVICES = ("auto", "cpu", "cuda")
 CONDITIONS = {"steady": ("steady",), "default": ("default",), "both": ("steady", "default")}
 VERSIONED = ("bertembed", "torch", "transformers", "onnx", "onnxruntime", "numba", "triton", "numpy")
 
 
 @dataclass
 class BenchOptions:
-    """What to run. `cases` overrides the sweep (tests use a tiny one); `device` "auto" adds CUDA cases when a GPU
-    is visible."""
+    """What to run. `cases` overrides the sweep (tests use a tiny one); `device`: "auto" (the CPU sweep, plus the same
+    sweep on CUDA when a GPU is visible), "cpu", or "cuda" (the CUDA sweep alone); `hiddens` narrows the sweep."""
 
     quick: bool = False
     threads: int = 2
@@ -40,6 +41,8 @@ class BenchOptions:
     candidates: tuple[str, ...] = CANDIDATES
     cases: list[Case] | None = None
     device: str = "auto"
+    hiddens: tuple[int, ...] | None = None  # None: the sweep's (384, 768, 1024; 768 with --quick)
+    shapes: tuple[tuple[int, int], ...] | None = None  # (B, L); None: the sweep's
     min_run_time: float | None = None  # seconds per timer; default 0.1 quick, 1.0 full
     bandwidth_bytes: int = 1 << 30  # copy buffer: above the last-level cache
     vocab_size: int = 30522
@@ -50,10 +53,16 @@ class BenchOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.allocator is None:
-            self.allocator = "steady" if self.quick else "both"
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.allocator is None:  # glibc's settings do not touch CUDA memory: a CUDA-only run needs one condition
+            self.allocator = "steady" if self.quick or self.device == "cuda" else "both"
         if self.allocator not in CONDITIONS:
             raise ValueError(f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}")
+        if self.hiddens is not None and (not self.hiddens or min(self.hiddens) < 1):
+            raise ValueError(f"--hidden must be positive sizes, got {self.hiddens}")
+        if self.shapes is not None and (not self.shapes or min(min(s) for s in self.shapes) < 1):
+            raise ValueError(f"--shape must be positive BxL, got {self.shapes}")
         if self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         unknown = [c for c in self.candidates if c not in CANDIDATES]
@@ -62,15 +71,14 @@ class BenchOptions:
 
 
 def plan_cases(options: BenchOptions) -> list[Case]:
-    """The cases to run: `options.cases`, or the CPU sweep plus the same sweep on CUDA when a GPU is there."""
+    """The cases to run: `options.cases`, or the sweep on the CPU, on CUDA, or on both (`options.device`)."""
     if options.cases is not None:
         return list(options.cases)
-    cases = default_cases(options.quick)
-    if options.device in ("auto", "cuda") and _cuda_available():
-        cases += default_cases(options.quick, device="cuda")
-    elif options.device == "cuda":
+    if options.device == "cuda" and not _cuda_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-    return cases
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "auto": ["cpu"] + (["cuda"] if _cuda_available() else [])}
+    return [case for device in devices[options.device]
+            for case in default_cases(options.quick, options.hiddens, device=device, shapes=options.shapes)]
 
 
 def _cuda_available() -> bool:
@@ -110,7 +118,8 @@ def run_condition(options: BenchOptions, condition: str, cases: list[Case],
     """Run one condition: one worker, or one per candidate when isolated. Returns {"meta": ..., "results": [...]}
     (meta of the first worker) and calls `on_record` per result."""
     isolate = (not options.quick) if options.isolate is None else options.isolate
-    groups = [(name,) for name in options.candidates] if isolate else [tuple(options.candidates)]
+    names = [n for n in options.candidates if any(n in candidates_for(c, options.candidates) for c in cases)]
+    groups = [(name,) for name in names] if isolate else [tuple(names)]
     out: dict[str, Any] = {"meta": {}, "results": [], "isolated": isolate}
     for group in groups:
         spec = {**worker_spec(options, condition, cases), "candidates": list(group)}

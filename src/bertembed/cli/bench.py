@@ -26,8 +26,12 @@ def bench(
     allocator: Annotated[Optional[str], typer.Option("--allocator", help="glibc malloc condition: steady (no trim, "
                                                      "no per-allocation mmap), default, or both (each in its own "
                                                      "process); default: steady with --quick, else both")] = None,
-    device: Annotated[str, typer.Option("--device", help="auto (CPU, plus CUDA when visible), cpu or cuda")]
-    = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto (CPU, plus CUDA when visible), cpu, or cuda (the "
+                                        "CUDA sweep alone, one allocator condition)")] = "auto",
+    hidden: Annotated[Optional[list[int]], typer.Option("--hidden", help="only these hidden sizes (repeat the "
+                                                         "option for several); default 384, 768, 1024")] = None,
+    shape: Annotated[Optional[list[str]], typer.Option("--shape", help="only these BxL shapes, e.g. 64x512 (repeat "
+                                                       "for several); default 1x11, 32x128, 8x512, 64x512")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="one process per candidate, "
                                                     "so no other thread pool is alive while one is timed; "
                                                     "default: on for the full run, off for --quick")] = None,
@@ -37,7 +41,8 @@ def bench(
     with user_errors():
         from bertembed.bench.runner import BenchOptions, count_steps, plan_cases
 
-        options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate)
+        options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate,
+                               hiddens=tuple(hidden) if hidden else None, shapes=_shapes(shape))
         cases = plan_cases(options)
     load = os.getloadavg()[0]
     if load > 0.3:
@@ -55,6 +60,19 @@ def bench(
         markdown_out.write_text(markdown(report))
         console.print(f"wrote {markdown_out}")
     _print_summary(report)
+
+
+def _shapes(given: list[str] | None) -> tuple[tuple[int, int], ...] | None:
+    """"64x512" -> (64, 512), each; a ValueError that names the bad one."""
+    if not given:
+        return None
+    shapes = []
+    for text in given:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--shape takes BxL, such as 64x512; got {text!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return tuple(shapes)
 
 
 def _run_with_progress(options, cases, total: int) -> dict:
