@@ -147,9 +147,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a smoke test on CPU (interpreter)")
+    parser.add_argument("--only", default="", help="only the cases whose key contains this, e.g. bfloat16")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = [Case(96, 2, 5), Case(96, 2, 5, "fwdbwd")] if args.small else CASES
+    cases = [c for c in ([Case(96, 2, 5), Case(96, 2, 5, "fwdbwd")] if args.small else CASES) if args.only in c.key]
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
               "bandwidth": copy_bandwidth(device), "cases": []}
     print(f"device {report['device']}, copy bandwidth {report['bandwidth'] / 1e9:.0f} GB/s", flush=True)

@@ -15,6 +15,9 @@ if SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from bertembed.kernels import fused_embeddings  # noqa: E402
 from bertembed.kernels import triton as triton_kernels  # noqa: E402
 from kernel_helpers import (  # noqa: E402
@@ -172,6 +175,29 @@ def test_deterministic_backward_is_bitwise_repeatable():
         fused(ids).pow(2).sum().backward()
         runs.append([p.grad.clone() for p in fused.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@triton.jit
+def _round_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y + i, triton_kernels._round_to(tl.load(x + i, mask=i < n), y.dtype.element_ty), mask=i < n)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 3e38 to float16 is inf, as intended
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_to_half_precision_is_torchs(dtype):
+    """The kernels' rounding of float32 sums (integer ops in the interpreter, the GPU's conversion on a GPU) gives
+    torch's bits: ties to even, NaN, infinities, values past the dtype's range, and on a GPU subnormals (the
+    interpreter itself mangles a float32 subnormal's bits)."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 3
+    x[:8] = torch.tensor([1.00390625, 1.01171875, -1.00390625, float("nan"), float("inf"), 3e38, -7e4,
+                          1e-39 if ON_GPU else 1e-30])
+    x = x.to(DEVICE)
+    y = torch.empty(x.shape, dtype=dtype, device=DEVICE)
+    _round_kernel[(1,)](x, y, x.numel(), BLOCK=4096)
+    expected = x.to(dtype)
+    assert torch.equal(y.isnan(), expected.isnan())
+    assert torch.equal(y[~y.isnan()], expected[~expected.isnan()])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
