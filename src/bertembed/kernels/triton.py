@@ -1,12 +1,13 @@
 """Triton kernels: BERT's embedding layer in one pass per token on a GPU, forward and backward.
 
-One program per token row (forward; `rows=` takes more): gather the word row, add the segment row then the position row (rounded to the
-tables' dtype after each add, as torch does in float16/bfloat16), LayerNorm in float32, scale and shift, dropout from
-`tl.rand(seed, element)` (recomputed in backward, never stored). Backward: each program takes a block of rows,
-recomputes the sum from the tables, does the LayerNorm backward, and adds the row gradients into float32 table
-gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer summed per table row in a fixed
-order by a second kernel. The segment gradient and LayerNorm's weight and bias gradients are per-program partials
-summed by torch (every token adds into one of the few segment rows: atomics there serialise).
+One program per token row (forward; `rows=` takes more): gather the word row, add the segment row then the
+position row (rounded to the tables' dtype after each add, as torch does in float16/bfloat16), LayerNorm in float32,
+scale and shift, dropout from `tl.rand(seed, element)` (recomputed in backward, never stored). Backward: each
+program takes a block of rows, recomputes the sum from the tables, does the LayerNorm backward, and adds the row
+gradients into float32 table gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer
+summed per table row in a fixed order by a second kernel. The segment gradient and LayerNorm's weight and bias
+gradients are per-program partials summed by torch (every token adds into one of the few segment rows: atomics
+there serialise).
 
 Input ids are checked before a kernel runs (`bertembed.validation`, unless the layer's `id_checks` is "device");
 past that, a token whose id falls outside a table reads nothing and gets a row of NaN.
