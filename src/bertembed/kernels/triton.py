@@ -226,10 +226,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False,
-                 length: int | None = None, past: int = 0):
-    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order;
-    `pids=None` as in `run_forward`."""
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
+    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
     dev = word.device
     want_pos = need_pos and pos is not None
@@ -243,20 +241,20 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dgamma, dbeta = torch.zeros(programs, h, **f32), torch.zeros(programs, h, **f32)
     dx = torch.empty(n if deterministic else 1, h, **f32)
     bad = _bad_counter(dev)
-    position, length, past = _positions(pids, length, past)
     if n:
         _backward_kernel[(programs,)](
-            grad.contiguous(), ids, tts, ids if pids is None else pids, word, seg, word if pos is None else pos,
+            grad.contiguous(), ids, tts, pids, word, seg, word if pos is None else pos,
             gamma, mean, rstd, dx, dword, dseg, dpos, dgamma, dbeta, ids if bad is None else bad, n, h,
-            word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], length, past, p, seed, pad, ROWS=rows,
+            word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], 1, 0, p, seed, pad, ROWS=rows,  # L, past:
+            # unused, the backward always gets position ids (the op passes them)
             HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, ATOMIC=not deterministic,
-            WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h), **position)
+            WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h), POS_IDS=True)
     _check_bad(bad, "bertembed triton backward")
     if deterministic and n:
         if need_word:
             _segment_sum(dx, ids, dword, skip=pad)
         if want_pos:
-            _segment_sum(dx, pids if pids is not None else past + torch.arange(n, device=dev) % length, dpos)
+            _segment_sum(dx, pids, dpos)
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
     return (dword.to(dtype), dseg.sum(0).to(dtype), dpos.to(dtype), dgamma.sum(0).to(gamma.dtype),
