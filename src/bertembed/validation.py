@@ -32,7 +32,7 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
         low, high = bounds[2 * i], bounds[2 * i + 1]
         if low < 0 or high >= limit:
             bad = low if low < 0 else high
-            where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+            where = tuple(int(k) for k in (ids == bad).nonzero()[0])
             raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
                              f"{fix}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from bertembed.kernels import _DTYPES, ID_CHECKS
 from bertembed.kernels import triton as triton_kernels
 from bertembed.validation import check_inputs
 
@@ -48,8 +49,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         return None
     tables = _tables(layer)
     checks = layer.__dict__.get("id_checks", "host")
-    if tables is None or checks not in ("host", "device") or tables[0].device != input_ids.device \
-            or tables[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if tables is None or checks not in ID_CHECKS or tables[0].device != input_ids.device \
+            or tables[0].dtype not in _DTYPES["triton"]:
         return None
     batch, length = check_inputs(layer.config, input_ids, token_type_ids, None, None, past_key_values_length,
                                  check_ranges=checks == "host")

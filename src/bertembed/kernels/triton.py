@@ -189,15 +189,6 @@ def _bad_counter(device: torch.device) -> torch.Tensor | None:
     return torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cpu" else None
 
 
-def _positions(pids, length: int | None, past: int) -> tuple[dict, int, int]:
-    """Kernel arguments for the positions: given ids, or none (the kernel takes `past + row % length`)."""
-    if pids is not None:
-        return dict(POS_IDS=True), 1, 0
-    if length is None:
-        raise ValueError("run_forward/run_backward without position ids need length= (tokens per sequence)")
-    return dict(POS_IDS=False), max(length, 1), past  # length 0: no tokens, no programs
-
-
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
                 rows: int = 1):
@@ -210,9 +201,12 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
+    # without stats the kernel stores no mean or rstd: `out` stands in as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
     bad = _bad_counter(dev)
-    position, length, past = _positions(pids, length, past)
+    if pids is None and length is None:
+        raise ValueError("run_forward without position ids needs length= (tokens per sequence)")
+    length, past = (1, 0) if pids is not None else (max(length, 1), past)  # length 0: no tokens, no programs
     if n:
         block = _block(h)
         _forward_kernel[(triton.cdiv(n, rows),)](
@@ -220,7 +214,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
             rstd, ids if bad is None else bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0],
             length, past, eps, p, seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
             STATS=stats, COUNT=bad is not None, R=rows, BLOCK=block,
-            num_warps=num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8), **position)
+            POS_IDS=pids is not None, num_warps=num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8))
     _check_bad(bad, "bertembed triton forward")
     return (out, mean, rstd) if stats else (out, None, None)
 
