@@ -303,13 +303,15 @@ def test_unknown_backend_is_rejected():
 
 
 def test_custom_op_compiles_fullgraph():
+    import bertembed.kernels.function  # noqa: F401  (registers torch.ops.bertembed.embeddings)
+
     ref, fused = twins(48, "cpu")
     ids = awkward_ids(2, 9, ref.config.vocab_size)
     segments, positions = torch.zeros_like(ids), torch.arange(9)[None].expand(2, 9)
 
     def layer(word, seg, pos, weight, bias):
-        return torch.ops.bertembed.embeddings(ids, segments, positions, word, seg, pos, weight, bias, 1e-12, 0.0, 0,
-                                              0, "cpu", False)[0]
+        return torch.ops.bertembed.embeddings(ids, segments, positions, 0, word, seg, pos, weight, bias, 1e-12, 0.0,
+                                              0, 0, "cpu", False)[0]
 
     tables = [fused.word_embeddings.weight, fused.token_type_embeddings.weight, fused.position_embeddings.weight,
               fused.LayerNorm.weight, fused.LayerNorm.bias]
@@ -326,10 +328,10 @@ def test_opcheck():
     """torch.library's own consistency checks of the op: schema, fake tensor, autograd registration."""
     word, seg, pos = torch.randn(20, 16, requires_grad=True), torch.randn(2, 16), torch.randn(8, 16)
     ids = torch.tensor([[1, 2, 3, 0]])
-    args = (ids, torch.zeros_like(ids), torch.arange(4)[None], word, seg, pos, torch.ones(16), torch.zeros(16),
-            1e-12, 0.0, 0, 0, "cpu", False)
-    torch.library.opcheck(torch.ops.bertembed.embeddings.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, "cpu", False)
+    for ids_args in ((ids, torch.zeros_like(ids), torch.arange(4)[None], 0), (ids, None, None, 3)):  # None: defaults
+        torch.library.opcheck(torch.ops.bertembed.embeddings.default, ids_args + tail,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 @pytest.mark.parametrize("hidden", [64, 200])

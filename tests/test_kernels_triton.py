@@ -81,6 +81,42 @@ def test_inference_positions_come_from_the_row(hidden, batch, length, past):
     assert_output_close(out, expected)
 
 
+def test_launch_cache_key_tells_apart_what_triton_specialises():
+    """`triton_launch.spec` must separate every pair of argument values that Triton compiles different kernels for,
+    or a cached kernel would run with a wrong assumption (a misaligned pointer taken for an aligned one)."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    if not hasattr(jit, "native_specialize_impl"):
+        pytest.skip("this Triton has no native_specialize_impl to compare against")
+    from triton.backends.compiler import BaseBackend
+
+    from bertembed.kernels.triton_launch import spec
+
+    base = torch.zeros(64)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63 - 16, 2**63, True, False, 0.0, 1.0,
+              1e-12, None, base, base[1:], base[4:], base[4:].to(torch.bfloat16), base.long()[2:], base.long()[1:],
+              base.int()[3:], base.int()[4:]]
+    for a in values:
+        for b in values:
+            if spec(a) == spec(b) and type(a) is type(b):
+                triton_a, triton_b = (jit.native_specialize_impl(BaseBackend, v, False, True, True) for v in (a, b))
+                assert triton_a == triton_b, (a, b)
+
+
+def test_repeated_launches_follow_shape_and_alignment():
+    """The second call of a shape launches the kernel Triton compiled for the first (`triton_launch.Launcher`): the
+    same shape again, then a misaligned view of the ids and an odd token count, each against the reference."""
+    ref, fused = on_device(*twins(48, "triton"))
+    ids = awkward_ids(2, 17, ref.config.vocab_size).to(DEVICE)
+    tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
+    ln = fused.LayerNorm
+    with torch.no_grad():
+        for flat in (ids[:, :16].reshape(-1), ids[:, :16].reshape(-1), ids.reshape(-1)[1:], ids.reshape(-1)[1:]):
+            n = flat.numel()
+            got, _, _ = triton_kernels.run_forward(flat, None, None, *tables, ln.weight, ln.bias, ln.eps, 0.0, 0,
+                                                   stats=False, length=n)
+            assert_output_close(got.view(1, n, 48), ref(flat.view(1, n)))
+
+
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("stats", [True, False])
 def test_several_rows_per_program_match_one(rows, stats):

@@ -105,26 +105,21 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
          options: KernelOptions, out: Tensor | None) -> Tensor:
     """Validate (same errors as the reference, before any kernel), fill default ids, run the op."""
     device_checks = options.id_checks == "device" and backend == "triton" and input_ids.device.type == "cuda"
-    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
-                                 check_ranges=not device_checks)
+    check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
+                 check_ranges=not device_checks)
     word, segment, position, weight, bias = tables
-    device = word.device
-    if token_type_ids is None:
-        token_type_ids = torch.zeros((1, 1), dtype=torch.int64, device=device).expand(batch, length)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     if out is not None or not _needs_autograd(tables) and not torch.compiler.is_compiling():
         # inference: the forward kernel alone, skipping the op's dispatch (~50 us)
         return _run_into(out, backend, input_ids, token_type_ids, position_ids, past_key_values_length, tables,
                          config.layer_norm_eps, p, seed)
-    if position_ids is None:
-        position_ids = torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
-    position_ids = position_ids.expand(batch, length)
     pad = -1 if padding_idx is None else int(padding_idx)
     from bertembed.kernels.function import EagerEmbeddings, embeddings_op
 
     run = embeddings_op if torch.compiler.is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
-    result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias,
-                               config.layer_norm_eps, p, seed, pad, backend, options.deterministic)
+    result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, past_key_values_length, word, segment,
+                               position, weight, bias, config.layer_norm_eps, p, seed, pad, backend,
+                               options.deterministic)
     return result
 
 
@@ -146,13 +141,11 @@ def _run_into(out, backend, input_ids, token_type_ids, position_ids, past, table
     elif tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
         raise ValueError(f"out= must be a contiguous {word.dtype} tensor of shape {list(shape)} on {word.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
-    from bertembed.kernels.function import _backend_module
+    from bertembed.kernels.function import _backend_module, flat_ids
 
-    extra = dict(stats=False, length=length, past=past) if backend == "triton" else {}
-    if position_ids is None and backend != "triton":
-        position_ids = torch.arange(past, past + length, device=word.device)[None]
-    ids = [t if t is None else t.expand(batch, length).reshape(-1).to(torch.int64).contiguous()
-           for t in (input_ids, token_type_ids, position_ids)]
+    ids, extra = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
+    if backend == "triton":
+        extra["stats"] = False
     _backend_module(backend).run_forward(*ids, word.contiguous(), segment.contiguous(),
                                          None if position is None else position.contiguous(), weight, bias, eps, p,
                                          seed, out=out, **extra)
@@ -250,15 +243,15 @@ def _short_path(module: str = "lean"):
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    if layer.backend in ("cpu", "auto") and _found.get("cpu"):  # CPU inference: the short path, when it applies
-        if (out := _short_path()(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                 past_key_values_length)) is not None:
-            return out
-    if layer.backend in ("triton", "auto") and _found.get("triton") and type(input_ids) is torch.Tensor \
-            and input_ids.is_cuda:  # GPU inference: its short path
-        if (out := _short_path("lean_gpu")(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
+    short = None  # inference takes a short path when it applies (None when not)
+    if type(input_ids) is torch.Tensor and input_ids.is_cuda:
+        if layer.backend in ("triton", "auto") and _found.get("triton"):
+            short = _short_path("lean_gpu")
+    elif layer.backend in ("cpu", "auto") and _found.get("cpu"):
+        short = _short_path()
+    if short is not None and (out := short(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                            past_key_values_length)) is not None:
-            return out
+        return out
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
     positions = layer.position_embeddings

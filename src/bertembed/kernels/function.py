@@ -28,43 +28,61 @@ def _backend_module(backend: str):
     raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
 
 
-def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
-             backend, deterministic):
+def flat_ids(backend: str, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None,
+             past: int) -> tuple[list, dict]:
+    """([ids, segment ids, position ids] as [N] int64, the kernel's extra arguments). Missing segment ids mean segment
+    0, missing position ids `past + index in the sequence`: the GPU kernel takes both from the token's index (no id
+    tensors built, copied and read), the CPU kernel gets them made here."""
     batch, length = input_ids.shape
-    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    if backend != "triton":
+        if token_type_ids is None:
+            token_type_ids = torch.zeros((1, 1), dtype=torch.int64, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
+    flat = [None if t is None else t.expand(batch, length).reshape(-1).to(torch.int64).contiguous()
+            for t in (input_ids, token_type_ids, position_ids)]
+    return flat, ({"length": length, "past": past} if position_ids is None else {})
+
+
+def _forward(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed,
+             padding_idx, backend, deterministic):
+    batch, length = input_ids.shape
+    flat, extra = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
     out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
                                                            None if position is None else position.contiguous(),
-                                                           weight, bias, eps, p, seed)
+                                                           weight, bias, eps, p, seed, **extra)
     return out.view(batch, length, word.shape[1]), mean.view(batch, length), rstd.view(batch, length)
 
 
 @torch.library.custom_op("bertembed::embeddings", mutates_args=())
 def embeddings_op(
-    input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
-    position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
-    backend: str, deterministic: bool,
+    input_ids: Tensor, token_type_ids: Optional[Tensor], position_ids: Optional[Tensor], past: int, word: Tensor,
+    segment: Tensor, position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int,
+    padding_idx: int, backend: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
 
-    Ids are [B, L] and already validated. `padding_idx` (-1: none) and `deterministic` are read by the backward.
+    Ids are [B, L] (position ids may be [1, L]) and already validated; segment ids None: all 0; position ids None:
+    `past + index`. `padding_idx` (-1: none) and `deterministic` are read by the backward.
     """
-    return _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
+    return _forward(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed,
                     padding_idx, backend, deterministic)
 
 
 @embeddings_op.register_fake
-def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
+def _(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed, padding_idx,
       backend, deterministic):
     batch, length = input_ids.shape
     stats = word.new_empty((batch, length), dtype=torch.float32)
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
 
 
-def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-               padding_idx, backend, deterministic, need_word, need_position):
+def _gradients(grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p,
+               seed, padding_idx, backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
-    flat = [t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
-    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
+    flat, kwargs = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
+    if backend == "triton":
+        kwargs["deterministic"] = deterministic
     return _backend_module(backend).run_backward(
         grad.reshape(-1, hidden), *flat, word.contiguous(), segment.contiguous(),
         None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,
@@ -73,17 +91,17 @@ def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, pos
 
 @torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
 def embeddings_backward_op(
-    grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
-    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
-    backend: str, deterministic: bool, need_word: bool, need_position: bool,
+    grad: Tensor, input_ids: Tensor, token_type_ids: Optional[Tensor], position_ids: Optional[Tensor], past: int,
+    word: Tensor, segment: Tensor, position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float,
+    seed: int, padding_idx: int, backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
-    return _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p,
-                      seed, padding_idx, backend, deterministic, need_word, need_position)
+    return _gradients(grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd,
+                      p, seed, padding_idx, backend, deterministic, need_word, need_position)
 
 
 @embeddings_backward_op.register_fake
-def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+def _(grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p, seed,
       padding_idx, backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
     rows_pos = position.shape[0] if position is not None and need_position else 0
@@ -92,26 +110,26 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, _eps, p, seed, padding_idx,
+    (input_ids, token_type_ids, position_ids, past, word, segment, position, weight, _bias, _eps, p, seed, padding_idx,
      backend, deterministic) = inputs
     _out, mean, rstd = output
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
-    ctx.options = (p, seed, padding_idx, backend, deterministic)
+    ctx.options = (past, p, seed, padding_idx, backend, deterministic)
 
 
 def _backward_with(gradients):
     """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager)."""
     def backward(ctx, grad, _grad_mean, _grad_rstd):
         input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
-        p, seed, padding_idx, backend, deterministic = ctx.options
-        need = ctx.needs_input_grad
+        past, p, seed, padding_idx, backend, deterministic = ctx.options
+        need = ctx.needs_input_grad[4:9]  # word, segment, position, LayerNorm weight, bias
         dword, dseg, dpos, dweight, dbias = gradients(
-            grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-            padding_idx, backend, deterministic, need[3], position is not None and need[5])
-        return (None, None, None, dword if need[3] else None, dseg if need[4] else None,
-                dpos if position is not None and need[5] else None, dweight if need[6] else None,
-                dbias if need[7] else None, None, None, None, None, None, None)
+            grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p, seed,
+            padding_idx, backend, deterministic, need[0], position is not None and need[2])
+        return (None, None, None, None, dword if need[0] else None, dseg if need[1] else None,
+                dpos if position is not None and need[2] else None, dweight if need[3] else None,
+                dbias if need[4] else None, None, None, None, None, None, None)
 
     return backward
 

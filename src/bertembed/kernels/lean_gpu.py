@@ -1,14 +1,14 @@
 """The short path for GPU inference: `BertEmbeddings.forward` straight to the Triton forward kernel.
 
-On a GPU the kernel runs while Python prepares the next call, so the glue decides the time whenever it is longer
-than the kernel: at (64, 512), hidden 1024, the kernel takes about 95 us on an H100, and the general path's glue
-(backend selection, input checks, flattening the ids, `nn.Module.__getattr__` for each table) was of that order on
-the lent machine's CPU. This path reads the tables through the module's dicts, checks only what the kernel needs,
-and lets the kernel take positions from the token's index. With `layer.id_checks == "host"` (the default) the ids
-are still checked before the kernel (`validation._check_ranges`: one wait for the device); with "device" there is
-no wait, and a token with a bad id gets a row of NaN. Anything else (training, autograd, explicit position ids,
-`inputs_embeds`, other dtypes or shapes) returns None, and the general path takes over with the reference layer's
-errors.
+On a GPU the kernel runs while Python prepares the next call, so the glue decides the time whenever it is longer than
+the kernel: at (64, 512), hidden 1024, the kernel takes about 95 us on an H100, and the general path's glue (backend
+selection, input checks, flattening the ids, `nn.Module.__getattr__` for each table) was of that order on the lent
+machine's CPU. This path reads the tables through the module's dicts, checks only what the kernel needs, and lets the
+kernel take positions from the token's index (and segment 0 when no segment ids are given). With `layer.id_checks ==
+"host"` (the default) the ids are still checked before the kernel (`validation._check_ranges`: one wait for the device);
+with "device" there is no wait, and a token with a bad id gets a row of NaN. Anything else (training, autograd, explicit
+position ids, `inputs_embeds`, other dtypes or shapes) returns None, and the general path takes over with the reference
+layer's errors.
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -54,11 +54,10 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         return None
     batch, length = check_inputs(layer.config, input_ids, token_type_ids, None, None, past_key_values_length,
                                  check_ranges=checks == "host")
-    if token_type_ids is None:
-        token_type_ids = torch.zeros((batch * length,), dtype=torch.int64, device=input_ids.device)
     word, segment, position, weight, bias = tables
     out = torch.empty((batch, length, word.shape[1]), dtype=word.dtype, device=word.device)
-    triton_kernels.run_forward(input_ids.view(-1), token_type_ids.reshape(-1), None, word, segment, position, weight,
+    types = None if token_type_ids is None else token_type_ids.view(-1)
+    triton_kernels.run_forward(input_ids.view(-1), types, None, word, segment, position, weight,
                                bias, layer.config.layer_norm_eps, 0.0, 0, out=out, stats=False, length=length,
                                past=past_key_values_length)
     return out

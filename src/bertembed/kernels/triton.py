@@ -6,8 +6,8 @@ scale and shift, dropout from `tl.rand(seed, element)` (recomputed in backward, 
 program takes a block of rows, recomputes the sum from the tables, does the LayerNorm backward, and adds the row
 gradients into float32 table gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer
 summed per table row in a fixed order by a second kernel. The segment gradient and LayerNorm's weight and bias
-gradients are per-program partials summed by torch (every token adds into one of the few segment rows: atomics
-there serialise).
+gradients are per-program partials, in one buffer summed by torch (every token adds into one of the few segment rows:
+atomics there serialise).
 
 Input ids are checked before a kernel runs (`bertembed.validation`, unless the layer's `id_checks` is "device");
 past that, a token whose id falls outside a table reads nothing and gets a row of NaN.
@@ -25,6 +25,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from bertembed.kernels.triton_launch import Launcher
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when @triton.jit decorates, as Triton itself reads it
 
@@ -52,13 +54,17 @@ else:
 
 @triton.jit
 def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS: tl.constexpr,
-              POS_IDS: tl.constexpr, ROUND: tl.constexpr):
+              POS_IDS: tl.constexpr, ROUND: tl.constexpr, HAS_TT: tl.constexpr):
     """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
     rows `rows` [R]; invalid ids load nothing. Without position ids (POS_IDS false) a token's position is
-    `past + row % L`. (Eviction-policy hints, evict_first on word rows and evict_last on the shared segment and
-    position rows, made the forward 3-7% slower on an H100: left out.)"""
+    `past + row % L`; without segment ids (HAS_TT false) every token is in segment 0. (Eviction-policy hints,
+    evict_first on word rows and evict_last on the shared segment and position rows, made the forward 3-7% slower on
+    an H100: left out.)"""
     w = tl.load(ids + rows)
-    s = tl.load(tts + rows)
+    if HAS_TT:
+        s = tl.load(tts + rows)
+    else:
+        s = rows * 0
     if POS_IDS:
         q = tl.load(pids + rows)
     else:
@@ -81,7 +87,7 @@ def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, 
 
 @triton.jit
 def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, N, H, V, T, P, L, past, eps,
-                    p, seed, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, ROUND: tl.constexpr,
+                    p, seed, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, HAS_TT: tl.constexpr, ROUND: tl.constexpr,
                     DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, R: tl.constexpr,
                     BLOCK: tl.constexpr):
     """R token rows. A token with an id outside its table reads nothing and gets a row of NaN; COUNT adds it to
@@ -92,7 +98,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
     x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                               POS_IDS, ROUND)
+                               POS_IDS, ROUND, HAS_TT)
     mu = tl.sum(x, axis=1) / H
     d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
     r = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / H + eps)
@@ -113,18 +119,20 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
 
 
 @triton.jit
-def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx_buf, dword, dseg, dpos,
-                     dgamma, dbeta, bad, N, H, V, T, P, L, past, p, seed, pad, ROWS: tl.constexpr,
-                     HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, ROUND: tl.constexpr, DROPOUT: tl.constexpr,
-                     ATOMIC: tl.constexpr, WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr, COUNT: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). The segment gradient goes into this
-    program's own [T, H] slab of `dseg` (every token adds to one of a few rows: atomics there would serialise),
-    LayerNorm's into its row of `dgamma`, `dbeta`."""
+def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx_buf, dword, dpos, part, bad, N, H, V,
+                     T, P, L, past, p, seed, pad, ROWS: tl.constexpr, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr,
+                     HAS_TT: tl.constexpr, ROUND: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
+                     WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). Each program owns a [T + 2, H] slab of
+    `part`: the segment gradient's T rows, zeroed here first (every token adds to one of a few segment rows: atomics
+    there would serialise), then LayerNorm's weight and bias gradients; torch sums the slabs."""
     prog = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
     c, cm = cols[None, :], cmask[None, :]
+    mine = part + prog * (T + 2) * H  # only this program touches its slab: plain stores and read-add-writes
+    for t in range(T):
+        tl.store(mine + t * H + c, tl.zeros([1, BLOCK], dtype=tl.float32), mask=cm)
     g = tl.load(gamma + c, mask=cm, other=0.0).to(tl.float32)
     acc_g = tl.zeros([1, BLOCK], dtype=tl.float32)
     acc_b = tl.zeros([1, BLOCK], dtype=tl.float32)
@@ -133,7 +141,7 @@ def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx
         live = rows < N
         rows = tl.minimum(rows, N - 1)
         x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                                   POS_IDS, ROUND)
+                                   POS_IDS, ROUND, HAS_TT)
         m = (ok & live)[:, None] & cm
         xhat = tl.where(cm, (x - tl.load(mean + rows)[:, None]) * tl.load(rstd + rows)[:, None], 0.0)
         at = rows[:, None] * H + c
@@ -146,7 +154,7 @@ def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx
         mean_gg = tl.sum(gg, axis=1)[:, None] / H
         mean_ggx = tl.sum(gg * xhat, axis=1)[:, None] / H
         dx = tl.load(rstd + rows)[:, None] * (gg - mean_gg - xhat * mean_ggx)
-        slab = dseg + (prog * T + s[:, None]) * H + c  # only this program touches its slab: a plain read-add-write
+        slab = mine + s[:, None] * H + c
         tl.store(slab, tl.load(slab, mask=m, other=0.0) + dx, mask=m)
         if ATOMIC:
             if WANT_WORD:
@@ -157,8 +165,8 @@ def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx
             tl.store(dx_buf + at, dx, mask=m)
         if COUNT:
             tl.atomic_add(bad + rows * 0, 1, mask=live & (ok == 0))
-    tl.store(dgamma + prog * H + c, acc_g, mask=cm)
-    tl.store(dbeta + prog * H + c, acc_b, mask=cm)
+    tl.store(mine + T * H + c, acc_g, mask=cm)
+    tl.store(mine + (T + 1) * H + c, acc_b, mask=cm)
 
 
 @triton.jit
@@ -171,6 +179,10 @@ def _segment_sum_kernel(dx, order, begins, ends, rows, out, H, BLOCK: tl.constex
     for k in range(tl.load(begins + i), tl.load(ends + i)):
         acc += tl.load(dx + tl.load(order + k).to(tl.int64) * H + cols, mask=cmask, other=0.0)
     tl.store(out + tl.load(rows + i).to(tl.int64) * H + cols, acc, mask=cmask)
+
+
+_launch_forward, _launch_backward, _launch_segment_sum = map(Launcher, (_forward_kernel, _backward_kernel,
+                                                                    _segment_sum_kernel))
 
 
 def _check_bad(bad: torch.Tensor | None, where: str) -> None:
@@ -194,10 +206,11 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
                 rows: int = 1):
     """As `bertembed.kernels.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
 
-    GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without
-    an id tensor; `stats=False` (inference) skips mean and rstd, returned as None. Tuning (benchmarks/gpu_triton.py):
-    `rows` token rows per program (a power of 2) and `num_warps`. The defaults, one row and a warp per 256 bytes of
-    row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and 1024 (or within 2%)."""
+    GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
+    tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
+    Tuning (benchmarks/gpu_triton.py): `rows` token rows per program (a power of 2) and `num_warps`. The defaults, one
+    row and a warp per 256 bytes of row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and
+    1024 (or within 2%)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
@@ -209,50 +222,59 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     length, past = (1, 0) if pids is not None else (max(length, 1), past)  # length 0: no tokens, no programs
     if n:
         block = _block(h)
-        _forward_kernel[(triton.cdiv(n, rows),)](
-            ids, tts, ids if pids is None else pids, word, seg, word if pos is None else pos, gamma, beta, out, mean,
-            rstd, ids if bad is None else bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0],
-            length, past, eps, p, seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
-            STATS=stats, COUNT=bad is not None, R=rows, BLOCK=block,
-            POS_IDS=pids is not None, num_warps=num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8))
+        _launch_forward(
+            triton.cdiv(n, rows), num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8),
+            ids=ids, tts=ids if tts is None else tts, pids=ids if pids is None else pids, word=word, seg=seg,
+            pos=word if pos is None else pos, gamma=gamma, beta=beta, out=out, mean=mean, rstd=rstd,
+            bad=ids if bad is None else bad, N=n, H=h, V=word.shape[0], T=seg.shape[0],
+            P=0 if pos is None else pos.shape[0], L=length, past=past, eps=eps, p=p, seed=seed,
+            HAS_POS=pos is not None, POS_IDS=pids is not None, HAS_TT=tts is not None,
+            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats, COUNT=bad is not None, R=rows, BLOCK=block)
     _check_bad(bad, "bertembed triton forward")
     return (out, mean, rstd) if stats else (out, None, None)
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
-    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False,
+                 length: int | None = None, past: int = 0):
+    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order.
+    `tts=None`, `pids=None` with `length` and `past`: as in `run_forward`."""
     n, h = grad.shape
     dev = word.device
     want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=dev)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
+    if pids is None and length is None:
+        raise ValueError("run_backward without position ids needs length= (tokens per sequence)")
+    length, past = (1, 0) if pids is not None else (max(length, 1), past)
     # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
     dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
-    dseg = torch.zeros(programs, seg.shape[0], h, **f32)  # a [T, H] slab per program, summed below
     dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
-    dgamma, dbeta = torch.zeros(programs, h, **f32), torch.zeros(programs, h, **f32)
+    types = seg.shape[0]
+    part = (torch.empty if n else torch.zeros)(programs, types + 2, h, **f32)  # each program's slab, filled by it
     dx = torch.empty(n if deterministic else 1, h, **f32)
     bad = _bad_counter(dev)
     if n:
-        _backward_kernel[(programs,)](
-            grad.contiguous(), ids, tts, pids, word, seg, word if pos is None else pos,
-            gamma, mean, rstd, dx, dword, dseg, dpos, dgamma, dbeta, ids if bad is None else bad, n, h,
-            word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], 1, 0, p, seed, pad, ROWS=rows,  # L, past:
-            # unused, the backward always gets position ids (the op passes them)
-            HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, ATOMIC=not deterministic,
-            WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h), POS_IDS=True)
+        _launch_backward(
+            programs, 4, grad=grad.contiguous(), ids=ids, tts=ids if tts is None else tts,
+            pids=ids if pids is None else pids, word=word, seg=seg, pos=word if pos is None else pos, gamma=gamma,
+            mean=mean, rstd=rstd, dx_buf=dx, dword=dword, dpos=dpos, part=part, bad=ids if bad is None else bad,
+            N=n, H=h, V=word.shape[0], T=types, P=0 if pos is None else pos.shape[0], L=length, past=past, p=p,
+            seed=seed, pad=pad, ROWS=rows, HAS_POS=pos is not None, POS_IDS=pids is not None, HAS_TT=tts is not None,
+            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, ATOMIC=not deterministic, WANT_WORD=need_word,
+            WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h))
     _check_bad(bad, "bertembed triton backward")
     if deterministic and n:
         if need_word:
             _segment_sum(dx, ids, dword, skip=pad)
         if want_pos:
-            _segment_sum(dx, pids, dpos)
+            _segment_sum(dx, past + torch.arange(n, device=dev) % length if pids is None else pids, dpos)
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
-    return (dword.to(dtype), dseg.sum(0).to(dtype), dpos.to(dtype), dgamma.sum(0).to(gamma.dtype),
-            dbeta.sum(0).to(gamma.dtype))
+    sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
+    return (dword.to(dtype), sums[:types].to(dtype), dpos.to(dtype), sums[types].to(gamma.dtype),
+            sums[types + 1].to(gamma.dtype))
 
 
 def _segment_sum(dx: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: int = -1) -> None:
@@ -264,4 +286,5 @@ def _segment_sum(dx: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: i
     keep = rows != skip  # the padding row keeps a zero gradient
     begins, ends, rows = starts[:-1][keep].contiguous(), starts[1:][keep].contiguous(), rows[keep].contiguous()
     if rows.numel():
-        _segment_sum_kernel[(rows.numel(),)](dx, order, begins, ends, rows, out, dx.shape[1], BLOCK=_block(dx.shape[1]))
+        _launch_segment_sum(rows.numel(), 4, dx=dx, order=order, begins=begins, ends=ends, rows=rows, out=out,
+                            H=dx.shape[1], BLOCK=_block(dx.shape[1]))
