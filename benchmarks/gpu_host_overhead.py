@@ -1,29 +1,34 @@
-"""Where a GPU forward's host time goes: Python and launches, with kernels too small to hide them.
+"""Where a GPU call's host time goes: Python and launches, with kernels too small to hide them.
 
-    python benchmarks/gpu_host_overhead.py
+    python benchmarks/gpu_host_overhead.py [--profile]
 
-At (32, 128), hidden 768, the kernel takes about 15 us on an H100, so a loop of calls runs at the host's pace. This
-times, per call (host clock over 2000 calls, then one synchronize): bertembed's module with id_checks "device" and
-"host", the Triton launch alone (`run_forward`), an empty torch op (`torch.empty`) for scale, transformers' eager
-layer and `torch.compile` of it; then prints cProfile's top entries for the module call.
+At (32, 128), hidden 768, the forward kernel takes about 15 us on an H100, so a loop of calls runs at the host's
+pace. This times, per call (host clock over 1000 calls, then one synchronize), at (1, 11) and (32, 128):
+- the forward: bertembed's module with id_checks "device" and "host", the kernel launched through
+  `triton_launch.Launcher` (what run_forward does) and through Triton's own `kernel[grid](...)`, alternated in one
+  process, an empty torch op for scale, transformers' eager layer and `torch.compile` of it;
+- one training step (train mode, dropout 0.1, backward of a fixed gradient, gradients set to None): bertembed's
+  module with each id_checks, transformers' eager layer and `torch.compile` of it.
+`--profile` adds torch.profiler's table (host and device time per op) of bertembed's training step at (1, 11).
 """
 
 from __future__ import annotations
 
-import cProfile
-import pstats
+import argparse
+import functools
 import time
 
 import torch
 
-from bertembed.bench.candidates import _hf_module, make_workload
+from bertembed.bench.candidates import _hf_module, _torch_call, make_workload
 from bertembed.bench.cases import Case
 from bertembed.embeddings import BertEmbeddings
+from bertembed.kernels import lean_gpu
 from bertembed.kernels import triton as triton_kernels
 
 
-def per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
+def per_call_us(fn, calls: int = 1000) -> float:
+    for _ in range(20):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -33,36 +38,95 @@ def per_call_us(fn, calls: int = 2000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main() -> None:
-    work = make_workload(Case(768, 32, 128, device="cuda"))
+def _ours(work, id_checks: str) -> BertEmbeddings:
+    layer = BertEmbeddings(work.config, backend="triton")
+    layer.load_state_dict(work.state_dict)
+    layer.id_checks = id_checks
+    return layer.cuda()
+
+
+def launches(work) -> dict[str, float]:
+    """The short path's steps, down to the kernel's launch through bertembed's Launcher and through Triton's
+    `kernel[grid](...)`, alternated in rounds (medians of 5)."""
+    ours = _ours(work, "device").eval()
+    tables = [t.weight for t in (ours.word_embeddings, ours.token_type_embeddings, ours.position_embeddings)]
+    ln, flat, types = ours.LayerNorm, work.input_ids.view(-1), work.token_type_ids.view(-1)
+    out = torch.empty(flat.numel(), tables[0].shape[1], device="cuda")
+    n, h = out.shape
+    args = dict(ids=flat, tts=types, pids=flat, word=tables[0], seg=tables[1], pos=tables[2], gamma=ln.weight,
+                beta=ln.bias, out=out, mean=out, rstd=out, bad=flat, N=n, H=h, V=tables[0].shape[0],
+                T=tables[1].shape[0], P=tables[2].shape[0], L=work.case.length, past=0, eps=ln.eps, p=0.0, seed=0,
+                HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=False, DROPOUT=False, STATS=False, COUNT=False,
+                R=1, BLOCK=triton_kernels._block(h))
+    warps = max(triton_kernels._block(h) * 4 // 1024, 1)
+    ids, length = work.input_ids, work.case.length
+    runs = {"lean_gpu.try_infer": lambda: lean_gpu.try_infer(ours, ids, work.token_type_ids, None, None, 0),
+            "run_forward": lambda: triton_kernels.run_forward(flat, types, None, *tables, ln.weight, ln.bias, ln.eps,
+                                                              0.0, 0, out=out, stats=False, length=length),
+            "launch, bertembed Launcher": lambda: triton_kernels._launch_forward(n, warps, **args),
+            "launch, triton kernel[grid]": lambda: triton_kernels._forward_kernel[(n,)](**args, num_warps=warps)}
+    times = {name: [] for name in runs}
+    with torch.no_grad():
+        for _ in range(5):
+            for name, fn in runs.items():
+                times[name].append(per_call_us(fn))
+    return {name: sorted(t)[2] for name, t in times.items()}
+
+
+def forward_rows(work) -> dict[str, float]:
     ids, tts = work.input_ids, work.token_type_ids
-    ours = BertEmbeddings(work.config, backend="triton")
-    ours.load_state_dict(work.state_dict)
-    ours = ours.cuda().eval()
     hf = _hf_module(work).cuda().eval()
     compiled = torch.compile(hf, dynamic=False)
-    tables = [t.weight for t in (ours.word_embeddings, ours.token_type_embeddings, ours.position_embeddings)]
-    ln, out = ours.LayerNorm, torch.empty(32, 128, 768, device="cuda")
-    flat, types = ids.view(-1), tts.view(-1)
     rows = {}
     with torch.no_grad():
-        ours.id_checks = "device"
-        rows["module, id_checks device"] = per_call_us(lambda: ours(ids, tts))
-        ours.id_checks = "host"
-        rows["module, id_checks host"] = per_call_us(lambda: ours(ids, tts))
-        rows["run_forward (launch only)"] = per_call_us(lambda: triton_kernels.run_forward(
-            flat, types, None, *tables, ln.weight, ln.bias, ln.eps, 0.0, 0, out=out, stats=False, length=128))
+        for checks in ("device", "host"):
+            rows[f"module, id_checks {checks}"] = per_call_us(functools.partial(_ours(work, checks).eval(), ids, tts))
         rows["torch.empty"] = per_call_us(lambda: torch.empty(1, device="cuda"))
         rows["hf eager"] = per_call_us(lambda: hf(ids, tts))
         compiled(ids, tts)
         rows["hf torch.compile"] = per_call_us(lambda: compiled(ids, tts))
-        ours.id_checks = "device"
-        profile = cProfile.Profile()
-        profile.runcall(lambda: [ours(ids, tts) for _ in range(2000)])
-    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
-    print(f"host time per call, H768 B32 L128 ({torch.cuda.get_device_name(0)}):")
-    for name, us in rows.items():
-        print(f"  {name:<28} {us:7.1f} us")
+    return rows | launches(work)
+
+
+def training_rows(work) -> dict[str, float]:
+    rows = {}
+    for checks in ("device", "host"):
+        rows[f"module, id_checks {checks}"] = per_call_us(_torch_call(_ours(work, checks), work), calls=200)
+    hf = _hf_module(work).cuda()
+    rows["hf eager"] = per_call_us(_torch_call(hf, work), calls=200)
+    compiled = torch.compile(hf, dynamic=False)
+    rows["hf torch.compile"] = per_call_us(_torch_call(compiled, work), calls=200)
+    return rows
+
+
+def profile_training(work) -> None:
+    step = _torch_call(_ours(work, "device"), work)
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(50):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="torch.profiler table of a training step at (1, 11)")
+    options = parser.parse_args()
+    print(f"host time per call ({torch.cuda.get_device_name(0)}, torch {torch.__version__}):")
+    for batch, length in ((1, 11), (32, 128)):
+        forward = forward_rows(make_workload(Case(768, batch, length, device="cuda")))
+        training = training_rows(make_workload(Case(768, batch, length, "fwdbwd", device="cuda")))
+        for kind, rows in (("forward", forward), ("training step", training)):
+            print(f"  H 768, ({batch}, {length}), {kind}:")
+            for name, us in rows.items():
+                print(f"    {name:<30} {us:8.1f} us")
+    if options.profile:
+        profile_training(make_workload(Case(768, 1, 11, "fwdbwd", device="cuda")))
 
 
 if __name__ == "__main__":
