@@ -103,7 +103,8 @@ def _fall_back(reason: str) -> None:
 def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_ids: Tensor | None,
          position_ids: Tensor | None, past_key_values_length: int, tables: tuple, p: float, padding_idx: int | None,
          options: KernelOptions, out: Tensor | None) -> Tensor:
-    """Validate (same errors as the reference, before any kernel), fill default ids, run the op."""
+    """Validate (same errors as the reference, before any kernel), run the op. Missing segment and position ids stay
+    None down to the kernels (`function.flat_ids`): the GPU kernel computes them from the token's index."""
     device_checks = options.id_checks == "device" and backend == "triton" and input_ids.device.type == "cuda"
     check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
                  check_ranges=not device_checks)
