@@ -193,6 +193,16 @@ def _check_bad(bad: torch.Tensor | None, where: str) -> None:
                            f"checked with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
 
 
+def _position_args(pids, length: int | None, past: int, where: str) -> tuple[int, int]:
+    """The kernels' (L, past): unused (1, 0) with position ids; without them positions are `past + index % L`, so L
+    (tokens per sequence) must be given; L 0 means no tokens, so no programs read it."""
+    if pids is not None:
+        return 1, 0
+    if length is None:
+        raise ValueError(f"{where} without position ids needs length= (tokens per sequence)")
+    return max(length, 1), past
+
+
 def _block(hidden: int) -> int:
     return triton.next_power_of_2(hidden)
 
@@ -217,9 +227,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     # without stats the kernel stores no mean or rstd: `out` stands in as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
     bad = _bad_counter(dev)
-    if pids is None and length is None:
-        raise ValueError("run_forward without position ids needs length= (tokens per sequence)")
-    length, past = (1, 0) if pids is not None else (max(length, 1), past)  # length 0: no tokens, no programs
+    length, past = _position_args(pids, length, past, "run_forward")
     if n:
         block = _block(h)
         _launch_forward(
@@ -245,9 +253,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     f32 = dict(dtype=torch.float32, device=dev)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
-    if pids is None and length is None:
-        raise ValueError("run_backward without position ids needs length= (tokens per sequence)")
-    length, past = (1, 0) if pids is not None else (max(length, 1), past)
+    length, past = _position_args(pids, length, past, "run_backward")
     # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
     dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
     dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
