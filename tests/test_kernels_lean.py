@@ -39,6 +39,26 @@ def test_short_path_matches_the_reference(shape, offset, types):
         _close(fused(ids, tts, past_key_values_length=offset), ref(ids, tts, past_key_values_length=offset))
 
 
+def test_ids_that_start_inside_their_storage():
+    """The serial path reads ids through their address (`Tensor.data_ptr()`), which a slice moves into the storage."""
+    ref, fused = _pair()
+    ids, tts = torch.randint(0, 500, (3, 11)), torch.randint(0, 2, (3, 11))
+    with torch.no_grad():
+        for rows in (slice(1, 2), slice(2, 3), slice(1, 3)):
+            assert ids[rows].storage_offset() > 0
+            assert lean.try_infer(fused, ids[rows], tts[rows], None, None, 0) is not None
+            _close(fused(ids[rows], tts[rows]), ref(ids[rows], tts[rows]))
+
+
+def test_tables_of_other_widths_are_left_to_the_general_path():
+    _, fused = _pair()
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.no_grad():
+        fused(ids)  # fills the cache
+        fused.token_type_embeddings.weight.data = torch.randn(2, 100)  # new storage, narrower than the rest
+        assert lean.try_infer(fused, ids, None, None, None, 0) is None
+
+
 def test_bad_ids_get_the_reference_errors():
     ref, fused = _pair()
     large = torch.randint(0, 500, (16, 64))  # the parallel short path; its last id is the bad one below

@@ -165,6 +165,21 @@ def hold(typingctx, array):
     return types.void(array), codegen
 
 
+@intrinsic
+def pointer(typingctx, address, dtype):
+    """The integer `address` as a pointer to `dtype` elements, for `numba.carray`: an array over memory that Python
+    hands in as a number (`Tensor.data_ptr()`, 60 ns, where `Tensor.numpy()` takes 600). The array holds no reference:
+    valid while the caller holds the tensor, and only as large as the caller says it is."""
+    if not isinstance(address, types.Integer) or not isinstance(dtype, types.NumberClass):
+        return None
+    target = types.CPointer(dtype.instance_type)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(target))
+
+    return target(address, dtype), codegen
+
+
 _LINE = 64  # bytes in a cache line
 
 

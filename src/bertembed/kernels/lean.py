@@ -1,27 +1,29 @@
 """The short path for CPU inference: the Python glue between `BertEmbeddings.forward` and the kernel, cut down.
 
 A sentence's kernel work is a few microseconds, so the glue decides its latency; at (32, 128) the general path's glue
-(input checks in torch, position and segment tensors, the custom op's argument handling) cost about 0.25 ms of 1.3,
-half of what this path's does (`benchmarks/glue_overhead.py`), since it runs while the kernel has just flushed the
-caches. Same per-token kernel as `cpu.forward`
-(`cpu._forward_token`), so the same numbers. The differences are all glue: parameters are read through the module's
-dicts (no `nn.Module.__getattr__`), numpy views of the tables are cached while their storage stays the same, and one
-compiled call checks every id before any table row is read. Small inputs run serially with positions computed in the
-kernel; larger ones run `cpu.forward` on all threads. Anything this path does not cover (training, autograd, bfloat16,
-explicit position ids, `inputs_embeds`, a bad id) returns None, and the general path takes over: it raises the
-reference layer's errors.
+(input checks in torch, position and segment tensors, the custom op's argument handling) cost about 0.25 ms of 1.3, half
+of what this path's does (`benchmarks/glue_overhead.py`), since it runs while the kernel has just flushed the caches.
+Same per-token kernel as `cpu.forward` (`cpu._forward_token`), so the same numbers. The differences are all glue:
+parameters are read through the module's dicts (no `nn.Module.__getattr__`), numpy views of the tables and their
+addresses are cached while their storage stays the same, a sentence's ids reach the kernel as addresses
+(`Tensor.numpy()` took 0.6 us a tensor), and one compiled call checks every id before any table row is read. Small
+inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads. Anything this
+path does not cover (training, autograd, bfloat16, explicit position ids, `inputs_embeds`, a bad id) returns None, and
+the general path takes over: it raises the reference layer's errors.
 
 Dimension letters: B batch, L length, H hidden.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
-from numba import njit
+from numba import carray, njit
 
 from bertembed.kernels import cpu, pages
-from bertembed.kernels.cpu_elements import borrowed, hold
+from bertembed.kernels.cpu_elements import borrowed, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
 
@@ -40,17 +42,26 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
 
 
 @njit(cache=True)
-def _infer(ids, tts, has_tts, past, word, seg, pos, gamma, beta, eps, out):
+def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
     """out [B*L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]) on this thread; returns False, computing
-    nothing, when an id, a segment id or a position lies outside its table."""
-    if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
+    nothing, when an id, a segment id or a position lies outside its table.
+
+    The ids and tables arrive as addresses (`Tensor.data_ptr()`: a tenth of what `Tensor.numpy()` costs, and an int
+    argument unboxes in half an array's time): ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without
+    has_tts); tables = `_Tables.addresses`."""
+    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions = tables
+    hidden = out.shape[1]
+    ids = carray(pointer(ids_at, np.int64), (batch, length))
+    tts = carray(pointer(tts_at, np.int64), (batch, length))
+    if not _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
         return False
-    batch, length = ids.shape
+    word = carray(pointer(word_at, np.float32), (vocab, hidden))
+    seg = carray(pointer(seg_at, np.float32), (segments, hidden))
+    pos = carray(pointer(pos_at, np.float32), (positions, hidden))
+    gamma, beta = carray(pointer(gamma_at, np.float32), hidden), carray(pointer(beta_at, np.float32), hidden)
     n = batch * length
-    scratch, stats = np.empty(out.shape[1], np.float32), np.empty((2, n), np.float32)
-    x, mean, rstd = borrowed(scratch), borrowed(stats[0]), borrowed(stats[1])
-    word, seg, pos, gamma, beta, out = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(beta), \
-        borrowed(out)
+    scratch, stats = np.empty(hidden, np.float32), np.empty((2, n), np.float32)
+    x, mean, rstd, out = borrowed(scratch), borrowed(stats[0]), borrowed(stats[1]), borrowed(out)
     for r in range(batch):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
@@ -79,8 +90,17 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     return out
 
 
-def _tables(layer) -> list[np.ndarray] | None:
-    """Numpy views of the five float32 CPU tables, cached on the layer while their storage is unchanged."""
+class _Tables(NamedTuple):
+    """The five float32 CPU tables (word, segment, position, weight, bias) as numpy views, for `cpu.forward`, and as
+    addresses followed by the rows of the first three (V, T, P), for `_infer`. The views hold the tensors' storage, so
+    the addresses stay valid while this is held."""
+
+    arrays: list
+    addresses: tuple
+
+
+def _tables(layer) -> _Tables | None:
+    """The layer's five float32 CPU tables, cached on the layer while their storage and sizes are unchanged."""
     modules = layer._modules
     positions = modules["position_embeddings"]
     if positions is None or not isinstance(positions, torch.nn.Embedding):
@@ -90,15 +110,19 @@ def _tables(layer) -> list[np.ndarray] | None:
         modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
         positions._parameters["weight"], norm["weight"], norm["bias"])
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.shape,
-           position.shape)  # same storage (the cached views keep the old one alive, so no reuse) and sizes
+           position.shape)  # same storage (the cached views hold the old one, so no address is reused) and sizes
     cached = layer.__dict__.get("_lean_tables")
     if cached is not None and cached[0] == key:
         return cached[1]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    hidden = word.shape[1]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors) \
+            or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
+            or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
-    arrays = [t.detach().numpy() for t in tensors]
-    layer.__dict__["_lean_tables"] = (key, arrays)
-    return arrays
+    tables = _Tables([t.detach().numpy() for t in tensors],
+                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0]))
+    layer.__dict__["_lean_tables"] = (key, tables)
+    return tables
 
 
 def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
@@ -112,20 +136,24 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     tables = _tables(layer)
     if tables is None:
         return None
-    ids = input_ids.numpy()
+    batch, length = input_ids.shape
+    ids_at = input_ids.data_ptr()
     if token_type_ids is None:
-        tts, has_tts = ids, False
+        tts_at, has_tts = ids_at, False  # never read
     elif type(token_type_ids) is torch.Tensor and token_type_ids.dtype == torch.int64 \
             and token_type_ids.shape == input_ids.shape and token_type_ids.is_contiguous() \
             and token_type_ids.is_cpu:
-        tts, has_tts = token_type_ids.numpy(), True
+        tts_at, has_tts = token_type_ids.data_ptr(), True
     else:
         return None
-    batch, length = ids.shape
     eps = layer.config.layer_norm_eps
-    if batch * length * tables[0].shape[1] >= cpu._PARALLEL_FROM:
-        return _infer_parallel(ids, tts, has_tts, past_key_values_length, tables, eps)
-    out = np.empty((batch, length, tables[0].shape[1]), np.float32)
-    if not _infer(ids, tts, has_tts, past_key_values_length, *tables, eps, out.reshape(batch * length, out.shape[2])):
+    hidden = tables.arrays[0].shape[1]
+    if batch * length * hidden >= cpu._PARALLEL_FROM:
+        ids = input_ids.numpy()
+        return _infer_parallel(ids, token_type_ids.numpy() if has_tts else ids, has_tts, past_key_values_length,
+                               tables.arrays, eps)
+    out = np.empty((batch, length, hidden), np.float32)
+    if not _infer(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
+                  out.reshape(batch * length, hidden)):
         return None  # a bad id: the general path raises the reference's error
     return torch.from_numpy(out)
