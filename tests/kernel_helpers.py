@@ -129,3 +129,31 @@ def check_empty_batches(backend: str, device: str = "cpu") -> None:
         for name, param in fused.named_parameters():
             assert param.grad is not None and param.grad.shape == param.shape and not param.grad.any(), name
             param.grad = None
+
+
+def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
+    """`torch.compile(fullgraph=True)` of the custom op, forward and backward, with explicit ids and with the defaults
+    (segment and position ids None): outputs and all five gradients as the reference's. The backward op's outputs
+    must not share storage, which only a compiled backward checks."""
+    import bertembed.kernels.function  # noqa: F401  (registers torch.ops.bertembed.embeddings)
+
+    ref, fused = twins(48, backend)
+    ref, fused = ref.to(device), fused.to(device)
+    ids = awkward_ids(2, 9, ref.config.vocab_size).to(device)
+    segments, positions = torch.zeros_like(ids), torch.arange(9, device=device)[None].expand(2, 9)
+    tables = [fused.word_embeddings.weight, fused.token_type_embeddings.weight, fused.position_embeddings.weight,
+              fused.LayerNorm.weight, fused.LayerNorm.bias]
+    for given in (segments, positions), (None, None):
+        def layer(word, seg, pos, weight, bias, given=given):
+            return torch.ops.bertembed.embeddings(ids, *given, 0, word, seg, pos, weight, bias, 1e-12, 0.0, 0, 0,
+                                                  backend, False)[0]
+
+        torch._dynamo.reset()
+        out = torch.compile(layer, fullgraph=True)(*tables)
+        upstream = torch.randn(out.shape, device=device)
+        (out * upstream).sum().backward()
+        (ref(ids) * upstream).sum().backward()
+        assert_output_close(out, ref(ids))
+        assert_grads_match(ref, fused)
+        for module in (ref, fused):
+            module.zero_grad(set_to_none=True)

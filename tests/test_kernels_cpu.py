@@ -16,6 +16,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_custom_op_compiles,
     check_empty_batches,
     check_low_precision,
     check_never_reads_outside_a_table,
@@ -303,25 +304,7 @@ def test_unknown_backend_is_rejected():
 
 
 def test_custom_op_compiles_fullgraph():
-    import bertembed.kernels.function  # noqa: F401  (registers torch.ops.bertembed.embeddings)
-
-    ref, fused = twins(48, "cpu")
-    ids = awkward_ids(2, 9, ref.config.vocab_size)
-    segments, positions = torch.zeros_like(ids), torch.arange(9)[None].expand(2, 9)
-
-    def layer(word, seg, pos, weight, bias):
-        return torch.ops.bertembed.embeddings(ids, segments, positions, 0, word, seg, pos, weight, bias, 1e-12, 0.0,
-                                              0, 0, "cpu", False)[0]
-
-    tables = [fused.word_embeddings.weight, fused.token_type_embeddings.weight, fused.position_embeddings.weight,
-              fused.LayerNorm.weight, fused.LayerNorm.bias]
-    torch._dynamo.reset()
-    out = torch.compile(layer, fullgraph=True)(*tables)
-    upstream = torch.randn(out.shape)
-    (out * upstream).sum().backward()
-    (ref(ids) * upstream).sum().backward()
-    assert_output_close(out, ref(ids))
-    assert_grads_match(ref, fused)
+    check_custom_op_compiles("cpu")
 
 
 def test_opcheck():

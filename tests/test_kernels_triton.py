@@ -25,6 +25,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_custom_op_compiles,
     check_empty_batches,
     check_low_precision,
     check_never_reads_outside_a_table,
@@ -306,3 +307,7 @@ def test_frozen_tables_get_no_gradient(deterministic):
 
 def test_empty_batches():
     check_empty_batches("triton", DEVICE)
+
+
+def test_custom_op_compiles_fullgraph():
+    check_custom_op_compiles("triton", DEVICE)
