@@ -1,6 +1,6 @@
-"""Before/after of a change to the CPU kernels: this tree's `bertembed.kernels.cpu` against the same file at a git
-revision, timed alternately in one process, so both see the same machine state (this VM's memory speed drifts
-between periods, which makes separate runs incomparable).
+"""Before/after of a change to the CPU kernels: this tree's `bertembed.kernels.cpu` (with its glue, `cpu_run`) against
+the same files at a git revision, timed alternately in one process, so both see the same machine state (this VM's
+memory speed drifts between periods, which makes separate runs incomparable).
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/ab_cpu_kernels.py --against 321d5bc
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bertembed.kernels import cpu as current
+from bertembed.kernels import cpu_run as current
 
 CASES = [  # name, batch, length, dtype, mode
     ("forward float32 (32, 128)", 32, 128, torch.float32, "fwd"),
@@ -34,7 +34,9 @@ CASES = [  # name, batch, length, dtype, mode
 
 def load_revision(rev: str):
     """`src/bertembed/kernels/cpu.py` as it was at `rev`, imported as a module of its own, with the `cpu_elements.py`
-    of the same revision where it has one (imported under its own name too, so the working tree's stays out)."""
+    of the same revision where it has one (imported under its own name too, so the working tree's stays out). Returns
+    the module with `run_forward` and `run_backward`: that revision's `cpu_run.py` where it has one (its glue moved
+    there from `cpu.py` at 2026-11-22), else its `cpu.py`."""
     root = Path(__file__).resolve().parent.parent
     folder = Path(tempfile.mkdtemp())
 
@@ -58,7 +60,13 @@ def load_revision(rev: str):
     if (elements := source("cpu_elements")) is not None:
         load("cpu_elements", elements)
         text = text.replace("bertembed.kernels.cpu_elements", "cpu_elements_at_revision")
-    return load("cpu", text)
+    kernels = load("cpu", text)
+    glue = source("cpu_run")
+    if glue is None:
+        return kernels
+    glue = glue.replace("from bertembed.kernels import cpu, pages",
+                        "import cpu_at_revision as cpu\nfrom bertembed.kernels import pages")
+    return load("cpu_run", glue.replace("bertembed.kernels.cpu_elements", "cpu_elements_at_revision"))
 
 
 def make_step(kernels, batch: int, length: int, dtype: torch.dtype, mode: str, hidden: int = 768):

@@ -1,5 +1,5 @@
 """Where a fused CPU forward spends its time outside the kernel: the module's forward, the kernels' torch glue
-(`cpu.run_forward`) and the kernel alone (numpy arguments built once, one output buffer), timed alternately in one
+(`cpu_run.run_forward`) and the kernel alone (numpy arguments built once, one output buffer), timed alternately in one
 process, eval mode under `torch.no_grad()`, H 768, random BERT-sized tables, 2 threads.
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/glue_overhead.py
@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from bertembed import BertEmbeddings, EmbeddingConfig
-from bertembed.kernels import cpu
+from bertembed.kernels import cpu, cpu_run
+from bertembed.kernels.cpu_elements import dropout_threshold
 
 SHAPES = [(32, 128), (1, 11)]
 
@@ -32,14 +33,14 @@ def candidates(batch: int, length: int) -> dict:
               layer.LayerNorm.weight, layer.LayerNorm.bias)
     n = batch * length
     out, mean, rstd = torch.empty(n, 768), torch.empty(n), torch.empty(n)
-    kernel = cpu.forward if n * 768 >= cpu._PARALLEL_FROM else cpu.forward_serial
-    arrays = [cpu._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables)]
-    args = (*arrays, 1e-12, cpu.dropout_threshold(0.0), 1.0, np.uint64(0), cpu._np(out), cpu._np(mean),
-            cpu._np(rstd), max(1, min(n, 4 * cpu.threads())))  # as run_forward chooses
+    kernel = cpu.forward if n * 768 >= cpu_run._PARALLEL_FROM else cpu.forward_serial
+    arrays = [cpu_run._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables)]
+    args = (*arrays, 1e-12, dropout_threshold(0.0), 1.0, np.uint64(0), cpu_run._np(out), cpu_run._np(mean),
+            cpu_run._np(rstd), max(1, min(n, 4 * cpu_run.threads())))  # as run_forward chooses
     return {
         "module forward": lambda: layer(ids, types),
-        "cpu.run_forward": lambda: cpu.run_forward(ids.reshape(-1), types.reshape(-1), positions, *tables, 1e-12,
-                                                   0.0, 0),
+        "cpu_run.run_forward": lambda: cpu_run.run_forward(ids.reshape(-1), types.reshape(-1), positions, *tables,
+                                                           1e-12, 0.0, 0),
         "kernel alone": lambda: kernel(*args),
     }
 

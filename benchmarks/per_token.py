@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from bertembed.kernels import cpu
+from bertembed.kernels import cpu, cpu_run
 from bertembed.kernels.cpu_elements import dropout_threshold
 
 CASES = (  # name, tokens, vocabulary rows the ids are drawn from, parallel
@@ -31,11 +31,11 @@ def ns_per_token(dtype: torch.dtype, hidden: int, tokens: int, rows: int, parall
     ids = torch.randint(0, rows, (tokens,), generator=gen)
     tts, pids = torch.zeros(tokens, dtype=torch.int64), torch.arange(tokens) % 512
     out, mean, rstd = torch.empty(tokens, hidden, dtype=dtype), torch.empty(tokens), torch.empty(tokens)
-    args = (ids.numpy(), tts.numpy(), pids.numpy(), *(cpu._np(t) for t in (word, seg, pos, gamma, beta)), 1e-12,
-            dropout_threshold(0.0), 1.0, np.uint64(1), cpu._np(out), mean.numpy(), rstd.numpy())
+    args = (ids.numpy(), tts.numpy(), pids.numpy(), *(cpu_run._np(t) for t in (word, seg, pos, gamma, beta)), 1e-12,
+            dropout_threshold(0.0), 1.0, np.uint64(1), cpu_run._np(out), mean.numpy(), rstd.numpy())
     if parallel:
         def call():
-            cpu.forward(*args, cpu.forward_chunks(tokens))
+            cpu.forward(*args, cpu_run.forward_chunks(tokens))
     else:
         def call():
             cpu._forward_chunk(0, tokens, *args)

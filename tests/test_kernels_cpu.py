@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from bertembed.kernels import cpu, cpu_elements, fused_embeddings  # noqa: E402
+from bertembed.kernels import cpu, cpu_elements, cpu_run, fused_embeddings, pages  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grad_close,
     assert_grads_match,
@@ -68,8 +68,8 @@ def test_large_word_gradient_zeros(hidden, threads, batch, length, fresh, monkey
     ones (hidden 97 and 200: rows that do not start on a cache line); or, in memory fresh from the kernel, 2 MB pages
     and ordinary stores. Forced here for a small table. (16, 128): the parallel backward, each thread zeroing the rows
     it owns; (1, 11): zeros on all threads, then one adds."""
-    monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
-    monkeypatch.setattr(cpu.pages, "is_fresh", lambda table: fresh)  # advise_if_fresh asks it
+    monkeypatch.setattr(cpu_run, "_STREAM_FROM", 0)
+    monkeypatch.setattr(pages, "is_fresh", lambda table: fresh)  # advise_if_fresh asks it
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)  # [PAD] and repeated ids
     ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks
@@ -233,7 +233,7 @@ def test_bad_input_raises_reference_error_before_any_kernel(inputs, monkeypatch)
         raise AssertionError("a kernel ran on bad input")
 
     monkeypatch.setattr(cpu, "forward", no_kernel)
-    monkeypatch.setattr(cpu, "run_forward", no_kernel)
+    monkeypatch.setattr(cpu_run, "run_forward", no_kernel)
     with pytest.raises(ValueError) as got:
         fused(**inputs)
     assert str(got.value) == str(expected.value)
@@ -241,7 +241,7 @@ def test_bad_input_raises_reference_error_before_any_kernel(inputs, monkeypatch)
 
 def test_kernel_itself_never_reads_outside_a_table():
     """Called directly (past validation), the kernels skip a bad id and report it instead of reading out of bounds."""
-    check_never_reads_outside_a_table(cpu)
+    check_never_reads_outside_a_table(cpu_run)
 
 
 def test_functional_matches_module_and_fills_out_buffer():

@@ -3,10 +3,11 @@
     from bertembed.kernels import fused_embeddings
     out = fused_embeddings(input_ids, word, segment, position, ln_weight, ln_bias, eps=1e-12)  # [B, L, H]
 
-Backends: "cpu" (numba, `cpu.py`), "triton" (`triton.py`: CUDA, or CPU tensors under TRITON_INTERPRET=1), "reference"
-(the plain PyTorch layer in `bertembed/embeddings.py`, which every kernel is tested against), and "auto", which picks
-the fused kernel for the tensors' device and falls back to the reference with a logged reason. Inference in eval
-mode takes a short path with less Python around the kernel: `lean.py` on the CPU, `lean_gpu.py` on a GPU.
+Backends: "cpu" (numba, `cpu.py`, its torch glue in `cpu_run.py`), "triton" (`triton.py`: CUDA, or CPU tensors under
+TRITON_INTERPRET=1), "reference" (the plain PyTorch layer in `bertembed/embeddings.py`, which every kernel is tested
+against), and "auto", which picks the fused kernel for the tensors' device and falls back to the reference with a
+logged reason. Inference in eval mode takes a short path with less Python around the kernel: `lean.py` on the CPU,
+`lean_gpu.py` on a GPU.
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """

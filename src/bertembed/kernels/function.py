@@ -18,9 +18,9 @@ from torch import Tensor
 
 def _backend_module(backend: str):
     if backend == "cpu":
-        from bertembed.kernels import cpu
+        from bertembed.kernels import cpu_run
 
-        return cpu
+        return cpu_run
     if backend == "triton":
         from bertembed.kernels import triton as triton_kernels
 

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from numba import carray, njit
 
-from bertembed.kernels import cpu, pages
-from bertembed.kernels.cpu_elements import borrowed, hold, pointer
+from bertembed.kernels import cpu, cpu_run, pages
+from bertembed.kernels.cpu_elements import borrowed, dropout_threshold, hold, pointer
 
-_NO_DROPOUT, _SCALE, _SEED = cpu.dropout_threshold(0.0), 1.0, np.uint64(0)
+_NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
 
 
 @njit(cache=True)
@@ -85,8 +85,8 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
     bad = cpu.forward(ids.reshape(n), segments, positions, *tables, eps, _NO_DROPOUT, _SCALE, _SEED,
-                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu.forward_chunks(n))
-    cpu.check_bad(bad, "bertembed cpu forward (short path)")
+                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu_run.forward_chunks(n))
+    cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
     return out
 
 
@@ -148,7 +148,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         return None
     eps = layer.config.layer_norm_eps
     hidden = tables.arrays[0].shape[1]
-    if batch * length * hidden >= cpu._PARALLEL_FROM:
+    if batch * length * hidden >= cpu_run._PARALLEL_FROM:
         ids = input_ids.numpy()
         return _infer_parallel(ids, token_type_ids.numpy() if has_tts else ids, has_tts, past_key_values_length,
                                tables.arrays, eps)

@@ -214,7 +214,7 @@ def _bad_counter(device: torch.device) -> torch.Tensor | None:
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
                 rows: int = 1):
-    """As `bertembed.kernels.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
+    """As `bertembed.kernels.cpu_run.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
 
     GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
     tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
@@ -245,7 +245,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False,
                  length: int | None = None, past: int = 0):
-    """As `bertembed.kernels.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order.
+    """As `bertembed.kernels.cpu_run.run_backward`; `deterministic` trades the atomics for a fixed summation order.
     `tts=None`, `pids=None` with `length` and `past`: as in `run_forward`."""
     n, h = grad.shape
     dev = word.device
