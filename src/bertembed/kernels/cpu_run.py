@@ -1,6 +1,6 @@
-"""The CPU kernels' torch glue: tensors in, tensors out. `run_forward` and `run_backward` check nothing (ids are
-validated before, `bertembed.validation.check_inputs`), allocate the outputs and gradients, hand numpy views to the
-numba kernels of `bertembed.kernels.cpu`, and sum the per-thread partial gradients.
+"""The CPU kernels' torch glue: tensors in, tensors out. `run_forward` and `run_backward` take ids already validated
+(`bertembed.validation.check_inputs`), allocate the outputs and gradients, hand numpy views to the numba kernels of
+`bertembed.kernels.cpu`, raise if a kernel reports an id it skipped (a bug), and sum the per-thread partial gradients.
 
 Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, C chunks (one per thread).
 """
