@@ -272,6 +272,18 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
 
 
+def module_tables(layer) -> tuple[Tensor, ...] | None:
+    """(word, segment, position, LayerNorm weight, bias) of a `BertEmbeddings`, read through the modules' dicts (the
+    short paths' way: no `nn.Module.__getattr__` per table), or None when the positions are not an `nn.Embedding`."""
+    modules = layer._modules
+    positions = modules["position_embeddings"]
+    if not isinstance(positions, torch.nn.Embedding):
+        return None
+    norm = modules["LayerNorm"]._parameters
+    return (modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
+            positions._parameters["weight"], norm["weight"], norm["bias"])
+
+
 def _layer_options(layer) -> KernelOptions:
     """The layer's `deterministic` and `id_checks` attributes (set them on a layer to change how it runs)."""
     return KernelOptions(getattr(layer, "deterministic", False), getattr(layer, "id_checks", "host"))

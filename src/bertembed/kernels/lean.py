@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import carray, njit
 
-from bertembed.kernels import cpu, cpu_run, pages
+from bertembed.kernels import cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
@@ -101,14 +101,10 @@ class _Tables(NamedTuple):
 
 def _tables(layer) -> _Tables | None:
     """The layer's five float32 CPU tables, cached on the layer while their storage and sizes are unchanged."""
-    modules = layer._modules
-    positions = modules["position_embeddings"]
-    if positions is None or not isinstance(positions, torch.nn.Embedding):
+    tensors = module_tables(layer)
+    if tensors is None:
         return None
-    norm = modules["LayerNorm"]._parameters
-    tensors = word, segment, position, weight, bias = (
-        modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
-        positions._parameters["weight"], norm["weight"], norm["bias"])
+    word, segment, position, weight, bias = tensors
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.shape,
            position.shape)  # same storage (the cached views hold the old one, so no address is reused) and sizes
     cached = layer.__dict__.get("_lean_tables")

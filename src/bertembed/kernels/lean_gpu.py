@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from bertembed.kernels import _DTYPES, ID_CHECKS
+from bertembed.kernels import _DTYPES, ID_CHECKS, module_tables
 from bertembed.kernels import triton as triton_kernels
 from bertembed.validation import check_inputs
 
 
 def _tables(layer) -> tuple[torch.Tensor, ...] | None:
     """(word, segment, position, LayerNorm weight, bias) when all are contiguous CUDA tensors of one table dtype."""
-    modules = layer._modules
-    positions = modules["position_embeddings"]
-    if not isinstance(positions, torch.nn.Embedding):
+    tables = module_tables(layer)
+    if tables is None:
         return None
-    norm = modules["LayerNorm"]._parameters
-    tables = (modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
-              positions._parameters["weight"], norm["weight"], norm["bias"])
     dtype = tables[0].dtype
     if any(not t.is_cuda or not t.is_contiguous() or t.dtype != dtype for t in tables[:3]) \
             or any(not t.is_cuda for t in tables[3:]):
