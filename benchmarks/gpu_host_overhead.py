@@ -57,7 +57,7 @@ def launches(work) -> dict[str, float]:
                 beta=ln.bias, out=out, mean=out, rstd=out, bad=flat, N=n, H=h, V=tables[0].shape[0],
                 T=tables[1].shape[0], P=tables[2].shape[0], L=work.case.length, past=0, eps=ln.eps, p=0.0, seed=0,
                 HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=False, DROPOUT=False, STATS=False, COUNT=False,
-                R=1, BLOCK=triton_kernels._block(h))
+                EVICT=True, R=1, BLOCK=triton_kernels._block(h))
     warps = max(triton_kernels._block(h) * 4 // 1024, 1)
     ids, length = work.input_ids, work.case.length
     runs = {"lean_gpu.try_infer": lambda: lean_gpu.try_infer(ours, ids, work.token_type_ids, None, None, 0),

@@ -118,18 +118,19 @@ def test_repeated_launches_follow_shape_and_alignment():
             assert_output_close(got.view(1, n, 48), ref(flat.view(1, n)))
 
 
-@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize(("rows", "evict_first"), [(2, True), (4, True), (1, False), (2, False)])
 @pytest.mark.parametrize("stats", [True, False])
-def test_several_rows_per_program_match_one(rows, stats):
-    """The forward kernel with 2 or 4 token rows per program (9 tokens: the last program is part-empty), against
-    one row per program and the reference; the statistics agree too."""
+def test_tuning_options_match_the_default(rows, evict_first, stats):
+    """The forward kernel with 2 or 4 token rows per program (9 tokens: the last program is part-empty), and without
+    its cache hint, against the defaults (one row per program, hints on) and the reference; the statistics too."""
     ref, fused = on_device(*twins(97, "triton"))
     ids = awkward_ids(1, 9, ref.config.vocab_size).to(DEVICE)
     tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
     flat, ln = ids.reshape(-1), fused.LayerNorm
     with torch.no_grad():
         results = [triton_kernels.run_forward(flat, torch.zeros_like(flat), None, *tables, ln.weight, ln.bias, ln.eps,
-                                              0.0, 0, stats=stats, length=9, rows=r) for r in (1, rows)]
+                                              0.0, 0, stats=stats, length=9, rows=r, evict_first=e)
+                   for r, e in ((1, True), (rows, evict_first))]
         assert_output_close(results[1][0].view(1, 9, 97), ref(ids))
     assert_output_close(results[1][0], results[0][0])
     for one, many in zip(results[0][1:], results[1][1:], strict=True):  # mean, rstd (None without stats)

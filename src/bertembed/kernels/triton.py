@@ -54,12 +54,11 @@ else:
 
 @triton.jit
 def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS: tl.constexpr,
-              POS_IDS: tl.constexpr, ROUND: tl.constexpr, HAS_TT: tl.constexpr):
+              POS_IDS: tl.constexpr, ROUND: tl.constexpr, HAS_TT: tl.constexpr, EVICT: tl.constexpr):
     """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
     rows `rows` [R]; invalid ids load nothing. Without position ids (POS_IDS false) a token's position is
-    `past + row % L`; without segment ids (HAS_TT false) every token is in segment 0. (Eviction-policy hints,
-    evict_first on word rows and evict_last on the shared segment and position rows, made the forward 3-7% slower on
-    an H100: left out.)"""
+    `past + row % L`; without segment ids (HAS_TT false) every token is in segment 0. EVICT marks the word rows as
+    the first to leave the L2 cache (see run_forward)."""
     w = tl.load(ids + rows)
     if HAS_TT:
         s = tl.load(tts + rows)
@@ -74,7 +73,10 @@ def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, 
         ok = ok & (q >= 0) & (q < P)
     m = ok[:, None] & cmask[None, :]
     c = cols[None, :]
-    x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
+    if EVICT:
+        x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
     x = x + tl.load(seg + s[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
     if ROUND:
         x = _round_to(x, word.dtype.element_ty)
@@ -88,8 +90,8 @@ def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, 
 @triton.jit
 def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, N, H, V, T, P, L, past, eps,
                     p, seed, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, HAS_TT: tl.constexpr, ROUND: tl.constexpr,
-                    DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, R: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, EVICT: tl.constexpr,
+                    R: tl.constexpr, BLOCK: tl.constexpr):
     """R token rows. A token with an id outside its table reads nothing and gets a row of NaN; COUNT adds it to
     `bad` (read back on CPU tensors, where the interpreter runs). STATS stores the rows' mean and 1/std (training)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
@@ -98,7 +100,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
     x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                               POS_IDS, ROUND, HAS_TT)
+                               POS_IDS, ROUND, HAS_TT, EVICT)
     mu = tl.sum(x, axis=1) / H
     d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
     r = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / H + eps)
@@ -109,8 +111,11 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
     if DROPOUT:
         y = tl.where(tl.rand(seed, at) >= p, y / (1.0 - p), 0.0)
     y = tl.where(ok[:, None], y, float("nan"))
-    tl.store(out + at, _round_to(y, out.dtype.element_ty).to(out.dtype.element_ty),
-             mask=live[:, None] & cmask[None, :])
+    y = _round_to(y, out.dtype.element_ty).to(out.dtype.element_ty)
+    if EVICT:
+        tl.store(out + at, y, mask=live[:, None] & cmask[None, :], eviction_policy="evict_first")
+    else:
+        tl.store(out + at, y, mask=live[:, None] & cmask[None, :])
     if STATS:
         tl.store(mean + rows, mu, mask=live)
         tl.store(rstd + rows, r, mask=live)
@@ -141,7 +146,7 @@ def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx
         live = rows < N
         rows = tl.minimum(rows, N - 1)
         x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                                   POS_IDS, ROUND, HAS_TT)
+                                   POS_IDS, ROUND, HAS_TT, False)
         m = (ok & live)[:, None] & cm
         xhat = tl.where(cm, (x - tl.load(mean + rows)[:, None]) * tl.load(rstd + rows)[:, None], 0.0)
         at = rows[:, None] * H + c
@@ -213,14 +218,16 @@ def _bad_counter(device: torch.device) -> torch.Tensor | None:
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
-                rows: int = 1):
+                rows: int = 1, evict_first: bool = True):
     """As `bertembed.kernels.cpu_run.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
 
     GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
     tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
     Tuning (benchmarks/gpu_triton.py): `rows` token rows per program (a power of 2) and `num_warps`. The defaults, one
     row and a warp per 256 bytes of row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and
-    1024 (or within 2%)."""
+    1024 (or within 2%). `evict_first` marks the word rows read and the output written as the first to leave the L2
+    cache, so the few shared rows (positions, segments, LayerNorm's) stay and a word row read again may still be
+    there: 6-7% faster than without it at (64, 512), hidden 1024, on an H100 (`benchmarks/gpu_cache_hints.py`)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
@@ -237,7 +244,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
             bad=ids if bad is None else bad, N=n, H=h, V=word.shape[0], T=seg.shape[0],
             P=0 if pos is None else pos.shape[0], L=length, past=past, eps=eps, p=p, seed=seed,
             HAS_POS=pos is not None, POS_IDS=pids is not None, HAS_TT=tts is not None,
-            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats, COUNT=bad is not None, R=rows, BLOCK=block)
+            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats, COUNT=bad is not None,
+            EVICT=evict_first, R=rows, BLOCK=block)
     _check_bad(bad, "bertembed triton forward")
     return (out, mean, rstd) if stats else (out, None, None)
 
