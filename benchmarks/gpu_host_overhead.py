@@ -9,13 +9,16 @@ pace. This times, per call (host clock over 1000 calls, then one synchronize), a
   process, an empty torch op for scale, transformers' eager layer and `torch.compile` of it;
 - one training step (train mode, dropout 0.1, backward of a fixed gradient, gradients set to None): bertembed's
   module with each id_checks, transformers' eager layer and `torch.compile` of it.
-`--profile` adds torch.profiler's table (host and device time per op) of bertembed's training step at (1, 11).
+`--profile` adds torch.profiler's table (host and device time per op) of bertembed's training step at (1, 11), and
+cProfile's (Python time per function) of 200 such steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import pstats
 import time
 
 import torch
@@ -111,6 +114,14 @@ def profile_training(work) -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+    # Python's own profile of the same steps: which functions the host time goes to (torch.profiler sees ops only)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:

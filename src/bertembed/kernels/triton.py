@@ -287,9 +287,9 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
     sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
-    # copies of the [H] rows: the custom op's outputs may not share storage (`torch.compile` refuses it)
-    return (dword.to(dtype), sums[:types].to(dtype), dpos.to(dtype), sums[types].to(gamma.dtype, copy=True),
-            sums[types + 1].to(gamma.dtype, copy=True))
+    # views of one buffer; the custom op copies them apart (`function.embeddings_backward_op`), eager autograd need not
+    return dword.to(dtype), sums[:types].to(dtype), dpos.to(dtype), sums[types].to(gamma.dtype), \
+        sums[types + 1].to(gamma.dtype)
 
 
 def _segment_sum(dx: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: int = -1) -> None:
