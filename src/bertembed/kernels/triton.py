@@ -68,20 +68,22 @@ def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, 
         q = tl.load(pids + rows)
     else:
         q = past + rows % L
-    ok = (w >= 0) & (w < V) & (s >= 0) & (s < T)
-    if HAS_POS:
-        ok = ok & (q >= 0) & (q < P)
-    m = ok[:, None] & cmask[None, :]
+    # each row is masked by its own id alone, so a load waits for no other id (the position row for none at all)
+    ok_w, ok_s = (w >= 0) & (w < V), (s >= 0) & (s < T)
+    ok = ok_w & ok_s
+    cm = cmask[None, :]
     c = cols[None, :]
     if EVICT:
-        x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(word + w[:, None] * H + c, mask=ok_w[:, None] & cm, other=0.0, eviction_policy="evict_first")
     else:
-        x = tl.load(word + w[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
-    x = x + tl.load(seg + s[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(word + w[:, None] * H + c, mask=ok_w[:, None] & cm, other=0.0)
+    x = x.to(tl.float32) + tl.load(seg + s[:, None] * H + c, mask=ok_s[:, None] & cm, other=0.0).to(tl.float32)
     if ROUND:
         x = _round_to(x, word.dtype.element_ty)
     if HAS_POS:
-        x = x + tl.load(pos + q[:, None] * H + c, mask=m, other=0.0).to(tl.float32)
+        ok_q = (q >= 0) & (q < P)
+        ok = ok & ok_q
+        x = x + tl.load(pos + q[:, None] * H + c, mask=ok_q[:, None] & cm, other=0.0).to(tl.float32)
         if ROUND:
             x = _round_to(x, word.dtype.element_ty)
     return x, ok, w, s, q
