@@ -2,7 +2,8 @@
 
 One program per token row (forward; `rows=` takes more): gather the word row, add the segment row then the
 position row (rounded to the tables' dtype after each add, as torch does in float16/bfloat16), LayerNorm in float32,
-scale and shift, dropout from `tl.rand(seed, element)` (recomputed in backward, never stored). Backward: each
+scale and shift, dropout from `tl.rand(seed, element)` (recomputed in backward, never stored); the word rows and the
+output are marked first to leave the L2 cache, so the shared rows stay. Backward: each
 program takes a block of rows, recomputes the sum from the tables, does the LayerNorm backward, and adds the row
 gradients into float32 table gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer
 summed per table row in a fixed order by a second kernel. The segment gradient and LayerNorm's weight and bias
