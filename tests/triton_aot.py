@@ -1,0 +1,84 @@
+"""Compile bertembed's Triton kernels ahead of time for an H100 (sm_90), with no GPU: `python tests/triton_aot.py`.
+
+Run without TRITON_INTERPRET (the interpreter's variable is read when a kernel is decorated, and an interpreted kernel
+cannot be compiled). Each case goes through Triton's whole compiler, to PTX and then cubin (Triton's own ptxas).
+Prints one line a case and exits 1 if any failed. tests/test_triton_compiles.py runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bertembed.kernels import triton as kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+_IDS = dict(ids="*i64", tts="*i64", pids="*i64", bad="*i64")
+_SIZES = dict(N="i32", H="i32", V="i32", T="i32", P="i32", L="i32", past="i32", seed="i32", p="fp32")
+
+
+def _forward(table: str, **constants) -> tuple:
+    runtime = _IDS | _SIZES | dict(word=table, seg=table, pos=table, gamma=table, beta=table, out=table,
+                                   mean="*fp32", rstd="*fp32", eps="fp32")
+    base = dict(HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=table != "*fp32", DROPOUT=False, STATS=False,
+                COUNT=False, EVICT=True, R=1, BLOCK=1024)
+    return kernels._forward_kernel, runtime, base | constants
+
+
+def _backward(table: str, **constants) -> tuple:
+    runtime = _IDS | _SIZES | dict(grad=table, word=table, seg=table, pos=table, gamma=table, mean="*fp32",
+                                   rstd="*fp32", dx_buf="*fp32", dword="*fp32", dpos="*fp32", part="*fp32", pad="i32")
+    base = dict(ROWS=4, HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=table != "*fp32", DROPOUT=True, ATOMIC=True,
+                WANT_WORD=True, WANT_POS=True, COUNT=False, BLOCK=1024)
+    return kernels._backward_kernel, runtime, base | constants
+
+
+CASES = {
+    "forward, inference short path, float32": _forward("*fp32"),
+    "forward, training (statistics, dropout, position ids, no segment ids), H 384": _forward(
+        "*fp32", STATS=True, DROPOUT=True, POS_IDS=True, HAS_TT=False, BLOCK=512),
+    "forward, bfloat16, 2 rows a program, no positions, no hints": _forward("*bf16", R=2, HAS_POS=False, EVICT=False),
+    "forward, float16": _forward("*fp16"),
+    "backward, float32, atomics, dropout": _backward("*fp32"),
+    "backward, bfloat16, deterministic, frozen word and position tables": _backward(
+        "*bf16", ATOMIC=False, DROPOUT=False, POS_IDS=True, HAS_TT=False, WANT_WORD=False, WANT_POS=False),
+    "segment sum (deterministic backward)": (
+        kernels._segment_sum_kernel,
+        dict(dx="*fp32", order="*i64", begins="*i64", ends="*i64", rows="*i64", out="*fp32", H="i32"),
+        dict(BLOCK=1024)),
+}
+
+
+def compile_case(kernel, runtime: dict, constants: dict):
+    """The compiled kernel (PTX and cubin) of `kernel` for these argument types and constexpr values."""
+    names = kernel.arg_names
+    missing = set(names) - set(runtime) - set(constants)
+    if missing:
+        raise ValueError(f"no type or value for {sorted(missing)}")
+    signature = {name: "constexpr" if name in constants else runtime[name] for name in names}
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    aligned = [name for name in names if runtime.get(name, "").startswith("*") or name == "H"]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": 4})
+
+
+def main() -> int:
+    failed = 0
+    for name, (kernel, runtime, constants) in CASES.items():
+        try:
+            compiled = compile_case(kernel, runtime, constants)
+            print(f"ok      {name}: {len(compiled.asm['ptx'])} characters of PTX, {len(compiled.asm['cubin'])} bytes "
+                  f"of cubin")
+        except Exception:  # noqa: BLE001  (every case is tried; the failures are printed in full)
+            failed += 1
+            print(f"FAILED  {name}:\n{traceback.format_exc()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
