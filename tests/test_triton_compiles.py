@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton is installed on Linux only (the gpu and dev extras)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
