@@ -17,6 +17,7 @@ smaller shapes, beside `torch.compile`.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -122,21 +123,35 @@ def hint_matrix() -> None:
     _print(f"hint matrix, kernel copy, {case}", _compare(candidates, streams), candidates, streams)
 
 
-def shipped(case: Case) -> None:
-    """The shipped forward with and without `evict_first`, beside `torch.compile` of transformers' layer."""
+def time_forwards(case: Case, forwards: dict) -> None:
+    """Each of `forwards` (name: a function called as `triton.run_forward`) as the short inference path calls it
+    (default positions, segment ids given, no statistics), checked against transformers' layer, then timed beside
+    `torch.compile` of that layer over the three id streams."""
     work, hf, tables, gamma, beta = _setup(case)
     tts = work.token_type_ids.view(-1)
     out = torch.empty(tts.numel(), case.hidden, device="cuda", dtype=tables[0].dtype)
 
-    def ours(evict):
-        return lambda ids: triton_kernels.run_forward(ids.view(-1), tts, None, *tables, gamma, beta, 1e-12, 0.0, 0,
-                                                      out=out, stats=False, length=case.length, evict_first=evict)
+    def call(run_forward):
+        return lambda ids: run_forward(ids.view(-1), tts, None, *tables, gamma, beta, 1e-12, 0.0, 0, out=out,
+                                       stats=False, length=case.length)
 
+    reference = hf(work.input_ids, work.token_type_ids).view(out.shape).float()
+    for name, run_forward in forwards.items():
+        out.fill_(float("nan"))
+        call(run_forward)(work.input_ids)
+        print(f"{name}: max abs diff from transformers' layer {(out.float() - reference).abs().max().item():.1e}")
     compiled = torch.compile(hf, dynamic=False)
-    candidates = {"torch.compile": lambda ids: compiled(ids, work.token_type_ids),
-                  "shipped, no hints (before)": ours(False), "shipped, evict_first (after)": ours(True)}
+    candidates = {"torch.compile": lambda ids: compiled(ids, work.token_type_ids)}
+    candidates |= {name: call(run_forward) for name, run_forward in forwards.items()}
     streams = id_streams(work.config.vocab_size, (case.batch, case.length), "cuda")
-    _print(f"shipped kernel, {case}", _compare(candidates, streams), candidates, streams)
+    _print(f"{case}", _compare(candidates, streams), candidates, streams)
+
+
+def shipped(case: Case) -> None:
+    """The shipped forward with and without `evict_first`."""
+    hinted = triton_kernels.run_forward
+    without = functools.partial(hinted, evict_first=False)
+    time_forwards(case, {"shipped, no hints (before)": without, "shipped, evict_first (after)": hinted})
 
 
 def main() -> None:

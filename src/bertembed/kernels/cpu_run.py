@@ -120,7 +120,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     lo, hi = (int(pids.min()), int(pids.max())) if need_pos and pos is not None and n else (0, -1)
     if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
         lo, hi = 0, pos.shape[0] - 1
-    # per-chunk partials; each in storage of its own: the custom op's outputs may not alias one another
+    # per-chunk partials, one tensor each
     dseg, dpos = torch.zeros(chunks, types, h), torch.zeros(chunks, hi - lo + 1, h)
     dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
     pos_np = _np(pos) if pos is not None else _np(word[:0])

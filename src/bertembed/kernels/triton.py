@@ -230,7 +230,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     row and a warp per 256 bytes of row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and
     1024 (or within 2%). `evict_first` marks the word rows read and the output written as the first to leave the L2
     cache, so the few shared rows (positions, segments, LayerNorm's) stay and a word row read again may still be
-    there: 6-7% faster than without it at (64, 512), hidden 1024, on an H100 (`benchmarks/gpu_cache_hints.py`)."""
+    there: 0.3-2% faster than without it at (64, 512), hidden 1024, float32, 2-5% in bfloat16, on an H100
+    (`benchmarks/gpu_cache_hints.py`; two identical kernels differed by up to 1.5% there)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
