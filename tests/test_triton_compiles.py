@@ -29,4 +29,5 @@ def test_every_kernel_compiles_for_sm90():
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert sum(line.startswith("ok") for line in run.stdout.splitlines()) == 7, run.stdout  # every case ran
+    lines = run.stdout.splitlines()
+    assert sum(line.startswith("ok") for line in lines) == int(lines[-1].split()[0]) >= 7, run.stdout  # all ran

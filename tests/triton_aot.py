@@ -77,6 +77,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001  (every case is tried; the failures are printed in full)
             failed += 1
             print(f"FAILED  {name}:\n{traceback.format_exc()}")
+    print(f"{len(CASES)} cases")
     return 1 if failed else 0
 
 
