@@ -1,18 +1,19 @@
 """The Triton forward of this tree against another version of `kernels/triton.py`, alternated in one process.
 
-    python benchmarks/gpu_ab_forward.py OLD_TRITON_PY
+    python benchmarks/gpu_ab_forward.py OLD_TRITON_PY [MORE_TRITON_PY ...]
 
-OLD_TRITON_PY is a copy of `src/bertembed/kernels/triton.py` from the revision to compare with (for example
+Each OLD_TRITON_PY is a copy of `src/bertembed/kernels/triton.py` from the revision to compare with (for example
 `git show REV:src/bertembed/kernels/triton.py > old/triton.py`). Both `run_forward`s run as the short inference path
 calls them, beside `torch.compile` of transformers' layer, over the id streams of `gpu_cache_hints.py` (same ids,
-fresh uniform ids, Zipf ids), back to back, medians of 7 rounds of 100 calls, us a call
-(`gpu_cache_hints.time_forwards`).
+fresh uniform ids, Zipf ids), back to back, medians of 7 rounds of 100 calls, us a call, then each one's GPU time
+from the profiler (`gpu_cache_hints.time_forwards`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+from pathlib import Path
 
 import torch
 import triton
@@ -31,10 +32,10 @@ def load(path: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="a copy of kernels/triton.py from the revision to compare with")
+    parser.add_argument("old", nargs="+", help="copies of kernels/triton.py from the revisions to compare with")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    forwards = {"old": load(args.old).run_forward, "this tree": new_kernels.run_forward}
+    forwards = {Path(path).stem: load(path).run_forward for path in args.old} | {"this tree": new_kernels.run_forward}
     for case in (Case(1024, 64, 512, device="cuda"), Case(1024, 64, 512, dtype="bfloat16", device="cuda"),
                  Case(768, 64, 512, device="cuda")):
         time_forwards(case, forwards)

@@ -145,6 +145,21 @@ def time_forwards(case: Case, forwards: dict) -> None:
     candidates |= {name: call(run_forward) for name, run_forward in forwards.items()}
     streams = id_streams(work.config.vocab_size, (case.batch, case.length), "cuda")
     _print(f"{case}", _compare(candidates, streams), candidates, streams)
+    print("GPU us a call (profiler, kernels only), same ids: " + "; ".join(
+        f"{name} {gpu_us(fn, work.input_ids):.1f}" for name, fn in candidates.items()))
+
+
+def gpu_us(fn, ids, calls: int = 50) -> float:
+    """The GPU time of one call of `fn(ids)`: every kernel it launches, summed, from the profiler. Unlike the loops
+    above it leaves out the host: where a call's launches take longer than its kernels, the loops time the host."""
+    with torch.no_grad():
+        fn(ids)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(ids)
+            torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / calls
 
 
 def shipped(case: Case) -> None:
