@@ -29,24 +29,31 @@ from bertembed.kernels import triton as triton_kernels
 
 
 @triton.jit
-def _hinted_forward(ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, WORD_HINT: tl.constexpr,
-                    OUT_HINT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < H
-    w = tl.load(ids + row)
-    s = tl.load(tts + row)
+def hinted_row(t, ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, cols, m, WORD_HINT: tl.constexpr,
+               OUT_HINT: tl.constexpr):
+    """Token row `t` of the inference forward (default positions, segment ids given), no checks, with these hints on
+    the word-row load and the output store."""
+    w = tl.load(ids + t)
+    s = tl.load(tts + t)
     x = tl.load(word + w * H + cols, mask=m, other=0.0, eviction_policy=WORD_HINT)
     x += tl.load(seg + s * H + cols, mask=m, other=0.0)
-    x += tl.load(pos + (row % L) * H + cols, mask=m, other=0.0)
+    x += tl.load(pos + (t % L) * H + cols, mask=m, other=0.0)
     mu = tl.sum(x, axis=0) / H
     d = tl.where(m, x - mu, 0.0)
     r = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / H + eps)
     y = d * r * tl.load(gamma + cols, mask=m) + tl.load(beta + cols, mask=m)
     if OUT_HINT == "cs":
-        tl.store(out + row * H + cols, y, mask=m, cache_modifier=".cs")
+        tl.store(out + t * H + cols, y, mask=m, cache_modifier=".cs")
     else:
-        tl.store(out + row * H + cols, y, mask=m, eviction_policy=OUT_HINT)
+        tl.store(out + t * H + cols, y, mask=m, eviction_policy=OUT_HINT)
+
+
+@triton.jit
+def _hinted_forward(ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, WORD_HINT: tl.constexpr,
+                    OUT_HINT: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    hinted_row(tl.program_id(0).to(tl.int64), ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, cols, cols < H,
+               WORD_HINT, OUT_HINT)
 
 
 def id_streams(vocab: int, shape, device) -> dict[str, list[torch.Tensor]]:

@@ -29,33 +29,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from gpu_cache_hints import _compare, _print, _setup, gpu_us, id_streams
+from gpu_cache_hints import _compare, _print, _setup, gpu_us, hinted_row, id_streams
 
 from bertembed.bench.cases import Case
 from bertembed.kernels import triton as triton_kernels
 
 
 @triton.jit
-def _row(t, ids, tts, word, seg, pos, g, b, out, H, L, eps, cols, m, WORD_HINT: tl.constexpr):
-    w = tl.load(ids + t)
-    s = tl.load(tts + t)
-    x = tl.load(word + w * H + cols, mask=m, other=0.0, eviction_policy=WORD_HINT)
-    x += tl.load(seg + s * H + cols, mask=m, other=0.0)
-    x += tl.load(pos + (t % L) * H + cols, mask=m, other=0.0)
-    mu = tl.sum(x, axis=0) / H
-    d = tl.where(m, x - mu, 0.0)
-    r = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / H + eps)
-    tl.store(out + t * H + cols, d * r * g + b, mask=m, eviction_policy="evict_first")
-
-
-@triton.jit
 def _ordered_forward(order, ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, WORD_HINT: tl.constexpr,
                      BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
-    m = cols < H
-    g, b = tl.load(gamma + cols, mask=m), tl.load(beta + cols, mask=m)
     t = tl.load(order + tl.program_id(0)).to(tl.int64)
-    _row(t, ids, tts, word, seg, pos, g, b, out, H, L, eps, cols, m, WORD_HINT)
+    hinted_row(t, ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, cols, cols < H, WORD_HINT, "evict_first")
 
 
 @triton.jit
@@ -88,9 +73,7 @@ def _sliced_forward(order, ids, tts, word, seg, pos, gamma, beta, out, H, L, eps
     start = tl.sum(tl.where(k == block, ends - size, 0), axis=0)
     t = tl.load(order + S + block.to(tl.int64) * CHUNK + (j - start)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    m = cols < H
-    g, b = tl.load(gamma + cols, mask=m), tl.load(beta + cols, mask=m)
-    _row(t, ids, tts, word, seg, pos, g, b, out, H, L, eps, cols, m, WORD_HINT)
+    hinted_row(t, ids, tts, word, seg, pos, gamma, beta, out, H, L, eps, cols, cols < H, WORD_HINT, "evict_first")
 
 
 def candidates_for(case: Case, work, tables, gamma, beta, out):
