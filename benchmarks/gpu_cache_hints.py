@@ -147,9 +147,14 @@ def time_forwards(case: Case, forwards: dict) -> None:
         out.fill_(float("nan"))
         call(run_forward)(work.input_ids)
         print(f"{name}: max abs diff from transformers' layer {(out.float() - reference).abs().max().item():.1e}")
+    report(case, work, hf, {name: call(run_forward) for name, run_forward in forwards.items()})
+
+
+def report(case: Case, work, hf, found: dict) -> None:
+    """`found` (name: a function of the ids) beside `torch.compile` of transformers' layer `hf`: event-timed loops over
+    the three id streams, then each one's GPU time from the profiler."""
     compiled = torch.compile(hf, dynamic=False)
-    candidates = {"torch.compile": lambda ids: compiled(ids, work.token_type_ids)}
-    candidates |= {name: call(run_forward) for name, run_forward in forwards.items()}
+    candidates = {"torch.compile": lambda ids: compiled(ids, work.token_type_ids)} | found
     streams = id_streams(work.config.vocab_size, (case.batch, case.length), "cuda")
     _print(f"{case}", _compare(candidates, streams), candidates, streams)
     print("GPU us a call (profiler, kernels only), same ids: " + "; ".join(
