@@ -177,6 +177,41 @@ def test_backward_is_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(grads[0], again, strict=True))
 
 
+@pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
+                         [(97, 2, 2, 9), (384, 1, 3, 1), (768, 2, 2, 512), (1024, 3, 4, 40), (200, 2, 16, 128)])
+def test_streamed_outputs_match_reference(hidden, threads, batch, length, monkeypatch):
+    """Large outputs are written by non-temporal stores, whole cache lines of each row, the unaligned head and tail
+    by ordinary ones (hidden 97 and 200: rows that do not start on a line). Forced here for small outputs, in
+    training (the op's path) and in inference (the short path, serial and parallel)."""
+    monkeypatch.setattr(cpu_run, "_STREAM_OUT_FROM", 0)
+    ref, fused = twins(hidden, "cpu")
+    ids = awkward_ids(batch, length, ref.config.vocab_size)
+    _check_on_threads(ref, fused, ids, threads)
+    with torch.no_grad():
+        assert_output_close(fused(ids), ref(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_dropout_and_out_buffers(dtype, monkeypatch):
+    """Streaming with dropout (the same mask as without), into an `out=` buffer whose rows start off a cache line, and
+    for bfloat16 outputs (the kernel then stores them as it otherwise does)."""
+    ref, fused = twins(97, "cpu", hidden_dropout_prob=0.25, dtype=dtype)
+    fused.train()
+    ids = awkward_ids(4, 33, ref.config.vocab_size)
+    outputs = []
+    for stream in (False, True):
+        monkeypatch.setattr(cpu_run, "stream_output", lambda out, stream=stream: stream)
+        torch.manual_seed(0)
+        outputs.append(fused(ids))
+    assert torch.equal(outputs[0], outputs[1])
+    tables = [t.detach() for t in (ref.word_embeddings.weight, ref.token_type_embeddings.weight,
+                                   ref.position_embeddings.weight, ref.LayerNorm.weight, ref.LayerNorm.bias)]
+    buffer = torch.zeros(4 * 33 * 97 + 1, dtype=dtype)[1:].view(4, 33, 97)  # 4 bytes or 2 past a line
+    with torch.no_grad():
+        fused_embeddings(ids, *tables, backend="cpu", out=buffer)
+    assert_output_close(buffer, ref(ids))
+
+
 def test_dropout_p0_is_exact_in_training():
     ref, fused = twins(64, "cpu", hidden_dropout_prob=0.0)
     ref.train(), fused.train()

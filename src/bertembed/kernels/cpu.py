@@ -29,6 +29,7 @@ from bertembed.kernels.cpu_elements import (
     narrow,
     prefetch_row,
     store_fence,
+    stream_row,
     stream_zeros,
     token_rows,
     wide_vectors,
@@ -73,24 +74,36 @@ def _moments(x, shift, total, wide):
 
 @njit(cache=True, inline="always")
 def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
-                   wide):
+                   wide, stream):
     """Two passes over the row: the sum with its moments, then LayerNorm and dropout into out[i]. Inlined: as a call
     it passed ten arrays by value (600 bytes) per token. `wide`: True for 512-bit vectors (many tokens a thread),
-    None for LLVM's default (one sentence): see `wide_vectors`."""
+    None for LLVM's default (one sentence): see `wide_vectors`. `stream`: the row is finished in x, then written out by
+    `stream_row` (for outputs too large to stay in cache)."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     # The statistics round to float32: from there on the same float32 operations in the same order as torch's
     # LayerNorm, ((x - mean) * rstd) * weight + bias.
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
-    if threshold == 0:
+    if stream:
+        for j in range(h):
+            x[j] = _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold, scale)
+        stream_row(x, out, i)
+    elif threshold == 0:
         for j in range(h):
             out[i, j] = narrow(out, (x[j] - m32) * r32 * gamma[j] + beta[j])
-        return
-    scale32 = np.float32(scale)
-    for j in range(h):
-        y = (x[j] - m32) * r32 * gamma[j] + beta[j]
-        out[i, j] = narrow(out, y * scale32 if keep(seed, i * h + j, threshold) else np.float32(0.0))
+    else:
+        for j in range(h):
+            out[i, j] = narrow(out, _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold,
+                                             scale))
+
+
+@njit(cache=True, inline="always")
+def _dropped(y, seed, index, threshold, scale):
+    """Dropout of element `index`: y / (1 - p), or 0 (y itself without dropout, threshold 0)."""
+    if threshold == 0:
+        return y
+    return y * np.float32(scale) if keep(seed, index, threshold) else np.float32(0.0)
 
 
 # The word row of the token this many ahead is prefetched: rows of a 94 MB table come from memory, and the hardware's
@@ -99,7 +112,8 @@ _AHEAD = 2
 
 
 @njit(cache=True)
-def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
+def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
+                   stream):
     """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
     wide_vectors(True)
     has_pos = pos.shape[0] > 0
@@ -116,34 +130,37 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
         w, s, q = ids[i], tts[i], pids[i]
         if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
             _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
-                           rstd, True)
+                           rstd, True, stream)
         else:
             bad += 1
     hold(scratch)
+    if stream:
+        store_fence()
     return bad
 
 
 @njit(parallel=True, cache=True)
-def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks, stream):
     """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread).
+    tokens (a few per thread). stream: float32 rows go out by non-temporal stores (`stream_row`), for a large out.
     """
     n = out.shape[0]
     bad = 0
     for c in prange(chunks):
         bad += _forward_chunk(c * n // chunks, (c + 1) * n // chunks, ids, tts, pids, word, seg, pos, gamma, beta, eps,
-                              threshold, scale, seed, out, mean, rstd)
+                              threshold, scale, seed, out, mean, rstd, stream)
     return bad
 
 
 @njit(cache=True)
-def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks,
+                   stream):
     """`forward` on the calling thread: for a few tokens, starting the thread pool costs more than the work."""
     return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
-                          out, mean, rstd)
+                          out, mean, rstd, stream)
 
 
 @njit(cache=True, fastmath={"reassoc"})

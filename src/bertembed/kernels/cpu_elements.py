@@ -243,6 +243,57 @@ def stream_zeros(typingctx, table, lo, hi):
 
 
 @intrinsic
+def _stream_float_row(typingctx, y, out, i):
+    """out[i, :] = y for a float32 row y and a C-contiguous 2-D float32 out: whole 64-byte lines of the row by
+    non-temporal stores, the unaligned head and tail (under a line each) by ordinary ones. See `stream_zeros`."""
+    if not (isinstance(y, types.Array) and y.ndim == 1 and y.layout == "C" and y.dtype == types.float32
+            and isinstance(out, types.Array) and out.ndim == 2 and out.layout == "C" and out.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        row_type, out_type = signature.args[:2]
+        row = context.make_array(row_type)(context, builder, args[0])
+        table = context.make_array(out_type)(context, builder, args[1])
+        int64, lanes = ir.IntType(64), _LINE // 4
+        n = builder.extract_value(row.shape, 0)
+        dst = cgutils.get_item_pointer(context, builder, out_type, table, [args[2], ir.Constant(int64, 0)])
+        src = cgutils.get_item_pointer(context, builder, row_type, row, [ir.Constant(int64, 0)])
+        # floats before the first line boundary: (-address mod 64) / 4, at most n
+        head = builder.lshr(builder.and_(builder.neg(builder.ptrtoint(dst, int64)), int64(_LINE - 1)), int64(2))
+        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)
+        lines_end = builder.add(head, builder.and_(builder.sub(n, head), int64(-lanes)))
+        for lo, hi in ((int64(0), head), (lines_end, n)):
+            with cgutils.for_range_slice(builder, lo, hi, int64(1), intp=int64) as (j, _):
+                builder.store(builder.load(builder.gep(src, [j])), builder.gep(dst, [j]))
+        line = ir.VectorType(ir.FloatType(), lanes)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range_slice(builder, head, lines_end, int64(lanes), intp=int64) as (j, _):
+            value = builder.load(builder.bitcast(builder.gep(src, [j]), line.as_pointer()), align=4)
+            store = builder.store(value, builder.bitcast(builder.gep(dst, [j]), line.as_pointer()), align=_LINE)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.void(y, out, i), codegen
+
+
+def stream_row(y, out, i):
+    """out[i, :] = y (float32 [H]) as `out`'s elements, for a row nobody reads soon: float32 rows by non-temporal
+    stores (`_stream_float_row`; call `store_fence` before others read out), bfloat16 ones rounded by ordinary stores
+    (streaming them gained nothing: see BENCHMARKS.md)."""
+
+
+@overload(stream_row, inline="always")
+def _stream_row_impl(y, out, i):
+    if out.dtype == types.float32:
+        return lambda y, out, i: _stream_float_row(y, out, i)
+
+    def impl(y, out, i):
+        for j in range(y.size):
+            out[i, j] = narrow(out, y[j])
+    return impl
+
+
+@intrinsic
 def store_fence(typingctx):
     """A full memory fence: every store before it, non-temporal ones included, is visible before any after it."""
     def codegen(context, builder, signature, args):

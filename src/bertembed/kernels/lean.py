@@ -66,7 +66,7 @@ def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
             cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None)
+                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None, False)
     hold(scratch)
     hold(stats)
     return True
@@ -85,7 +85,8 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
     bad = cpu.forward(ids.reshape(n), segments, positions, *tables, eps, _NO_DROPOUT, _SCALE, _SEED,
-                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu_run.forward_chunks(n))
+                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu_run.forward_chunks(n),
+                      cpu_run.stream_output(out))
     cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
     return out
 
