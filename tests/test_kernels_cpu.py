@@ -193,8 +193,8 @@ def test_streamed_outputs_match_reference(hidden, threads, batch, length, monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_dropout_and_out_buffers(dtype, monkeypatch):
-    """Streaming with dropout (the same mask as without), into an `out=` buffer whose rows start off a cache line, and
-    for bfloat16 outputs (the kernel then stores them as it otherwise does)."""
+    """Streaming with dropout (the same mask as without), into an `out=` buffer whose rows start off a cache line; a
+    bfloat16 output asked to stream is stored as it otherwise is (the kernel never streams bfloat16 rows)."""
     ref, fused = twins(97, "cpu", hidden_dropout_prob=0.25, dtype=dtype)
     fused.train()
     ids = awkward_ids(4, 33, ref.config.vocab_size)

@@ -31,6 +31,7 @@ from bertembed.kernels.cpu_elements import (
     store_fence,
     stream_row,
     stream_zeros,
+    streams,
     token_rows,
     wide_vectors,
     widen,
@@ -85,7 +86,7 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     # LayerNorm, ((x - mean) * rstd) * weight + bias.
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
-    if stream:
+    if stream and streams(out):
         for j in range(h):
             x[j] = _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold, scale)
         stream_row(x, out, i)
@@ -134,7 +135,7 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
         else:
             bad += 1
     hold(scratch)
-    if stream:
+    if stream and streams(out):
         store_fence()
     return bad
 
@@ -145,7 +146,8 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread). stream: float32 rows go out by non-temporal stores (`stream_row`), for a large out.
+    tokens (a few per thread). stream: float32 rows go out by non-temporal stores (`stream_row`), for a large out
+    (bfloat16 rows never are).
     """
     n = out.shape[0]
     bad = 0

@@ -276,21 +276,27 @@ def _stream_float_row(typingctx, y, out, i):
     return types.void(y, out, i), codegen
 
 
+def streams(out):
+    """Whether rows of `out` can be streamed (`stream_row`): a constant, True for float32. (bfloat16 rows are not:
+    streaming them gained nothing, see BENCHMARKS.md, and the branch alone cost their forward 2-3%.)"""
+
+
+@overload(streams, inline="always")
+def _streams_impl(out):
+    able = out.dtype == types.float32
+    return lambda out: able
+
+
 def stream_row(y, out, i):
-    """out[i, :] = y (float32 [H]) as `out`'s elements, for a row nobody reads soon: float32 rows by non-temporal
-    stores (`_stream_float_row`; call `store_fence` before others read out), bfloat16 ones rounded by ordinary stores
-    (streaming them gained nothing: see BENCHMARKS.md)."""
+    """out[i, :] = y (float32 [H]) by non-temporal stores (`_stream_float_row`; call `store_fence` before others read
+    out), where `streams(out)`; nothing elsewhere (a branch that `streams` rules out)."""
 
 
 @overload(stream_row, inline="always")
 def _stream_row_impl(y, out, i):
     if out.dtype == types.float32:
         return lambda y, out, i: _stream_float_row(y, out, i)
-
-    def impl(y, out, i):
-        for j in range(y.size):
-            out[i, j] = narrow(out, y[j])
-    return impl
+    return lambda y, out, i: None
 
 
 @intrinsic
