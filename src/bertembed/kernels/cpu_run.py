@@ -50,6 +50,9 @@ _STREAM_FROM = 16 << 20  # bytes
 # anyone reads them, and streaming skips reading each line before writing it. Forward, H 768, 2 threads, this VM,
 # ordinary -> streamed, alternating in one process: 12 MiB (32, 128) 0.87 -> 0.93 ms, 24 MiB 1.90 -> 1.92,
 # 48 MiB 4.33 -> 3.83, 96 MiB (64, 512) 10.45 -> 8.03 ms. bfloat16 outputs gained nothing (1.00-1.02x) and are not.
+# Nor is memory fresh from the kernel (`kernels/pages.py`), as for the word gradient's zeros: under glibc's default
+# settings, where a new output is a new mapping each call, streaming took 9.82 against 8.72 ms at 48 MiB and 18.86
+# against 16.57 ms at 96 MiB.
 _STREAM_OUT_FROM = 32 << 20  # bytes
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 
@@ -71,9 +74,12 @@ def forward_chunks(tokens: int) -> int:
     return max(1, min(tokens, 4 * threads()))
 
 
-def stream_output(out: torch.Tensor) -> bool:
-    """Whether the forward kernel writes `out` by non-temporal stores (`_STREAM_OUT_FROM`)."""
-    return out.dtype == torch.float32 and out.nbytes >= _STREAM_OUT_FROM
+def stream_output(out: torch.Tensor, fresh: bool | None = None) -> bool:
+    """Whether the forward kernel writes `out` by non-temporal stores: float32, from `_STREAM_OUT_FROM` bytes, and not
+    fresh memory (`fresh`: what `pages.advise_if_fresh` said of a new `out`; None: ask `pages.is_fresh`)."""
+    if out.dtype != torch.float32 or out.nbytes < _STREAM_OUT_FROM:
+        return False
+    return not (pages.is_fresh(out) if fresh is None else fresh)
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None):
@@ -82,9 +88,10 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32). `out`, if given, is written in place.
     """
     n, h = ids.numel(), word.shape[1]
+    fresh = None  # a caller's buffer: asked when it matters
     if out is None:
         out = torch.empty(n, h, dtype=word.dtype)
-        pages.advise_if_fresh(out)
+        fresh = pages.advise_if_fresh(out)
     out = out.view(n, h)
     mean, rstd = torch.empty(n), torch.empty(n)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
@@ -92,7 +99,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     kernel = cpu.forward if n * h >= _PARALLEL_FROM else cpu.forward_serial
     bad = kernel(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
                   float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
-                  chunks, stream_output(out))
+                  chunks, stream_output(out, fresh))
     check_bad(bad, "bertembed cpu forward")
     return out, mean, rstd
 

@@ -80,13 +80,13 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     batch, length = ids.shape
     n = batch * length
     out = torch.empty(batch, length, word.shape[1])  # torch's allocator: its memory profiler sees the output
-    pages.advise_if_fresh(out)
+    fresh = pages.advise_if_fresh(out)
     stats = np.empty(2 * n, np.float32)
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
     bad = cpu.forward(ids.reshape(n), segments, positions, *tables, eps, _NO_DROPOUT, _SCALE, _SEED,
                       out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu_run.forward_chunks(n),
-                      cpu_run.stream_output(out))
+                      cpu_run.stream_output(out, fresh))
     cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
     return out
 
