@@ -1,9 +1,10 @@
 """CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward.
 
 Forward, per token, in two passes over the row: gather the word row, add the segment row, then the position row (the
-reference's order) while accumulating the LayerNorm statistics; then normalise, scale and shift, dropout,
-store (float32 mean/rstd are kept). Backward, per token: recompute the sum from the tables (cheaper than keeping it:
-no [N, H] tensor is saved), LayerNorm backward, and add the row gradient into the table gradients.
+reference's order) while accumulating the LayerNorm statistics; then normalise, scale and shift, dropout, store
+(float32 mean/rstd are kept; a large float32 output is streamed out, see `cpu_run.stream_output`). Backward, per
+token: recompute the sum from the tables (cheaper than keeping it: no [N, H] tensor is saved), LayerNorm backward, and
+add the row gradient into the table gradients.
 
 Tables and outputs are float32 or bfloat16 (as uint16 bits: `bertembed.kernels.cpu_elements`). The bfloat16 sums are
 rounded after each add, as torch rounds `word + segment` and then `+ position`, so results follow the reference's order.
