@@ -183,25 +183,39 @@ def pointer(typingctx, address, dtype):
 _LINE = 64  # bytes in a cache line
 
 
+def _prefetch_first_line(context, builder, signature, args, write: int):
+    array_type = signature.args[0]
+    array = context.make_array(array_type)(context, builder, args[0])
+    int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
+    address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1], ir.Constant(int64, 0)])
+    # llvm.prefetch(address, read 0 / write 1, keep in all cache levels, data)
+    builder.call(prefetch, [builder.bitcast(address, byte_ptr), ir.Constant(int32, write), ir.Constant(int32, 3),
+                            ir.Constant(int32, 1)])
+    return context.get_dummy_value()
+
+
 @intrinsic
 def prefetch_row(typingctx, table, row):
     """Start loading table[row, :] into the caches: one prefetch, of the row's first cache line, and return at once.
-    The hardware's prefetcher follows the row once it is read. One prefetch a line of the row was slower: 48 of them
-    a float32 row at hidden 768 crowd the core's few outstanding misses (BENCHMARKS.md, the seventh round).
+    The hardware's prefetcher follows the row once it is read (and the page's address translation is presumably warm
+    by then). One prefetch a line of the row was slower, presumably because 48 of them (a float32 row at hidden 768)
+    crowd the core's few outstanding misses (BENCHMARKS.md, the seventh round).
 
     A prefetch is a hint: it reads nothing the program sees and cannot fault, so the kernels run it for the next
     tokens' rows while they compute this one's. The caller still passes only rows inside the table."""
     def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        array = context.make_array(array_type)(context, builder, args[0])
-        int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
-        address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1], ir.Constant(int64, 0)])
-        # llvm.prefetch(address, read, keep in all cache levels, data)
-        builder.call(prefetch, [builder.bitcast(address, byte_ptr), ir.Constant(int32, 0), ir.Constant(int32, 3),
-                                ir.Constant(int32, 1)])
-        return context.get_dummy_value()
+        return _prefetch_first_line(context, builder, signature, args, 0)
+
+    return types.void(table, row), codegen
+
+
+@intrinsic
+def prefetch_row_for_write(typingctx, table, row):
+    """`prefetch_row` for a row about to be written (`prefetchw`: the line comes ready to be changed)."""
+    def codegen(context, builder, signature, args):
+        return _prefetch_first_line(context, builder, signature, args, 1)
 
     return types.void(table, row), codegen
 
