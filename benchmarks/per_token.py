@@ -33,7 +33,7 @@ def ns_per_token(dtype: torch.dtype, hidden: int, tokens: int, rows: int, parall
     out, mean, rstd = torch.empty(tokens, hidden, dtype=dtype), torch.empty(tokens), torch.empty(tokens)
     args = (ids.numpy(), tts.numpy(), pids.numpy(), *(cpu_run._np(t) for t in (word, seg, pos, gamma, beta)), 1e-12,
             dropout_threshold(0.0), 1.0, np.uint64(1), cpu_run._np(out), mean.numpy(), rstd.numpy())
-    stream = cpu_run.stream_output(out)  # as run_forward chooses
+    stream = cpu_run.stream_output(out, fresh=False)  # as run_forward chooses for a buffer used again
     if parallel:
         def call():
             cpu.forward(*args, cpu_run.forward_chunks(tokens), stream)
