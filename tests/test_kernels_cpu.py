@@ -182,8 +182,11 @@ def test_backward_is_deterministic():
 def test_streamed_outputs_match_reference(hidden, threads, batch, length, monkeypatch):
     """Large outputs are written by non-temporal stores, whole cache lines of each row, the unaligned head and tail
     by ordinary ones (hidden 97 and 200: rows that do not start on a line). Forced here for small outputs, in
-    training (the op's path) and in inference (the short path, serial and parallel)."""
+    training (the op's path) and in inference (the short path, serial and parallel); the word table is moved onto
+    2 MB pages at its first batch (`pages.collapse_table`), forced here too."""
     monkeypatch.setattr(cpu_run, "_STREAM_OUT_FROM", 0)
+    monkeypatch.setattr(pages, "_COLLAPSE_FROM", 0)
+    monkeypatch.setattr(pages, "_collapsed", set())
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)
     _check_on_threads(ref, fused, ids, threads)

@@ -72,3 +72,18 @@ def test_only_large_float32_outputs_in_kept_memory_are_streamed(monkeypatch):
     assert not cpu_run.stream_output(t[: 1 << 19])  # 2 MB
     del t
     region.close()
+
+
+@linux
+def test_tables_are_collapsed_once_and_keep_their_values(monkeypatch):
+    monkeypatch.setattr(pages, "_COLLAPSE_FROM", 4 << 20)
+    monkeypatch.setattr(pages, "_collapsed", set())
+    table = torch.arange(4 << 20, dtype=torch.float32)  # 16 MB, private memory as torch allocates it
+    before = table.clone()
+    assert pages.collapse_table(table.data_ptr(), table.nbytes)
+    assert not pages.collapse_table(table.data_ptr(), table.nbytes)  # asked once per table
+    assert torch.equal(table, before)
+    assert not pages.collapse_table(table.data_ptr() + 4, 1 << 20)  # under the size worth it
+    other = torch.arange(2 << 20, dtype=torch.float32)
+    monkeypatch.setenv("BERTEMBED_COLLAPSE_TABLES", "0")
+    assert not pages.collapse_table(other.data_ptr(), other.nbytes)

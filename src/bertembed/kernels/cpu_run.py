@@ -97,6 +97,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     chunks = forward_chunks(n)
     kernel = cpu.forward if n * h >= _PARALLEL_FROM else cpu.forward_serial
+    if kernel is cpu.forward:
+        pages.collapse_table(word.data_ptr(), word.nbytes)  # a batch: rows from all over the table
     bad = kernel(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
                   float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
                   chunks, stream_output(out, fresh))

@@ -81,6 +81,7 @@ def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None
     n = batch * length
     out = torch.empty(batch, length, word.shape[1])  # torch's allocator: its memory profiler sees the output
     fresh = pages.advise_if_fresh(out)
+    pages.collapse_table(word.ctypes.data, word.nbytes)  # a batch: rows from all over the word table
     stats = np.empty(2 * n, np.float32)
     segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
     positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
