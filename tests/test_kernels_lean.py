@@ -39,12 +39,13 @@ def test_short_path_matches_the_reference(shape, offset, types):
         _close(fused(ids, tts, past_key_values_length=offset), ref(ids, tts, past_key_values_length=offset))
 
 
-def test_ids_that_start_inside_their_storage():
-    """The serial path reads ids through their address (`Tensor.data_ptr()`), which a slice moves into the storage."""
+@pytest.mark.parametrize("batch", [3, 64])  # serial; all threads (rows 1 to 64)
+def test_ids_that_start_inside_their_storage(batch):
+    """Both short paths read ids through their address (`Tensor.data_ptr()`), which a slice moves into the storage."""
     ref, fused = _pair()
-    ids, tts = torch.randint(0, 500, (3, 11)), torch.randint(0, 2, (3, 11))
+    ids, tts = torch.randint(0, 500, (batch, 11)), torch.randint(0, 2, (batch, 11))
     with torch.no_grad():
-        for rows in (slice(1, 2), slice(2, 3), slice(1, 3)):
+        for rows in (slice(1, 2), slice(2, 3), slice(1, batch)):
             assert ids[rows].storage_offset() > 0
             assert lean.try_infer(fused, ids[rows], tts[rows], None, None, 0) is not None
             _close(fused(ids[rows], tts[rows]), ref(ids[rows], tts[rows]))

@@ -7,7 +7,8 @@ Same per-token kernel as `cpu.forward` (`cpu._forward_token`), so the same numbe
 parameters are read through the module's dicts (no `nn.Module.__getattr__`), numpy views of the tables and their
 addresses are cached while their storage stays the same, a sentence's ids reach the kernel as addresses
 (`Tensor.numpy()` took 0.6 us a tensor), and one compiled call checks every id before any table row is read. Small
-inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads. Anything this
+inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
+compiled call that also checks the ids and builds the position and segment ids (`_infer_batch`). Anything this
 path does not cover (training, autograd, bfloat16, explicit position ids, `inputs_embeds`, a bad id) returns None, and
 the general path takes over: it raises the reference layer's errors.
 
@@ -41,26 +42,32 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
     return True
 
 
+@njit(cache=True, inline="always")
+def _views(ids_at, tts_at, batch, length, tables, hidden):
+    """(ids, tts [B, L] int64; word, seg, pos, gamma, beta float32) as arrays over the addresses `try_infer` passes:
+    ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids); tables = `_Tables.addresses`.
+    Building them reads nothing."""
+    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions = tables
+    ids = carray(pointer(ids_at, np.int64), (batch, length))
+    tts = carray(pointer(tts_at, np.int64), (batch, length))
+    word = carray(pointer(word_at, np.float32), (vocab, hidden))
+    seg = carray(pointer(seg_at, np.float32), (segments, hidden))
+    pos = carray(pointer(pos_at, np.float32), (positions, hidden))
+    gamma, beta = carray(pointer(gamma_at, np.float32), hidden), carray(pointer(beta_at, np.float32), hidden)
+    return ids, tts, word, seg, pos, gamma, beta
+
+
 @njit(cache=True)
 def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
     """out [B*L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]) on this thread; returns False, computing
     nothing, when an id, a segment id or a position lies outside its table.
 
     The ids and tables arrive as addresses (`Tensor.data_ptr()`: a tenth of what `Tensor.numpy()` costs, and an int
-    argument unboxes in half an array's time): ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without
-    has_tts); tables = `_Tables.addresses`."""
-    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions = tables
-    hidden = out.shape[1]
-    ids = carray(pointer(ids_at, np.int64), (batch, length))
-    tts = carray(pointer(tts_at, np.int64), (batch, length))
-    if not _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
+    argument unboxes in half an array's time): see `_views`."""
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.shape[1])
+    if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return False
-    word = carray(pointer(word_at, np.float32), (vocab, hidden))
-    seg = carray(pointer(seg_at, np.float32), (segments, hidden))
-    pos = carray(pointer(pos_at, np.float32), (positions, hidden))
-    gamma, beta = carray(pointer(gamma_at, np.float32), hidden), carray(pointer(beta_at, np.float32), hidden)
-    n = batch * length
-    scratch, stats = np.empty(hidden, np.float32), np.empty((2, n), np.float32)
+    scratch, stats = np.empty(out.shape[1], np.float32), np.empty((2, batch * length), np.float32)
     x, mean, rstd, out = borrowed(scratch), borrowed(stats[0]), borrowed(stats[1]), borrowed(out)
     for r in range(batch):
         for c in range(length):
@@ -72,24 +79,24 @@ def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
     return True
 
 
-def _infer_parallel(ids, tts, has_tts, past, tables, eps) -> torch.Tensor | None:
-    """`cpu.forward` on all threads, the ids checked first; None on a bad id (nothing computed)."""
-    word, seg, pos = tables[:3]
+@njit(cache=True)
+def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out, chunks, stream):
+    """`_infer` for a batch: `cpu.forward` on all threads, its position and segment ids built here. Returns -1,
+    computing nothing, on a bad id; else how many tokens the kernel skipped (0: any other count is a bug). One
+    compiled call from Python: after the previous batch's kernel has left the caches cold, each Python step before
+    it costs 8-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh round)."""
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.shape[1])
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
-        return None
-    batch, length = ids.shape
+        return -1
     n = batch * length
-    out = torch.empty(batch, length, word.shape[1])  # torch's allocator: its memory profiler sees the output
-    fresh = pages.advise_if_fresh(out)
-    pages.collapse_table(word.ctypes.data, word.nbytes)  # a batch: rows from all over the word table
-    stats = np.empty(2 * n, np.float32)
-    segments = tts.reshape(n) if has_tts else np.zeros(n, np.int64)
-    positions = np.tile(np.arange(past, past + length, dtype=np.int64), batch)
-    bad = cpu.forward(ids.reshape(n), segments, positions, *tables, eps, _NO_DROPOUT, _SCALE, _SEED,
-                      out.numpy().reshape(n, word.shape[1]), stats[:n], stats[n:], cpu_run.forward_chunks(n),
-                      cpu_run.stream_output(out, fresh))
-    cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
-    return out
+    positions, segments = np.empty(n, np.int64), np.empty(n, np.int64)
+    for r in range(batch):
+        for c in range(length):
+            positions[r * length + c] = past + c
+            segments[r * length + c] = tts[r, c] if has_tts else 0
+    stats = np.empty((2, n), np.float32)
+    return cpu.forward(ids.reshape(n), segments, positions, word, seg, pos, gamma, beta, eps, _NO_DROPOUT, _SCALE,
+                       _SEED, out, stats[0], stats[1], chunks, stream)
 
 
 class _Tables(NamedTuple):
@@ -147,9 +154,16 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     eps = layer.config.layer_norm_eps
     hidden = tables.arrays[0].shape[1]
     if batch * length * hidden >= cpu_run._PARALLEL_FROM:
-        ids = input_ids.numpy()
-        return _infer_parallel(ids, token_type_ids.numpy() if has_tts else ids, has_tts, past_key_values_length,
-                               tables.arrays, eps)
+        out = torch.empty(batch, length, hidden)  # torch's allocator: its memory profiler sees the output
+        fresh = pages.advise_if_fresh(out)
+        pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
+        bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
+                           out.view(batch * length, hidden).numpy(), cpu_run.forward_chunks(batch * length),
+                           cpu_run.stream_output(out, fresh))
+        if bad < 0:
+            return None  # a bad id: the general path raises the reference's error
+        cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
+        return out
     out = np.empty((batch, length, hidden), np.float32)
     if not _infer(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
                   out.reshape(batch * length, hidden)):
