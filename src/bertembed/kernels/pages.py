@@ -82,13 +82,14 @@ def collapse_table(address: int, nbytes: int) -> bool:
     """Move the 2 MB-aligned middle of a table (at `address`, `nbytes` long, of `_COLLAPSE_FROM` bytes or more) onto
     2 MB pages now, once per table (`MADV_COLLAPSE`: the kernel copies it into huge pages, values unchanged). Returns
     whether it asked now; the kernel may decline (an older kernel, no free huge pages), which changes nothing but
-    speed. Off with the environment variable BERTEMBED_COLLAPSE_TABLES=0."""
-    if nbytes < _COLLAPSE_FROM or os.environ.get("BERTEMBED_COLLAPSE_TABLES") == "0":
-        return False
-    libc = _linux_libc()
-    if (address, nbytes) in _collapsed or libc is None:
+    speed. Off with the environment variable BERTEMBED_COLLAPSE_TABLES=0, read at a table's first batch. Every later
+    batch costs one set lookup."""
+    if (address, nbytes) in _collapsed or nbytes < _COLLAPSE_FROM:
         return False
     _collapsed.add((address, nbytes))
+    libc = _linux_libc()
+    if libc is None or os.environ.get("BERTEMBED_COLLAPSE_TABLES") == "0":
+        return False
     start, stop = (address + _HUGE - 1) & -_HUGE, (address + nbytes) & -_HUGE
     began = time.perf_counter()
     failed = stop > start and libc.madvise(start, stop - start, _MADV_COLLAPSE) != 0
