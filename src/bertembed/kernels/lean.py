@@ -57,7 +57,7 @@ def _views(ids_at, tts_at, batch, length, tables, hidden):
     return ids, tts, word, seg, pos, gamma, beta
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"contract"})  # as `cpu._forward_chunk`: the same numbers
 def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
     """out [B*L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]) on this thread; returns False, computing
     nothing, when an id, a segment id or a position lies outside its table.
