@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,3 +105,19 @@ def test_what_the_short_path_leaves_to_the_general_one():
         assert lean.try_infer(fused, ids, None, torch.arange(9)[None], None, 0) is None
         fused.train()
         assert lean.try_infer(fused, ids, None, None, None, 0) is None
+
+
+def test_the_first_fused_forward_keeps_the_thread_counts_asked_for():
+    """numba's OpenMP pool, launched by the first fused forward, set the OpenMP thread count that torch reads too:
+    `torch.set_num_threads(1)` read 2 afterwards. In a fresh process, where the pool has not started; the batch is
+    large enough for the parallel kernel, which must then run on one thread."""
+    code = ("import numba, torch\n"
+            "from bertembed import BertEmbeddings, EmbeddingConfig\n"
+            "torch.set_num_threads(1)\n"
+            "layer = BertEmbeddings(EmbeddingConfig(vocab_size=500, hidden_size=384), backend='cpu').eval()\n"
+            "with torch.no_grad():\n"
+            "    layer(torch.randint(0, 500, (8, 128)))\n"
+            "print(torch.get_num_threads(), numba.get_num_threads())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1"]

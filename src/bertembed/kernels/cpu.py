@@ -39,7 +39,6 @@ from bertembed.kernels.cpu_elements import (
     widen,
 )
 
-
 # The mean of the row's first entries, this many, is the shift the moments are summed around: within a fraction of a
 # spread of the row's mean, so the one-pass variance loses no digits (on all-MiniLM-L6-v2's rows the shifted mean's
 # square is at most 0.19 of the variance, and no row needs the second pass). One pass instead of two: forward (32,

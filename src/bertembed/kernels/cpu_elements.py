@@ -22,7 +22,7 @@ from numba.extending import intrinsic, overload
 _HERE = Path(__file__).parent
 # numba keys a file's on-disk cache on that file alone (numba issue 1833): a kernel that inlines helpers from another
 # file keeps running their old code after an edit there. Which files each cached module inlines:
-_INLINES = {"cpu": ("cpu_elements.py",), "lean": ("cpu_elements.py", "cpu.py")}
+_INLINES = {"cpu": ("cpu_elements.py",), "lean": ("cpu_elements.py", "cpu.py", "cpu_run.py", "pages.py")}
 
 
 def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
@@ -33,7 +33,7 @@ def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
     Editing the source matters only in a checkout (an install rewrites every file, which numba does notice). With
     NUMBA_CACHE_DIR set the caches live elsewhere and this does nothing."""
     try:
-        changed = {name: (_HERE / name).stat().st_mtime for name in ("cpu_elements.py", "cpu.py")}
+        changed = {name: (_HERE / name).stat().st_mtime for name in {n for names in _INLINES.values() for n in names}}
         indexes = list(folder.glob("*.nbi"))
     except OSError:
         return
@@ -348,3 +348,22 @@ def wide_vectors(typingctx, wide):
         return context.get_dummy_value()
 
     return types.void(wide), codegen
+
+
+@intrinsic
+def set_thread_count(typingctx, count):
+    """`numba.set_num_threads(count)` for compiled code that numba can keep in its on-disk cache: numba's own compiled
+    version calls through a ctypes pointer, which keeps a function out of the cache. This calls the threading layer's
+    `set_num_threads` by symbol, which numba registers when it launches its thread pool (`numba.get_num_threads()`
+    does, from Python; `cpu_run` calls it on import). The caller keeps count within 1..NUMBA_NUM_THREADS."""
+    if not isinstance(count, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        int32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [int32]),
+                                                  "set_num_threads")
+        builder.call(function, [context.cast(builder, args[0], signature.args[0], types.int32)])
+        return context.get_dummy_value()
+
+    return types.void(count), codegen

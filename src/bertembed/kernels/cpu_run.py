@@ -10,9 +10,23 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import njit
 
 from bertembed.kernels import cpu, pages
-from bertembed.kernels.cpu_elements import dropout_threshold
+from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
+
+
+def _launch_pool() -> None:
+    """Start numba's thread pool now (`use_threads` calls its `set_num_threads` by symbol, registered at launch),
+    keeping torch's thread count: numba's OpenMP layer sets the OpenMP thread count at launch, and torch (built with
+    OpenMP) reads the same one, so `torch.set_num_threads(1)` read 2 after the first fused forward."""
+    wanted = torch.get_num_threads()
+    numba.get_num_threads()  # launches the pool, once per process
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
+_launch_pool()
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -32,11 +46,25 @@ def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> t
     return bounds, np.maximum.accumulate(rows)
 
 
+@njit(cache=True)
+def use_threads(wanted, pool):
+    """Set numba's thread count for the calling thread to `wanted` (torch's), within its pool of `pool` threads, and
+    return it. Compiled, so the short path sets it inside its one compiled call (`lean._infer_batch`)."""
+    count = max(1, min(wanted, pool))
+    set_thread_count(count)
+    return count
+
+
+@njit(cache=True)
+def chunks_for(tokens, count):
+    """Blocks of tokens for `cpu.forward` on `count` threads: a few per thread, so a thread that started late does
+    not hold up the rest."""
+    return max(1, min(tokens, 4 * count))
+
+
 def threads() -> int:
     """Use as many numba threads as torch does (`torch.set_num_threads` governs both)."""
-    count = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(count)
-    return count
+    return use_threads(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
 
 # Word gradients this large get their zeros by non-temporal stores, which skip reading each line first and leave the
@@ -70,8 +98,8 @@ def check_bad(bad: int, where: str) -> None:
 
 
 def forward_chunks(tokens: int) -> int:
-    """Blocks of tokens for `forward`: a few per thread, so a thread that started late does not hold up the rest."""
-    return max(1, min(tokens, 4 * threads()))
+    """`chunks_for` torch's thread count (which it sets numba's to)."""
+    return chunks_for(tokens, threads())
 
 
 def stream_output(out: torch.Tensor, fresh: bool | None = None) -> bool:

@@ -8,7 +8,8 @@ parameters are read through the module's dicts (no `nn.Module.__getattr__`), num
 addresses are cached while their storage stays the same, a sentence's ids reach the kernel as addresses
 (`Tensor.numpy()` took 0.6 us a tensor), and one compiled call checks every id before any table row is read. Small
 inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
-compiled call that also checks the ids and builds the position and segment ids (`_infer_batch`). Anything this
+compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
+and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
 path does not cover (training, autograd, bfloat16, explicit position ids, `inputs_embeds`, a bad id) returns None, and
 the general path takes over: it raises the reference layer's errors.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 from numba import carray, njit
@@ -27,6 +29,7 @@ from bertembed.kernels import cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
+_POOL = numba.config.NUMBA_NUM_THREADS  # numba's thread pool: set before numba starts it, fixed from then on
 
 
 @njit(cache=True)
@@ -43,11 +46,11 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
 
 
 @njit(cache=True, inline="always")
-def _views(ids_at, tts_at, batch, length, tables, hidden):
+def _views(ids_at, tts_at, batch, length, tables):
     """(ids, tts [B, L] int64; word, seg, pos, gamma, beta float32) as arrays over the addresses `try_infer` passes:
     ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids); tables = `_Tables.addresses`.
     Building them reads nothing."""
-    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions = tables
+    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions, hidden = tables
     ids = carray(pointer(ids_at, np.int64), (batch, length))
     tts = carray(pointer(tts_at, np.int64), (batch, length))
     word = carray(pointer(word_at, np.float32), (vocab, hidden))
@@ -64,7 +67,7 @@ def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
 
     The ids and tables arrive as addresses (`Tensor.data_ptr()`: a tenth of what `Tensor.numpy()` costs, and an int
     argument unboxes in half an array's time): see `_views`."""
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.shape[1])
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables)
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return False
     scratch, stats = np.empty(out.shape[1], np.float32), np.empty((2, batch * length), np.float32)
@@ -80,12 +83,17 @@ def _infer(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out):
 
 
 @njit(cache=True)
-def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out, chunks, stream):
-    """`_infer` for a batch: `cpu.forward` on all threads, its position and segment ids built here. Returns -1,
-    computing nothing, on a bad id; else how many tokens the kernel skipped (0: any other count is a bug). One
-    compiled call from Python: after the previous batch's kernel has left the caches cold, each Python step before
-    it costs 8-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh round)."""
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.shape[1])
+def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, stream_from, threads):
+    """`_infer` for a batch: `cpu.forward` on all threads, into the uninitialised float32 [B*L, H] at `out_at`, its
+    position and segment ids built here. Returns -1, computing nothing, on a bad id; else how many tokens the kernel
+    skipped (0: any other count is a bug). The output is streamed from `stream_from` bytes unless its memory is fresh
+    (`cpu_run.stream_output`, which gets 2 MB pages instead: `pages.advise_if_fresh_at`); `threads`: (torch's thread
+    count, numba's pool size).
+
+    All of it one compiled call from Python: after the previous batch's kernel has left the caches cold, each Python
+    step before it costs 6-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh and eighth rounds)."""
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables)
+    hidden = word.shape[1]
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return -1
     n = batch * length
@@ -95,14 +103,18 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out,
             positions[r * length + c] = past + c
             segments[r * length + c] = tts[r, c] if has_tts else 0
     stats = np.empty((2, n), np.float32)
+    nbytes = n * hidden * 4
+    stream = not pages.advise_if_fresh_at(out_at, nbytes) and nbytes >= stream_from
+    chunks = cpu_run.chunks_for(n, cpu_run.use_threads(threads[0], threads[1]))
+    out = carray(pointer(out_at, np.float32), (n, hidden))
     return cpu.forward(ids.reshape(n), segments, positions, word, seg, pos, gamma, beta, eps, _NO_DROPOUT, _SCALE,
                        _SEED, out, stats[0], stats[1], chunks, stream)
 
 
 class _Tables(NamedTuple):
     """The five float32 CPU tables (word, segment, position, weight, bias) as numpy views, for `cpu.forward`, and as
-    addresses followed by the rows of the first three (V, T, P), for `_infer`. The views hold the tensors' storage, so
-    the addresses stay valid while this is held."""
+    addresses followed by the rows of the first three and the hidden size (V, T, P, H), for `_infer`. The views hold
+    the tensors' storage, so the addresses stay valid while this is held."""
 
     arrays: list
     addresses: tuple
@@ -125,7 +137,7 @@ def _tables(layer) -> _Tables | None:
             or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
     tables = _Tables([t.detach().numpy() for t in tensors],
-                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0]))
+                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0], hidden))
     layer.__dict__["_lean_tables"] = (key, tables)
     return tables
 
@@ -155,11 +167,9 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     hidden = tables.arrays[0].shape[1]
     if batch * length * hidden >= cpu_run._PARALLEL_FROM:
         out = torch.empty(batch, length, hidden)  # torch's allocator: its memory profiler sees the output
-        fresh = pages.advise_if_fresh(out)
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
-                           out.view(batch * length, hidden).numpy(), cpu_run.forward_chunks(batch * length),
-                           cpu_run.stream_output(out, fresh))
+                           out.data_ptr(), cpu_run._STREAM_OUT_FROM, (torch.get_num_threads(), _POOL))
         if bad < 0:
             return None  # a bad id: the general path raises the reference's error
         cpu_run.check_bad(bad, "bertembed cpu forward (short path)")

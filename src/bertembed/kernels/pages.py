@@ -25,6 +25,10 @@ import sys
 import time
 
 import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
@@ -32,50 +36,104 @@ _MADV_HUGEPAGE = 14  # <linux/mman.h>
 _ADVISE_FROM = 4 << 20  # bytes: two huge pages at least
 _MADV_COLLAPSE = 25  # <linux/mman.h>, Linux 6.1+
 _COLLAPSE_FROM = 16 << 20  # bytes: past the reach of the TLB's 4 KB entries
+_LINUX = sys.platform.startswith("linux")
 _libc: list = []
 _collapsed: set = set()  # (address, bytes) of the tables asked for already
 logger = logging.getLogger(__name__)
 
 
 def _linux_libc():
-    """The C library with `mincore` and `madvise` declared, or None off Linux."""
+    """The C library with `madvise` declared, or None off Linux (for `collapse_table`, which reports errno)."""
     if not sys.platform.startswith("linux"):
         return None
     if not _libc:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.append(libc)
     return _libc[0]
 
 
-def is_fresh(t: torch.Tensor) -> bool:
-    """Whether the first whole page of t's memory is not in RAM yet (`mincore`): a new mapping, whose pages fault in
-    at their first write. A hint for choosing how to write the memory, never for skipping a write."""
-    libc = _linux_libc()
-    start = (t.data_ptr() + _PAGE - 1) & -_PAGE
-    if libc is None or start + _PAGE > t.data_ptr() + t.nbytes:
+def _libc_call(builder, name: str, result, arguments: list):
+    """Call the C library's `name` (resolved by symbol in this process, so numba's on-disk cache stays valid)."""
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in arguments]),
+                                              name)
+    return builder.call(function, arguments)
+
+
+@intrinsic
+def _page_absent(typingctx, address):
+    """Whether the page at `address` (page-aligned) is not in RAM: `mincore` says so, and succeeds. False off Linux."""
+    def codegen(context, builder, signature, args):
+        int8, int32, int64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        if not _LINUX:
+            return ir.Constant(ir.IntType(1), 0)
+        resident = cgutils.alloca_once_value(builder, ir.Constant(int8, 1))
+        failed = _libc_call(builder, "mincore", int32,
+                            [builder.inttoptr(args[0], int8.as_pointer()), ir.Constant(int64, _PAGE), resident])
+        absent = builder.icmp_unsigned("==", builder.and_(builder.load(resident), ir.Constant(int8, 1)),
+                                       ir.Constant(int8, 0))
+        return builder.and_(builder.icmp_signed("==", failed, ir.Constant(int32, 0)), absent)
+
+    return types.boolean(address), codegen
+
+
+@intrinsic
+def _advise(typingctx, address, length, advice):
+    """`madvise(address, length, advice)` on Linux, its result ignored (advice only changes speed); elsewhere
+    nothing."""
+    def codegen(context, builder, signature, args):
+        if _LINUX:
+            start, length, advice = (context.cast(builder, value, kind, wanted) for value, kind, wanted
+                                     in zip(args, signature.args, (types.intp, types.intp, types.int32), strict=True))
+            _libc_call(builder, "madvise", ir.IntType(32),
+                       [builder.inttoptr(start, ir.IntType(8).as_pointer()), length, advice])
+        return context.get_dummy_value()
+
+    return types.void(address, length, advice), codegen
+
+
+@njit(cache=True)
+def fresh_at(address, nbytes):
+    """Whether the first whole page of the `nbytes` at `address` is not in RAM yet (`mincore`): a new mapping, whose
+    pages fault in at their first write. A hint for choosing how to write the memory, never for skipping a write.
+    Compiled, as the other `_at` functions: the short path calls it from its one compiled call (from Python, it costs
+    a tenth of a `ctypes` call)."""
+    start = (address + _PAGE - 1) & -_PAGE
+    return start + _PAGE <= address + nbytes and _page_absent(start)
+
+
+@njit(cache=True)
+def advise_huge_pages_at(address, nbytes):
+    """Ask the kernel for 2 MB pages over the 2 MB-aligned middle of the `nbytes` at `address` (one fault per 2 MB at
+    first write instead of 512); the kernel may decline, which changes nothing but speed."""
+    start, stop = (address + _HUGE - 1) & -_HUGE, (address + nbytes) & -_HUGE
+    if stop > start:
+        _advise(start, stop - start, _MADV_HUGEPAGE)
+
+
+@njit(cache=True)
+def advise_if_fresh_at(address, nbytes):
+    """For memory of `_ADVISE_FROM` bytes or more: when it is fresh (`fresh_at`), ask for 2 MB pages for it. Returns
+    whether it was fresh."""
+    if nbytes < _ADVISE_FROM or not fresh_at(address, nbytes):
         return False
-    resident = ctypes.c_ubyte(1)
-    return libc.mincore(start, _PAGE, ctypes.byref(resident)) == 0 and not resident.value & 1
+    advise_huge_pages_at(address, nbytes)
+    return True
+
+
+def is_fresh(t: torch.Tensor) -> bool:
+    """`fresh_at` of a tensor's memory."""
+    return fresh_at(t.data_ptr(), t.nbytes)
 
 
 def advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask the kernel for 2 MB pages over the 2 MB-aligned middle of t's memory (one fault per 2 MB at first write
-    instead of 512); the kernel may decline, which changes nothing but speed."""
-    libc = _linux_libc()
-    start, stop = (t.data_ptr() + _HUGE - 1) & -_HUGE, (t.data_ptr() + t.nbytes) & -_HUGE
-    if libc is not None and stop > start:
-        libc.madvise(start, stop - start, _MADV_HUGEPAGE)
+    """`advise_huge_pages_at` of a tensor's memory."""
+    advise_huge_pages_at(t.data_ptr(), t.nbytes)
 
 
 def advise_if_fresh(t: torch.Tensor) -> bool:
-    """For a new tensor of 4 MB or more: when its memory is fresh (`is_fresh`), ask for 2 MB pages for it. Returns
-    whether it was fresh."""
-    if t.nbytes < _ADVISE_FROM or not is_fresh(t):
-        return False
-    advise_huge_pages(t)
-    return True
+    """`advise_if_fresh_at` of a new tensor's memory: whether it was fresh."""
+    return advise_if_fresh_at(t.data_ptr(), t.nbytes)
 
 
 def collapse_table(address: int, nbytes: int) -> bool:
