@@ -22,11 +22,12 @@ from numba.extending import intrinsic, overload
 _HERE = Path(__file__).parent
 # numba keys a file's on-disk cache on that file alone (numba issue 1833): a kernel that inlines helpers from another
 # file keeps running their old code after an edit there. Which files each cached module inlines:
-_INLINES = {"cpu": ("cpu_elements.py",), "lean": ("cpu_elements.py", "cpu.py", "cpu_run.py", "pages.py")}
+_INLINES = {"cpu": ("cpu_elements.py",), "cpu_run": ("cpu_elements.py",), "pages": ("cpu_elements.py",),
+            "lean": ("cpu_elements.py", "cpu.py", "cpu_run.py", "pages.py")}
 
 
 def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
-    """Delete the cache index of `cpu.py` or `lean.py` when a file it inlines is newer, so numba compiles afresh.
+    """Delete the cache index of a module in `_INLINES` when a file it inlines is newer, so numba compiles afresh.
 
     Runs when this module is imported, which `cpu.py` does first, before any kernel is compiled or loaded.
 
@@ -360,10 +361,16 @@ def set_thread_count(typingctx, count):
         return None
 
     def codegen(context, builder, signature, args):
-        int32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [int32]),
-                                                  "set_num_threads")
-        builder.call(function, [context.cast(builder, args[0], signature.args[0], types.int32)])
+        call_symbol(builder, "set_num_threads", ir.VoidType(),
+                    [context.cast(builder, args[0], signature.args[0], types.int32)])
         return context.get_dummy_value()
 
     return types.void(count), codegen
+
+
+def call_symbol(builder, name: str, result, arguments: list):
+    """In an intrinsic's code: call the C function `name`, found by symbol when the code is linked (numba's on-disk
+    cache keeps such code, where a ctypes function's address would keep it out), with LLVM `arguments`."""
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in arguments]),
+                                              name)
+    return builder.call(function, arguments)

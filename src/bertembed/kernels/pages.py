@@ -30,6 +30,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bertembed.kernels.cpu_elements import call_symbol
+
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -44,20 +46,13 @@ logger = logging.getLogger(__name__)
 
 def _linux_libc():
     """The C library with `madvise` declared, or None off Linux (for `collapse_table`, which reports errno)."""
-    if not sys.platform.startswith("linux"):
+    if not _LINUX:
         return None
     if not _libc:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.append(libc)
     return _libc[0]
-
-
-def _libc_call(builder, name: str, result, arguments: list):
-    """Call the C library's `name` (resolved by symbol in this process, so numba's on-disk cache stays valid)."""
-    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in arguments]),
-                                              name)
-    return builder.call(function, arguments)
 
 
 @intrinsic
@@ -68,7 +63,7 @@ def _page_absent(typingctx, address):
         if not _LINUX:
             return ir.Constant(ir.IntType(1), 0)
         resident = cgutils.alloca_once_value(builder, ir.Constant(int8, 1))
-        failed = _libc_call(builder, "mincore", int32,
+        failed = call_symbol(builder, "mincore", int32,
                             [builder.inttoptr(args[0], int8.as_pointer()), ir.Constant(int64, _PAGE), resident])
         absent = builder.icmp_unsigned("==", builder.and_(builder.load(resident), ir.Constant(int8, 1)),
                                        ir.Constant(int8, 0))
@@ -85,7 +80,7 @@ def _advise(typingctx, address, length, advice):
         if _LINUX:
             start, length, advice = (context.cast(builder, value, kind, wanted) for value, kind, wanted
                                      in zip(args, signature.args, (types.intp, types.intp, types.int32), strict=True))
-            _libc_call(builder, "madvise", ir.IntType(32),
+            call_symbol(builder, "madvise", ir.IntType(32),
                        [builder.inttoptr(start, ir.IntType(8).as_pointer()), length, advice])
         return context.get_dummy_value()
 
