@@ -36,7 +36,7 @@ def candidates(batch: int, length: int) -> dict:
     kernel = cpu.forward if n * 768 >= cpu_run._PARALLEL_FROM else cpu.forward_serial
     arrays = [cpu_run._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables)]
     args = (*arrays, 1e-12, dropout_threshold(0.0), 1.0, np.uint64(0), cpu_run._np(out), cpu_run._np(mean),
-            cpu_run._np(rstd), max(1, min(n, 4 * cpu_run.threads())),
+            cpu_run._np(rstd), cpu_run.forward_chunks(n),
             cpu_run.stream_output(out, fresh=False))  # as run_forward does, for a buffer used again
     return {
         "module forward": lambda: layer(ids, types),
