@@ -27,6 +27,7 @@ def _launch_pool() -> None:
 
 
 _launch_pool()
+POOL = numba.config.NUMBA_NUM_THREADS  # numba's pool size: read at its launch, fixed from then on
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +65,7 @@ def chunks_for(tokens, count):
 
 def threads() -> int:
     """Use as many numba threads as torch does (`torch.set_num_threads` governs both)."""
-    return use_threads(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    return use_threads(torch.get_num_threads(), POOL)
 
 
 # Word gradients this large get their zeros by non-temporal stores, which skip reading each line first and leave the

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 import torch
 from numba import carray, njit
@@ -29,7 +28,6 @@ from bertembed.kernels import cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
-_POOL = numba.config.NUMBA_NUM_THREADS  # numba's thread pool: set before numba starts it, fixed from then on
 
 
 @njit(cache=True)
@@ -169,7 +167,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         out = torch.empty(batch, length, hidden)  # torch's allocator: its memory profiler sees the output
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
-                           out.data_ptr(), cpu_run._STREAM_OUT_FROM, (torch.get_num_threads(), _POOL))
+                           out.data_ptr(), cpu_run._STREAM_OUT_FROM, (torch.get_num_threads(), cpu_run.POOL))
         if bad < 0:
             return None  # a bad id: the general path raises the reference's error
         cpu_run.check_bad(bad, "bertembed cpu forward (short path)")

@@ -64,7 +64,7 @@ def _page_absent(typingctx, address):
             return ir.Constant(ir.IntType(1), 0)
         resident = cgutils.alloca_once_value(builder, ir.Constant(int8, 1))
         failed = call_symbol(builder, "mincore", int32,
-                            [builder.inttoptr(args[0], int8.as_pointer()), ir.Constant(int64, _PAGE), resident])
+                             [builder.inttoptr(args[0], int8.as_pointer()), ir.Constant(int64, _PAGE), resident])
         absent = builder.icmp_unsigned("==", builder.and_(builder.load(resident), ir.Constant(int8, 1)),
                                        ir.Constant(int8, 0))
         return builder.and_(builder.icmp_signed("==", failed, ir.Constant(int32, 0)), absent)
@@ -81,7 +81,7 @@ def _advise(typingctx, address, length, advice):
             start, length, advice = (context.cast(builder, value, kind, wanted) for value, kind, wanted
                                      in zip(args, signature.args, (types.intp, types.intp, types.int32), strict=True))
             call_symbol(builder, "madvise", ir.IntType(32),
-                       [builder.inttoptr(start, ir.IntType(8).as_pointer()), length, advice])
+                        [builder.inttoptr(start, ir.IntType(8).as_pointer()), length, advice])
         return context.get_dummy_value()
 
     return types.void(address, length, advice), codegen
