@@ -423,6 +423,7 @@ def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch,
     import bertembed.kernels as kernels
 
     monkeypatch.setitem(kernels._found, "cpu", False)  # as if numba were not installed
+    monkeypatch.setattr(kernels, "_short_paths", {})
     monkeypatch.setattr(kernels, "_told", set())
     with pytest.raises(ImportError, match="numba is not installed"):
         twins(16, "cpu")

@@ -232,25 +232,23 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
     return result if out is None else out.copy_(result)
 
 
-_imported: dict[str, object] = {}
+_short_paths: dict[tuple[str, bool], object] = {}
 
 
-def _short_path(module: str = "lean"):
-    """`try_infer` of `kernels/lean.py` (CPU) or `kernels/lean_gpu.py`, imported once (an import statement costs 0.6 us
-    per call, a tenth of a sentence's latency; a plain dict, not functools.cache, which torch.compile warns about)."""
-    if module not in _imported:
-        _imported[module] = importlib.import_module(f"bertembed.kernels.{module}").try_infer
-    return _imported[module]
+def _short_path(backend: str, cuda: bool):
+    """`try_infer` of the short path that a layer of `backend` takes for ids on the GPU (`cuda`) or not: `lean.py`
+    (CPU), `lean_gpu.py`, or None; found once per pair (a plain dict, not functools.cache, which torch.compile warns
+    about). Both the import statement (0.6 us) and the checks behind this lookup cost a sentence's latency."""
+    if (backend, cuda) not in _short_paths:
+        kernel, module = ("triton", "lean_gpu") if cuda else ("cpu", "lean")
+        runs = backend in (kernel, "auto") and _missing(kernel) is None
+        _short_paths[backend, cuda] = importlib.import_module(f"bertembed.kernels.{module}").try_infer if runs else None
+    return _short_paths[backend, cuda]
 
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    short = None  # inference takes a short path when it applies (None when not)
-    if type(input_ids) is torch.Tensor and input_ids.is_cuda:
-        if layer.backend in ("triton", "auto") and _found.get("triton"):
-            short = _short_path("lean_gpu")
-    elif layer.backend in ("cpu", "auto") and _found.get("cpu"):
-        short = _short_path()
+    short = _short_path(layer.backend, type(input_ids) is torch.Tensor and input_ids.is_cuda)
     if short is not None and (out := short(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                            past_key_values_length)) is not None:
         return out
