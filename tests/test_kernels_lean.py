@@ -96,6 +96,25 @@ def test_cached_tables_follow_new_weights():
         _close(fused(ids), ref(ids))
 
 
+@pytest.mark.parametrize("batch", [1, 64])  # serial; all threads
+def test_a_table_cut_at_the_same_address_is_seen(batch):
+    """The table cache is keyed on each table's address and the extent of the two that bound ids: a word table
+    replaced by its own first rows (same address, fewer bytes) bounds the ids, in both layers, with the same error."""
+    ref, fused = _pair()
+    bad = torch.randint(0, 300, (batch, 9))
+    bad[-1, -1] = 400
+    with torch.no_grad():
+        fused(torch.randint(0, 500, (batch, 9)))  # fills the cache
+        for layer in (ref, fused):
+            layer.word_embeddings.weight.data = layer.word_embeddings.weight.data[:300]
+        assert lean.try_infer(fused, bad, None, None, None, 0) is None
+        for layer in (ref, fused):
+            with pytest.raises(ValueError, match=r"holds 400 .*\[0, 300\)"):
+                layer(bad)
+        ids = torch.randint(0, 300, (1, 9))
+        _close(fused(ids), ref(ids))
+
+
 def test_what_the_short_path_leaves_to_the_general_one():
     _, fused = _pair()
     ids = torch.randint(0, 500, (1, 9))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs
+from bertembed.validation import check_inputs, table_rows
 
 
 def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
@@ -99,8 +99,11 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm.reset_parameters()
 
     def _parts(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+        positions = self.position_embeddings
+        tables = (self.word_embeddings.weight, self.token_type_embeddings.weight,
+                  None if positions is None else positions.weight)
         batch, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                     past_key_values_length)
+                                     past_key_values_length, rows=table_rows(tables))
         if position_ids is None:
             position_ids = self.position_ids[:, past_key_values_length:past_key_values_length + length]
         if token_type_ids is None:

@@ -37,6 +37,12 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
                              f"{fix}")
 
 
+def table_rows(tables) -> tuple[int, int, int | None]:
+    """(word, segment, position) rows of (word, segment, position or None, ...) tables, for `check_inputs`."""
+    word, segment, position = tables[:3]
+    return word.shape[0], segment.shape[0], None if position is None else position.shape[0]
+
+
 def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int, int]:
     """(B, L) from whichever of input_ids [B, L] and inputs_embeds [B, L, H] was given (exactly one must be)."""
     if (input_ids is None) == (inputs_embeds is None):
@@ -64,16 +70,21 @@ def check_inputs(
     inputs_embeds: torch.Tensor | None,
     past_key_values_length: int,
     check_ranges: bool = True,
+    rows: tuple[int, int, int | None] | None = None,
 ) -> tuple[int, int]:
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
     `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are): for the GPU kernels with
-    `id_checks="device"`, which check each id themselves and so need no wait for the device."""
+    `id_checks="device"`, which check each id themselves and so need no wait for the device. `rows`: the rows of the
+    word, segment and position tables the ids will index (`table_rows`), which differ from the config's sizes where a
+    table was replaced through `.data`; the config's sizes when not given. (Positions stay within the config's
+    `max_position_embeddings` too: the default position ids are a buffer of that length.)"""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
             or past_key_values_length < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
-    limit = config.max_position_embeddings
+    vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
+    limit = config.max_position_embeddings if positions is None else min(positions, config.max_position_embeddings)
     if position_ids is None and past_key_values_length + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
@@ -81,14 +92,14 @@ def check_inputs(
             f"truncate to {max(limit - past_key_values_length, 0)} tokens (the tokenizer's truncation does this)")
     ranges = []
     if input_ids is not None:
-        ranges.append(("input_ids", input_ids, config.vocab_size, "word",
+        ranges.append(("input_ids", input_ids, vocab, "word",
                        "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
     if token_type_ids is not None:
         _check_int("token_type_ids", token_type_ids)
         if tuple(token_type_ids.shape) != shape:
             raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but the input has {shape}; "
                              f"give one segment id per token")
-        ranges.append(("token_type_ids", token_type_ids, config.type_vocab_size, "segment",
+        ranges.append(("token_type_ids", token_type_ids, segments, "segment",
                        "use 0 for the first segment and 1 for the second"))
     if position_ids is not None:
         _check_int("position_ids", position_ids)

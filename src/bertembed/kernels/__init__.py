@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs
+from bertembed.validation import check_inputs, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
     None down to the kernels (`function.flat_ids`): the GPU kernel computes them from the token's index."""
     device_checks = options.id_checks == "device" and backend == "triton" and input_ids.device.type == "cuda"
     check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
-                 check_ranges=not device_checks)
+                 check_ranges=not device_checks, rows=table_rows(tables))
     word, segment, position, weight, bias = tables
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     if out is not None or not _needs_autograd(tables) and not torch.compiler.is_compiling():
@@ -219,7 +219,8 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
     """The same computation with plain PyTorch ops, in the reference layer's order."""
     import torch.nn.functional as F
 
-    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length)
+    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
+                                 rows=table_rows(tables))
     word, segment, position, weight, bias = tables
     if token_type_ids is None:
         token_type_ids = torch.zeros((batch, length), dtype=torch.int64, device=word.device)

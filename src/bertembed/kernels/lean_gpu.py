@@ -19,7 +19,7 @@ import torch
 
 from bertembed.kernels import _DTYPES, ID_CHECKS, module_tables
 from bertembed.kernels import triton as triton_kernels
-from bertembed.validation import check_inputs
+from bertembed.validation import check_inputs, table_rows
 
 
 def _tables(layer) -> tuple[torch.Tensor, ...] | None:
@@ -49,7 +49,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             or tables[0].dtype not in _DTYPES["triton"]:
         return None
     batch, length = check_inputs(layer.config, input_ids, token_type_ids, None, None, past_key_values_length,
-                                 check_ranges=checks == "host")
+                                 check_ranges=checks == "host", rows=table_rows(tables))
     word, segment, position, weight, bias = tables
     out = torch.empty((batch, length, word.shape[1]), dtype=word.dtype, device=word.device)
     types = None if token_type_ids is None else token_type_ids.view(-1)
