@@ -260,6 +260,7 @@ BAD_INPUTS = [
     dict(input_ids=torch.tensor([[1, -1, 3]])),
     dict(input_ids=torch.tensor([1, 2, 3])),  # no batch dimension
     dict(input_ids=torch.tensor([[1.0, 2.0]])),
+    dict(input_ids=torch.tensor([[1, 2]], dtype=torch.uint8)),  # torch's lookup takes int64 and int32 only
     dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
     dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1, 0]])),
     dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),

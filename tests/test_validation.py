@@ -17,6 +17,7 @@ CASES = {
     "too long": (dict(input_ids=torch.ones(1, 17, dtype=torch.long)), r"17 tokens .*16 rows: truncate to 16"),
     "too long with offset": (dict(input_ids=IDS, past_key_values_length=12), r"offset .*=12 .*up to 16.*truncate to 4"),
     "float ids": (dict(input_ids=torch.ones(2, 5)), r"dtype torch.float32.*must be integers.*\.long\(\)"),
+    "byte ids": (dict(input_ids=torch.ones(2, 5, dtype=torch.uint8)), r"torch.uint8.*64 or 32 bits.*\.long\(\)"),
     "float segments": (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 5)), r"token_type_ids has dtype"),
     "segment shape": (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 4, dtype=torch.long)),
                       r"shape \(2, 4\).*\(2, 5\)"),

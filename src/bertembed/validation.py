@@ -9,7 +9,7 @@ import torch
 
 from bertembed.config import EmbeddingConfig
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT_DTYPES = (torch.int64, torch.int32)  # what torch's embedding lookup takes, so every backend takes the same
 
 
 def _check_int(name: str, ids: torch.Tensor) -> None:
@@ -17,8 +17,8 @@ def _check_int(name: str, ids: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}; "
                          f"wrap it with torch.tensor(...)")
     if ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers; "
-                         f"convert with {name}.long()")
+        raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers of 64 or 32 "
+                         f"bits; convert with {name}.long()")
 
 
 def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None:
