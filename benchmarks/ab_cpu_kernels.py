@@ -34,9 +34,9 @@ CASES = [  # name, batch, length, dtype, mode
 
 def load_revision(rev: str):
     """`src/bertembed/kernels/cpu.py` as it was at `rev`, imported as a module of its own, with the `cpu_elements.py`
-    of the same revision where it has one (imported under its own name too, so the working tree's stays out). Returns
-    the module with `run_forward` and `run_backward`: that revision's `cpu_run.py` where it has one (its glue moved
-    there from `cpu.py` at 2026-11-22), else its `cpu.py`."""
+    and `cpu_rows.py` of the same revision where it has them (imported under their own names too, so the working
+    tree's stay out). Returns the module with `run_forward` and `run_backward`: that revision's `cpu_run.py` where it
+    has one (its glue moved there from `cpu.py` at 2026-11-22), else its `cpu.py`."""
     root = Path(__file__).resolve().parent.parent
     folder = Path(tempfile.mkdtemp())
 
@@ -57,16 +57,27 @@ def load_revision(rev: str):
     text = source("cpu")
     if text is None:
         raise SystemExit(f"{rev} has no src/bertembed/kernels/cpu.py")
-    if (elements := source("cpu_elements")) is not None:
-        load("cpu_elements", elements)
-        text = text.replace("bertembed.kernels.cpu_elements", "cpu_elements_at_revision")
-    kernels = load("cpu", text)
+    loaded = []  # helper modules of that revision, each imported under its own name
+
+    def renamed(code: str) -> str:
+        for name in loaded:
+            code = code.replace(f"from bertembed.kernels.{name} import", f"from {name}_at_revision import")
+        return code
+
+    for helper in ("cpu_elements", "cpu_rows"):
+        if (helper_text := source(helper)) is not None:
+            load(helper, renamed(helper_text))
+            loaded.append(helper)
+    kernels = load("cpu", renamed(text))
     glue = source("cpu_run")
     if glue is None:
         return kernels
-    glue = glue.replace("from bertembed.kernels import cpu, pages",
-                        "import cpu_at_revision as cpu\nfrom bertembed.kernels import pages")
-    return load("cpu_run", glue.replace("bertembed.kernels.cpu_elements", "cpu_elements_at_revision"))
+    for line in ("from bertembed.kernels import cpu, pages", "from bertembed.kernels import cpu, cpu_rows, pages"):
+        imports = "import cpu_at_revision as cpu\n"
+        if "cpu_rows" in line:
+            imports += "import cpu_rows_at_revision as cpu_rows\n"
+        glue = glue.replace(line, imports + "from bertembed.kernels import pages")
+    return load("cpu_run", renamed(glue))
 
 
 def make_step(kernels, batch: int, length: int, dtype: torch.dtype, mode: str, hidden: int = 768):

@@ -28,15 +28,18 @@ from bertembed.kernels.cpu_elements import (
     ids_ok,
     keep,
     narrow,
-    prefetch_row,
-    prefetch_row_for_write,
-    store_fence,
-    stream_row,
-    stream_zeros,
-    streams,
     token_rows,
     wide_vectors,
     widen,
+)
+from bertembed.kernels.cpu_rows import (
+    converts,
+    prefetch_row,
+    prefetch_row_for_write,
+    store_fence,
+    stream_zeros,
+    streams,
+    write_row,
 )
 
 # The mean of the row's first entries, this many, is the shift the moments are summed around: within a fraction of a
@@ -106,17 +109,18 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     """Two passes over the row: the sum with its moments, then LayerNorm and dropout into out[i]. Inlined: as a call
     it passed ten arrays by value (600 bytes) per token. `wide`: True for 512-bit vectors (many tokens a thread),
     None for LLVM's default (one sentence): see `wide_vectors`. `stream`: the row is finished in x, then written out by
-    `stream_row` (for outputs too large to stay in cache)."""
+    non-temporal stores (`write_row`: for outputs too large to stay in cache). bfloat16 rows are finished in x wherever
+    the CPU converts rows (`converts`): the conversion is one instruction for 16 elements."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     # The statistics round to float32: from there on the same float32 operations in the same order as torch's
     # LayerNorm, ((x - mean) * rstd) * weight + bias, the last two fused where the caller allows (`_forward_chunk`).
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
-    if stream and streams(out):
+    if (stream and streams(out)) or converts(out):
         for j in range(h):
             x[j] = _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold, scale)
-        stream_row(x, out, i)
+        write_row(x, out, i, stream and streams(out))
     elif threshold == 0:
         for j in range(h):
             out[i, j] = narrow(out, (x[j] - m32) * r32 * gamma[j] + beta[j])
@@ -179,8 +183,8 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread). stream: float32 rows go out by non-temporal stores (`stream_row`), for a large out
-    (bfloat16 rows never are).
+    tokens (a few per thread). stream: rows go out by non-temporal stores (`write_row`), for a large out (bfloat16 rows
+    only where the CPU converts them: `streams`).
     """
     n = out.shape[0]
     bad = 0

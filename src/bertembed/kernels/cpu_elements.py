@@ -1,9 +1,11 @@
 """Element-level building blocks of the CPU kernels (numba): the dropout hash, bfloat16 widening and rounding, a
-token's table rows, prefetch and non-temporal zeros, and a guard against stale on-disk caches.
-`bertembed.kernels.cpu` builds the per-token passes from them.
+token's table rows, arrays without reference counts, and a guard against stale on-disk caches.
+`bertembed.kernels.cpu` builds the per-token passes from them, and from `bertembed.kernels.cpu_rows` (how rows move
+between memory and the core).
 
 numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern: widened to float32 by a shift, rounded back to
-nearest-even by integer arithmetic. Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
+nearest-even by integer arithmetic (an output row, by the CPU's own instruction where it has one: `cpu_rows`).
+Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
 
 numba's on-disk cache (`cache=True`) is keyed on the file of the function it compiled, not on the helpers it inlined:
 importing this module deletes the cached kernels of `cpu.py` and `lean.py` that are older than a file they inline.
@@ -22,8 +24,8 @@ from numba.extending import intrinsic, overload
 _HERE = Path(__file__).parent
 # numba keys a file's on-disk cache on that file alone (numba issue 1833): a kernel that inlines helpers from another
 # file keeps running their old code after an edit there. Which files each cached module inlines:
-_INLINES = {"cpu": ("cpu_elements.py",), "cpu_run": ("cpu_elements.py",), "pages": ("cpu_elements.py",),
-            "lean": ("cpu_elements.py", "cpu.py", "cpu_run.py", "pages.py")}
+_INLINES = {"cpu": ("cpu_elements.py", "cpu_rows.py"), "cpu_run": ("cpu_elements.py",), "pages": ("cpu_elements.py",),
+            "lean": ("cpu_elements.py", "cpu_rows.py", "cpu.py", "cpu_run.py", "pages.py")}
 
 
 def _drop_stale_caches(folder: Path = _HERE / "__pycache__") -> None:
@@ -91,14 +93,25 @@ def _bf16_bits_impl(x):
 
 
 def round_like(table, x):
-    """Round a float32 sum to the table's precision, as torch rounds each add in the table's dtype."""
+    """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add in the
+    table's dtype.
+
+    For bfloat16: to nearest-even by integer arithmetic, kept as float32 (five vector operations; `bf16_bits` takes
+    eight, for any NaN). Here a NaN needs no test of its own: the sum of two bfloat16 values is a NaN only as one of
+    them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000 to such bits carries nowhere.
+    Checked against torch's bfloat16 adds for every NaN and infinity (tests/test_cpu_kernels.py)."""
 
 
 @overload(round_like, inline="always")
 def _round_like_impl(table, x):
     if isinstance(table.dtype, types.Float):
         return lambda table, x: x
-    return lambda table, x: np.uint32(bf16_bits(x) << np.uint32(16)).view(np.float32)
+
+    def impl(table, x):
+        u = np.float32(x).view(np.uint32)
+        u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.uint32(u).view(np.float32)
+    return impl
 
 
 def narrow(out, y):
@@ -181,146 +194,6 @@ def pointer(typingctx, address, dtype):
     return target(address, dtype), codegen
 
 
-_LINE = 64  # bytes in a cache line
-
-
-def _prefetch_first_line(context, builder, signature, args, write: int):
-    array_type = signature.args[0]
-    array = context.make_array(array_type)(context, builder, args[0])
-    int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
-    address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1], ir.Constant(int64, 0)])
-    # llvm.prefetch(address, read 0 / write 1, keep in all cache levels, data)
-    builder.call(prefetch, [builder.bitcast(address, byte_ptr), ir.Constant(int32, write), ir.Constant(int32, 3),
-                            ir.Constant(int32, 1)])
-    return context.get_dummy_value()
-
-
-@intrinsic
-def prefetch_row(typingctx, table, row):
-    """Start loading table[row, :] into the caches: one prefetch, of the row's first cache line, and return at once.
-    The hardware's prefetcher follows the row once it is read (and the page's address translation is presumably warm
-    by then). One prefetch a line of the row was slower, presumably because 48 of them (a float32 row at hidden 768)
-    crowd the core's few outstanding misses (BENCHMARKS.md, the seventh round).
-
-    A prefetch is a hint: it reads nothing the program sees and cannot fault, so the kernels run it for the next
-    tokens' rows while they compute this one's. The caller still passes only rows inside the table."""
-    def codegen(context, builder, signature, args):
-        return _prefetch_first_line(context, builder, signature, args, 0)
-
-    return types.void(table, row), codegen
-
-
-@intrinsic
-def prefetch_row_for_write(typingctx, table, row):
-    """`prefetch_row` for a row about to be written (`prefetchw`: the line comes ready to be changed)."""
-    def codegen(context, builder, signature, args):
-        return _prefetch_first_line(context, builder, signature, args, 1)
-
-    return types.void(table, row), codegen
-
-
-@intrinsic
-def stream_zeros(typingctx, table, lo, hi):
-    """table[lo:hi] = 0 for a C-contiguous 2-D table, the 64-byte aligned middle with non-temporal stores.
-
-    Non-temporal stores write whole cache lines straight to memory: no read of the old line first, and nothing of the
-    cache evicted for zeros nobody reads soon. They are weakly ordered: call `store_fence` before other threads or
-    Python read the table. The unaligned head and tail (under a line each) are ordinary stores."""
-    def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        array = context.make_array(array_type)(context, builder, args[0])
-        int1, int8, int64 = ir.IntType(1), ir.IntType(8), ir.IntType(64)
-        column = ir.Constant(int64, 0)
-        start, stop = (builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, array, [row, column]),
-                                        int64) for row in args[1:])
-        first = builder.and_(builder.add(start, ir.Constant(int64, _LINE - 1)), ir.Constant(int64, -_LINE))
-        first = builder.select(builder.icmp_unsigned("<", first, stop), first, stop)  # first aligned byte, or stop
-        last = builder.and_(stop, ir.Constant(int64, -_LINE))
-        last = builder.select(builder.icmp_unsigned("<", last, first), first, last)  # end of the aligned middle
-        memset_type = ir.FunctionType(ir.VoidType(), [int8.as_pointer(), int8, int64, int1])
-        memset = cgutils.get_or_insert_function(builder.module, memset_type, "llvm.memset.p0.i64")
-        for begin, end in ((start, first), (last, stop)):
-            builder.call(memset, [builder.inttoptr(begin, int8.as_pointer()), ir.Constant(int8, 0),
-                                  builder.sub(end, begin), ir.Constant(int1, 0)])
-        line = ir.VectorType(int64, _LINE // 8)
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        with cgutils.for_range_slice(builder, first, last, ir.Constant(int64, _LINE), intp=int64) as (address, _):
-            store = builder.store(ir.Constant(line, None), builder.inttoptr(address, line.as_pointer()), align=_LINE)
-            store.set_metadata("nontemporal", nontemporal)
-        return context.get_dummy_value()
-
-    return types.void(table, lo, hi), codegen
-
-
-@intrinsic
-def _stream_float_row(typingctx, y, out, i):
-    """out[i, :] = y for a float32 row y and a C-contiguous 2-D float32 out: whole 64-byte lines of the row by
-    non-temporal stores, the unaligned head and tail (under a line each) by ordinary ones. See `stream_zeros`."""
-    if not (isinstance(y, types.Array) and y.ndim == 1 and y.layout == "C" and y.dtype == types.float32
-            and isinstance(out, types.Array) and out.ndim == 2 and out.layout == "C" and out.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        row_type, out_type = signature.args[:2]
-        row = context.make_array(row_type)(context, builder, args[0])
-        table = context.make_array(out_type)(context, builder, args[1])
-        int64, lanes = ir.IntType(64), _LINE // 4
-        n = builder.extract_value(row.shape, 0)
-        dst = cgutils.get_item_pointer(context, builder, out_type, table, [args[2], ir.Constant(int64, 0)])
-        src = cgutils.get_item_pointer(context, builder, row_type, row, [ir.Constant(int64, 0)])
-        # floats before the first line boundary: (-address mod 64) / 4, at most n
-        head = builder.lshr(builder.and_(builder.neg(builder.ptrtoint(dst, int64)), int64(_LINE - 1)), int64(2))
-        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)
-        lines_end = builder.add(head, builder.and_(builder.sub(n, head), int64(-lanes)))
-        for lo, hi in ((int64(0), head), (lines_end, n)):
-            with cgutils.for_range_slice(builder, lo, hi, int64(1), intp=int64) as (j, _):
-                builder.store(builder.load(builder.gep(src, [j])), builder.gep(dst, [j]))
-        line = ir.VectorType(ir.FloatType(), lanes)
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        with cgutils.for_range_slice(builder, head, lines_end, int64(lanes), intp=int64) as (j, _):
-            value = builder.load(builder.bitcast(builder.gep(src, [j]), line.as_pointer()), align=4)
-            store = builder.store(value, builder.bitcast(builder.gep(dst, [j]), line.as_pointer()), align=_LINE)
-            store.set_metadata("nontemporal", nontemporal)
-        return context.get_dummy_value()
-
-    return types.void(y, out, i), codegen
-
-
-def streams(out):
-    """Whether rows of `out` can be streamed (`stream_row`): a constant, True for float32. (bfloat16 rows are not:
-    streaming them gained nothing, see BENCHMARKS.md, and the branch alone cost their forward 2-3%.)"""
-
-
-@overload(streams, inline="always")
-def _streams_impl(out):
-    able = out.dtype == types.float32
-    return lambda out: able
-
-
-def stream_row(y, out, i):
-    """out[i, :] = y (float32 [H]) by non-temporal stores (`_stream_float_row`; call `store_fence` before others read
-    out), where `streams(out)`; nothing elsewhere (a branch that `streams` rules out)."""
-
-
-@overload(stream_row, inline="always")
-def _stream_row_impl(y, out, i):
-    if out.dtype == types.float32:
-        return lambda y, out, i: _stream_float_row(y, out, i)
-    return lambda y, out, i: None
-
-
-@intrinsic
-def store_fence(typingctx):
-    """A full memory fence: every store before it, non-temporal ones included, is visible before any after it."""
-    def codegen(context, builder, signature, args):
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
 @intrinsic
 def wide_vectors(typingctx, wide):
     """Nothing, but with `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where
@@ -374,3 +247,4 @@ def call_symbol(builder, name: str, result, arguments: list):
     function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in arguments]),
                                               name)
     return builder.call(function, arguments)
+

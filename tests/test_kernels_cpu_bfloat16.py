@@ -1,0 +1,135 @@
+"""bfloat16 in the numba kernels: the roundings against torch's own, bit for bit, and the layer against the reference.
+
+Where the CPU has AVX512-BF16, output rows are rounded by its conversion instruction (`cpu_rows.BF16_CONVERSION`);
+the last test runs this file again in a process compiled for a CPU without it, so both ways are tested here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from numba import njit  # noqa: E402
+
+from bertembed.kernels import cpu_elements, cpu_rows, cpu_run, pages  # noqa: E402
+from kernel_helpers import awkward_ids, check_low_precision, twins  # noqa: E402
+
+_BF16 = np.zeros((1, 1), np.uint16)  # stands for a bfloat16 table in `round_like`'s dispatch
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _as_bfloat16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+@njit
+def _round_sums(table, sums):
+    out = np.empty_like(sums)
+    for j in range(sums.size):
+        out[j] = cpu_elements.round_like(table, sums[j])
+    return out
+
+
+def _assert_same_bfloat16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bit patterns, except that any NaN stands for any other."""
+    both_nan = got.isnan() & want.isnan()
+    differ = (_bits(got) != _bits(want)) & ~both_nan.numpy()
+    assert not differ.any(), f"{int(differ.sum())} differ, first at {np.flatnonzero(differ)[:5]}"
+    assert torch.equal(got.isnan(), want.isnan())
+
+
+def test_rounding_a_sum_is_torchs_for_every_bfloat16_value():
+    """`round_like` (no NaN test of its own) against torch's bfloat16 add: every one of the 65536 bit patterns plus
+    every NaN and infinity, and plus finite values of all magnitudes (ties to even included)."""
+    every = np.arange(1 << 16, dtype=np.uint32)
+    specials = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000)])  # infinities and NaNs
+    finite = np.random.default_rng(0).choice(every[(every & 0x7F80) != 0x7F80], 256, replace=False)
+    a = _as_bfloat16(np.repeat(every, specials.size + finite.size))
+    b = _as_bfloat16(np.tile(np.concatenate([specials, finite]), every.size))
+    sums = (a.float() + b.float()).numpy()  # exact or one rounding away: float32 holds the sum of two bfloat16s
+    got = torch.from_numpy(_round_sums(_BF16, sums).view(np.uint32) >> 16).to(torch.int32)
+    _assert_same_bfloat16(_as_bfloat16(got.numpy()), a + b)
+
+
+@njit
+def _write_rows(y, out, stream):
+    for i in range(out.shape[0]):
+        cpu_rows.write_row(y[i], out, i, stream)
+
+
+@pytest.mark.skipif(not cpu_rows.BF16_CONVERSION, reason="this CPU has no AVX512-BF16 (the layer tests cover the rest)")
+@pytest.mark.parametrize("hidden", [1, 31, 97, 768, 1000])
+@pytest.mark.parametrize("stream", [False, True])
+def test_rows_converted_by_the_cpu_round_as_torch_does(hidden, stream):
+    """`write_row` into a bfloat16 output: torch's rounding for every float32 of any magnitude, NaNs of any payload
+    and infinities; rows that start on a cache line and rows that do not (odd hidden sizes). The one difference is the
+    instruction's: a result below bfloat16's smallest normal (1.2e-38) is a zero of the same sign."""
+    gen = torch.Generator().manual_seed(hidden)
+    y = torch.randn(3, hidden, generator=gen) * torch.logspace(-42, 38, 3 * hidden).view(3, hidden)
+    specials = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+                             0x3F818000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    flat = y.view(-1)
+    flat[: min(flat.numel(), specials.numel())] = specials[: flat.numel()]
+    out = torch.full((3, hidden), 7.0, dtype=torch.bfloat16)
+    _write_rows(y.numpy(), _bits(out), stream)
+    want = y.to(torch.bfloat16)
+    subnormal = want.float().abs() < torch.finfo(torch.bfloat16).tiny
+    want[subnormal] = torch.copysign(torch.zeros(()), y[subnormal]).to(torch.bfloat16)
+    _assert_same_bfloat16(out, want)
+
+
+@pytest.mark.parametrize(("hidden", "threads", "batch", "length"), [(97, 2, 2, 9), (768, 2, 2, 512), (200, 1, 4, 40)])
+def test_streamed_bfloat16_outputs_match_reference(hidden, threads, batch, length, monkeypatch):
+    """Large bfloat16 outputs are streamed where the CPU converts rows (forced here for small ones), in training and
+    in inference; elsewhere they are stored as small ones are."""
+    monkeypatch.setattr(cpu_run, "_STREAM_OUT_FROM", 0)
+    monkeypatch.setattr(pages, "_COLLAPSE_FROM", 0)
+    monkeypatch.setattr(pages, "_collapsed", set())
+    ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
+    ids = awkward_ids(batch, length, ref.config.vocab_size)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_low_precision(ref, fused, ids)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(ids), ref(ids))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_bfloat16_tables_and_output(hidden):
+    """bfloat16 in and out (uint16 bit patterns inside the kernel): outputs within assert_close's bfloat16 defaults of
+    the bfloat16 reference, gradients of the same function computed in float32."""
+    ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
+    check_low_precision(ref, fused, awkward_ids(3, 24, ref.config.vocab_size))
+
+
+def test_float32_layer_norm_with_bfloat16_tables():
+    """Mixed precision as often set up: bfloat16 tables, float32 LayerNorm weight and bias."""
+    ref, fused = twins(64, "cpu", dtype=torch.bfloat16)
+    for layer in (ref, fused):
+        layer.LayerNorm.float()
+    ids = awkward_ids(2, 9, ref.config.vocab_size)
+    torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not cpu_rows.BF16_CONVERSION, reason="this process already runs without the instruction")
+def test_this_file_passes_on_a_cpu_without_the_conversion(tmp_path):
+    """The same tests, compiled for a CPU without AVX512-BF16 (numba's generic x86-64), into a cache of their own:
+    the integer rounding of the output, and no streaming of bfloat16 rows."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "skipped" in run.stdout  # the instruction's own tests, and this one
