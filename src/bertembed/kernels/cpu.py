@@ -119,15 +119,20 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     mean[i], rstd[i] = m32, r32
     if (stream and streams(out)) or converts(out):
         for j in range(h):
-            x[j] = _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold, scale)
+            x[j] = _dropped(_normed(x, j, m32, r32, gamma, beta), seed, i * h + j, threshold, scale)
         write_row(x, out, i, stream and streams(out))
     elif threshold == 0:
         for j in range(h):
-            out[i, j] = narrow(out, (x[j] - m32) * r32 * gamma[j] + beta[j])
+            out[i, j] = narrow(out, _normed(x, j, m32, r32, gamma, beta))
     else:
         for j in range(h):
-            out[i, j] = narrow(out, _dropped((x[j] - m32) * r32 * gamma[j] + beta[j], seed, i * h + j, threshold,
-                                             scale))
+            out[i, j] = narrow(out, _dropped(_normed(x, j, m32, r32, gamma, beta), seed, i * h + j, threshold, scale))
+
+
+@njit(cache=True, inline="always")
+def _normed(x, j, m, r, gamma, beta):
+    """LayerNorm's element j, ((x - mean) * rstd) * weight + bias, with a float32 weight and bias."""
+    return (x[j] - m) * r * gamma[j] + beta[j]
 
 
 @njit(cache=True, inline="always")

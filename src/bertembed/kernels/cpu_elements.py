@@ -114,6 +114,22 @@ def _round_like_impl(table, x):
     return impl
 
 
+def as_float32(row, into):
+    """`row` (float32, or bfloat16 bits) as float32: row itself, or widened into `into` (a float32 array as long)."""
+
+
+@overload(as_float32, inline="always")
+def _as_float32_impl(row, into):
+    if isinstance(row.dtype, types.Float):
+        return lambda row, into: row
+
+    def impl(row, into):
+        for j in range(row.size):
+            into[j] = widen(row[j])
+        return into
+    return impl
+
+
 def narrow(out, y):
     """A float32 value as an element of `out` (identity for float32, rounded bits for bfloat16)."""
 
@@ -183,10 +199,11 @@ def hold(typingctx, array):
 def pointer(typingctx, address, dtype):
     """The integer `address` as a pointer to `dtype` elements, for `numba.carray`: an array over memory that Python
     hands in as a number (`Tensor.data_ptr()`, 60 ns, where `Tensor.numpy()` takes 600). The array holds no reference:
-    valid while the caller holds the tensor, and only as large as the caller says it is."""
-    if not isinstance(address, types.Integer) or not isinstance(dtype, types.NumberClass):
+    valid while the caller holds the tensor, and only as large as the caller says it is. `dtype`: a numpy scalar
+    type (`np.float32`) or an array's `.dtype`."""
+    if not isinstance(address, types.Integer) or not isinstance(dtype, (types.NumberClass, types.DType)):
         return None
-    target = types.CPointer(dtype.instance_type)
+    target = types.CPointer(dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype)
 
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], context.get_value_type(target))

@@ -10,8 +10,9 @@ addresses are cached while their storage stays the same, a sentence's ids reach 
 inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
 compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
 and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
-path does not cover (training, autograd, bfloat16, explicit position ids, `inputs_embeds`, a bad id) returns None, and
-the general path takes over: it raises the reference layer's errors.
+path does not cover (training, autograd, mixed dtypes, a batch in bfloat16, explicit position ids, `inputs_embeds`, a
+bad id) returns None, and the general path takes over: it raises the reference layer's errors. A bfloat16 layer's
+small inputs take it too (all five tables bfloat16, as `layer.to(torch.bfloat16)` leaves them).
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -25,7 +26,7 @@ import torch
 from numba import carray, njit
 
 from bertembed.kernels import cpu, cpu_run, module_tables, pages
-from bertembed.kernels.cpu_elements import borrowed, dropout_threshold, hold, pointer
+from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
 
@@ -44,40 +45,51 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
 
 
 @njit(cache=True, inline="always")
-def _views(ids_at, tts_at, batch, length, tables):
-    """(ids, tts [B, L] int64; word, seg, pos, gamma, beta float32) as arrays over the addresses `try_infer` passes:
-    ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids); tables = `_Tables.addresses`.
-    Building them reads nothing."""
+def _views(ids_at, tts_at, batch, length, tables, dtype):
+    """(ids, tts [B, L] int64; word, seg, pos, gamma, beta of `dtype`: float32, or uint16 for bfloat16) as arrays over
+    the addresses `try_infer` passes: ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids);
+    tables = `_Tables.addresses`. Building them reads nothing."""
     word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions, hidden = tables
     ids = carray(pointer(ids_at, np.int64), (batch, length))
     tts = carray(pointer(tts_at, np.int64), (batch, length))
-    word = carray(pointer(word_at, np.float32), (vocab, hidden))
-    seg = carray(pointer(seg_at, np.float32), (segments, hidden))
-    pos = carray(pointer(pos_at, np.float32), (positions, hidden))
-    gamma, beta = carray(pointer(gamma_at, np.float32), hidden), carray(pointer(beta_at, np.float32), hidden)
+    word = carray(pointer(word_at, dtype), (vocab, hidden))
+    seg = carray(pointer(seg_at, dtype), (segments, hidden))
+    pos = carray(pointer(pos_at, dtype), (positions, hidden))
+    gamma, beta = carray(pointer(gamma_at, dtype), hidden), carray(pointer(beta_at, dtype), hidden)
     return ids, tts, word, seg, pos, gamma, beta
 
 
 @njit(cache=True, fastmath={"contract"})  # as `cpu._forward_chunk`: the same numbers
 def _infer(ids_at, tts_at, has_tts, past, tables, eps, out):
     """out [B, L, H] = LayerNorm((word[ids] + seg[tts]) + pos[past + l]) on this thread; returns False, computing
-    nothing, when an id, a segment id or a position lies outside its table.
+    nothing, when an id, a segment id or a position lies outside its table. The five tables are of out's dtype:
+    float32, or uint16 for bfloat16.
 
     The ids and tables arrive as addresses (`Tensor.data_ptr()`: a tenth of what `Tensor.numpy()` costs, and an int
     argument unboxes in half an array's time): see `_views`."""
     batch, length, hidden = out.shape
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables)
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.dtype)
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return False
     n = batch * length
-    scratch = np.empty(hidden + 2 * n, np.float32)  # one allocation: the row, then the statistics (not kept)
+    # One allocation: the row, the statistics (not kept), and for bfloat16 the LayerNorm weight and bias as float32,
+    # as the kernel takes them (bfloat16 ones read in its loop cost a sentence 4 us: 8.4 against 4.3).
+    widened = 0 if out.itemsize == 4 else 2 * hidden
+    scratch = np.empty(hidden + 2 * n + widened, np.float32)
     x, mean, rstd = borrowed(scratch[:hidden]), borrowed(scratch[hidden:hidden + n]), borrowed(scratch[hidden + n:])
+    end = hidden + 2 * n
+    gamma = as_float32(gamma, borrowed(scratch[end:end + widened // 2]))
+    beta = as_float32(beta, borrowed(scratch[end + widened // 2:]))
     out = borrowed(out.reshape(batch * length, hidden))
     for r in range(batch):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
-            cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                               _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None, False)
+            if widened:  # bfloat16: wide vectors pay (4.8 -> 4.3 us a sentence), unlike for float32
+                cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
+                                   _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, True, False)
+            else:
+                cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
+                                   _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None, False)
     hold(scratch)
     return True
 
@@ -92,7 +104,7 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
 
     All of it one compiled call from Python: after the previous batch's kernel has left the caches cold, each Python
     step before it costs 6-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh and eighth rounds)."""
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables)
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, np.float32)
     hidden = word.shape[1]
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return -1
@@ -112,16 +124,21 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
 
 
 class _Tables(NamedTuple):
-    """The five float32 CPU tables (word, segment, position, weight, bias) as numpy views, for `cpu.forward`, and as
+    """The five CPU tables (word, segment, position, weight, bias) as numpy views (bfloat16 as uint16 bits), and as
     addresses followed by the rows of the first three and the hidden size (V, T, P, H), for `_infer`. The views hold
-    the tensors' storage, so the addresses stay valid while this is held."""
+    the tensors' storage, so the addresses stay valid while this is held. `dtype`: all five's, float32 or bfloat16."""
 
     arrays: list
     addresses: tuple
+    dtype: torch.dtype
+
+
+_SHORT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _tables(layer) -> _Tables | None:
-    """The layer's five float32 CPU tables, cached on the layer while their storage and sizes are unchanged."""
+    """The layer's five CPU tables, all float32 or all bfloat16, cached on the layer while their storage and sizes are
+    unchanged."""
     tensors = module_tables(layer)
     if tensors is None:
         return None
@@ -134,13 +151,14 @@ def _tables(layer) -> _Tables | None:
     cached = layer.__dict__.get("_lean_tables")
     if cached is not None and cached[0] == key:
         return cached[1]
-    hidden = word.shape[1]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors) \
+    hidden, dtype = word.shape[1], word.dtype
+    if dtype not in _SHORT_DTYPES or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
+                                         for t in tensors) \
             or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
             or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
-    tables = _Tables([t.detach().numpy() for t in tensors],
-                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0], hidden))
+    tables = _Tables([cpu_run._np(t) for t in tensors],
+                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0], hidden), dtype)
     layer.__dict__["_lean_tables"] = (key, tables)
     return tables
 
@@ -166,7 +184,10 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     if tables is None:
         return None
     (batch, length), hidden, eps = shape, tables.addresses[-1], layer.config.layer_norm_eps
+    bfloat16 = tables.dtype is torch.bfloat16
     if batch * length * hidden >= cpu_run._PARALLEL_FROM:
+        if bfloat16:
+            return None  # a bfloat16 batch: the general path (its glue is a few percent of the batch's time)
         out = torch.empty(batch, length, hidden)  # torch's allocator: its memory profiler sees the output
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
@@ -175,7 +196,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             return None  # a bad id: the general path raises the reference's error
         cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
         return out
-    out = np.empty((batch, length, hidden), np.float32)
+    out = np.empty((batch, length, hidden), np.uint16 if bfloat16 else np.float32)
     if not _infer(ids_at, tts_at, has_tts, past_key_values_length, tables.addresses, eps, out):
         return None  # a bad id: the general path raises the reference's error
-    return torch.from_numpy(out)
+    return torch.from_numpy(out).view(torch.bfloat16) if bfloat16 else torch.from_numpy(out)
