@@ -115,36 +115,35 @@ def test_a_table_cut_at_the_same_address_is_seen(batch):
         _close(fused(ids), ref(ids))
 
 
-@pytest.mark.parametrize("shape,offset,types", [((1, 11), 0, True), ((1, 1), 0, False), ((3, 7), 5, True)])
-def test_bfloat16_sentences_take_the_short_path(shape, offset, types):
-    """A bfloat16 layer (`.to(torch.bfloat16)`: all five tables) takes the short path for small inputs: the general
-    path's numbers exactly (the same kernel), the reference's within assert_close's bfloat16 defaults; a LayerNorm
-    weight changed in place is read at the next call."""
+@pytest.mark.parametrize("shape,offset,types", [((1, 11), 0, True), ((1, 1), 0, False), ((3, 7), 5, True),
+                                                 ((16, 64), 0, True), ((40, 17), 3, False)])  # these on all threads
+def test_bfloat16_layers_take_the_short_path(shape, offset, types):
+    """A bfloat16 layer (`.to(torch.bfloat16)`: all five tables) takes the short path: the general path's numbers
+    exactly (the same kernel), the reference's within assert_close's bfloat16 defaults; a LayerNorm weight changed in
+    place is read at the next call."""
     ref, fused = (layer.to(torch.bfloat16) for layer in _pair())
     ids = torch.randint(0, 500, shape)
     tts = torch.randint(0, 2, shape) if types else None
+    positions = torch.arange(shape[1])[None] + offset  # given: the general path
     with torch.no_grad():
         for _ in range(2):
             out = lean.try_infer(fused, ids, tts, None, None, offset)
             assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*shape, 200)
-            general = fused(ids, tts, past_key_values_length=offset, position_ids=torch.arange(shape[1])[None] + offset)
-            assert torch.equal(out, general)
+            assert torch.equal(out, fused(ids, tts, past_key_values_length=offset, position_ids=positions))
             torch.testing.assert_close(out, ref(ids, tts, past_key_values_length=offset))
             for layer in (ref, fused):
                 layer.LayerNorm.weight.mul_(-0.5)
 
 
-def test_mixed_and_batched_bfloat16_go_the_general_way():
+def test_mixed_dtypes_go_the_general_way():
     ref, fused = (layer.to(torch.bfloat16) for layer in _pair())
     with torch.no_grad():
-        batch = torch.randint(0, 500, (64, 64))  # all threads: the general path
-        assert lean.try_infer(fused, batch, None, None, None, 0) is None
-        torch.testing.assert_close(fused(batch), ref(batch))
         for layer in (ref, fused):
             layer.LayerNorm.float()  # bfloat16 tables, float32 LayerNorm
-        ids = torch.randint(0, 500, (1, 9))
-        assert lean.try_infer(fused, ids, None, None, None, 0) is None
-        torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
+        for shape in ((1, 9), (64, 64)):
+            ids = torch.randint(0, 500, shape)
+            assert lean.try_infer(fused, ids, None, None, None, 0) is None
+            torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
 
 
 def test_what_the_short_path_leaves_to_the_general_one():

@@ -10,9 +10,9 @@ addresses are cached while their storage stays the same, a sentence's ids reach 
 inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
 compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
 and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
-path does not cover (training, autograd, mixed dtypes, a batch in bfloat16, explicit position ids, `inputs_embeds`, a
-bad id) returns None, and the general path takes over: it raises the reference layer's errors. A bfloat16 layer's
-small inputs take it too (all five tables bfloat16, as `layer.to(torch.bfloat16)` leaves them).
+path does not cover (training, autograd, mixed dtypes, explicit position ids, `inputs_embeds`, a bad id) returns
+None, and the general path takes over: it raises the reference layer's errors. A bfloat16 layer takes it too, with all
+five tables bfloat16 (as `layer.to(torch.bfloat16)` leaves them).
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -94,17 +94,21 @@ def _infer(ids_at, tts_at, has_tts, past, tables, eps, out):
     return True
 
 
+_FLOAT32, _BFLOAT16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `_infer_batch`'s `like`
+
+
 @njit(cache=True)
-def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, stream_from, threads):
-    """`_infer` for a batch: `cpu.forward` on all threads, into the uninitialised float32 [B*L, H] at `out_at`, its
-    position and segment ids built here. Returns -1, computing nothing, on a bad id; else how many tokens the kernel
+def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, like, stream_from, threads):
+    """`_infer` for a batch: `cpu.forward` on all threads, into the uninitialised [B*L, H] at `out_at`, its position
+    and segment ids built here. The tables and the output are of `like`'s dtype (an empty array: float32, or uint16
+    for bfloat16). Returns -1, computing nothing, on a bad id; else how many tokens the kernel
     skipped (0: any other count is a bug). The output is streamed from `stream_from` bytes unless its memory is fresh
     (`cpu_run.stream_output`, which gets 2 MB pages instead: `pages.advise_if_fresh_at`); `threads`: (torch's thread
     count, numba's pool size).
 
     All of it one compiled call from Python: after the previous batch's kernel has left the caches cold, each Python
     step before it costs 6-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh and eighth rounds)."""
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, np.float32)
+    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, like.dtype)
     hidden = word.shape[1]
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return -1
@@ -115,10 +119,12 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
             positions[r * length + c] = past + c
             segments[r * length + c] = tts[r, c] if has_tts else 0
     stats = np.empty((2, n), np.float32)
-    nbytes = n * hidden * 4
+    norm = np.empty((2, 0 if like.itemsize == 4 else hidden), np.float32)  # bfloat16: weight and bias as float32
+    gamma, beta = as_float32(gamma, norm[0]), as_float32(beta, norm[1])
+    nbytes = n * hidden * like.itemsize
     stream = not pages.advise_if_fresh_at(out_at, nbytes) and nbytes >= stream_from
     chunks = cpu_run.chunks_for(n, cpu_run.use_threads(threads[0], threads[1]))
-    out = carray(pointer(out_at, np.float32), (n, hidden))
+    out = carray(pointer(out_at, like.dtype), (n, hidden))
     return cpu.forward(ids.reshape(n), segments, positions, word, seg, pos, gamma, beta, eps, _NO_DROPOUT, _SCALE,
                        _SEED, out, stats[0], stats[1], chunks, stream)
 
@@ -186,12 +192,11 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     (batch, length), hidden, eps = shape, tables.addresses[-1], layer.config.layer_norm_eps
     bfloat16 = tables.dtype is torch.bfloat16
     if batch * length * hidden >= cpu_run._PARALLEL_FROM:
-        if bfloat16:
-            return None  # a bfloat16 batch: the general path (its glue is a few percent of the batch's time)
-        out = torch.empty(batch, length, hidden)  # torch's allocator: its memory profiler sees the output
+        out = torch.empty(batch, length, hidden, dtype=tables.dtype)  # torch's allocator: its profiler sees it
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
-                           out.data_ptr(), cpu_run._STREAM_OUT_FROM, (torch.get_num_threads(), cpu_run.POOL))
+                           out.data_ptr(), _BFLOAT16 if bfloat16 else _FLOAT32, cpu_run._STREAM_OUT_FROM,
+                           (torch.get_num_threads(), cpu_run.POOL))
         if bad < 0:
             return None  # a bad id: the general path raises the reference's error
         cpu_run.check_bad(bad, "bertembed cpu forward (short path)")
