@@ -2,7 +2,7 @@
 (`cpu_run.run_forward`) and the kernel alone (numpy arguments built once, one output buffer), timed alternately in one
 process, eval mode under `torch.no_grad()`, H 768, random BERT-sized tables, 2 threads.
 
-    MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/glue_overhead.py
+    MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/glue_overhead.py [--dtype bfloat16]
 
 Prints the median over blocks of each block's median call, in ms. To compare revisions, run it with
 `PYTHONPATH=<worktree>/src` for each, one after the other (the VM's memory speed drifts: repeat both).
@@ -23,8 +23,8 @@ from bertembed.kernels.cpu_elements import dropout_threshold
 SHAPES = [(32, 128), (1, 11)]
 
 
-def candidates(batch: int, length: int) -> dict:
-    layer = BertEmbeddings(EmbeddingConfig(vocab_size=30522, hidden_size=768), backend="cpu").eval()
+def candidates(batch: int, length: int, dtype: torch.dtype) -> dict:
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=30522, hidden_size=768), backend="cpu").eval().to(dtype)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 30522, (batch, length), generator=gen)
     types = torch.randint(0, 2, (batch, length), generator=gen)
@@ -32,9 +32,10 @@ def candidates(batch: int, length: int) -> dict:
     tables = (layer.word_embeddings.weight, layer.token_type_embeddings.weight, layer.position_embeddings.weight,
               layer.LayerNorm.weight, layer.LayerNorm.bias)
     n = batch * length
-    out, mean, rstd = torch.empty(n, 768), torch.empty(n), torch.empty(n)
+    out, mean, rstd = torch.empty(n, 768, dtype=dtype), torch.empty(n), torch.empty(n)
     kernel = cpu.forward if n * 768 >= cpu_run._PARALLEL_FROM else cpu.forward_serial
-    arrays = [cpu_run._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables)]
+    arrays = [cpu_run._np(t) for t in (ids.reshape(-1), types.reshape(-1), positions, *tables[:3],
+                                       *(t.float() for t in tables[3:]))]  # the kernel's LayerNorm: float32
     args = (*arrays, 1e-12, dropout_threshold(0.0), 1.0, np.uint64(0), cpu_run._np(out), cpu_run._np(mean),
             cpu_run._np(rstd), cpu_run.forward_chunks(n),
             cpu_run.stream_output(out, fresh=False))  # as run_forward does, for a buffer used again
@@ -49,11 +50,12 @@ def candidates(batch: int, length: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the layer's dtype")
     args = parser.parse_args()
     torch.set_num_threads(2)
     with torch.no_grad():
         for batch, length in SHAPES:
-            steps = candidates(batch, length)
+            steps = candidates(batch, length, getattr(torch, args.dtype))
             calls = 30 if batch * length > 100 else 2000
             medians = {name: [] for name in steps}
             for step in steps.values():
