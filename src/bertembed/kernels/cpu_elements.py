@@ -99,7 +99,7 @@ def round_like(table, x):
     For bfloat16: to nearest-even by integer arithmetic, kept as float32 (five vector operations; `bf16_bits` takes
     eight, for any NaN). Here a NaN needs no test of its own: the sum of two bfloat16 values is a NaN only as one of
     them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000 to such bits carries nowhere.
-    Checked against torch's bfloat16 adds for every NaN and infinity (tests/test_cpu_kernels.py)."""
+    Checked against torch's bfloat16 adds for every NaN and infinity (tests/test_kernels_cpu_bfloat16.py)."""
 
 
 @overload(round_like, inline="always")
