@@ -101,8 +101,8 @@ _FLOAT32, _BFLOAT16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `_infer
 def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, like, stream_from, threads):
     """`_infer` for a batch: `cpu.forward` on all threads, into the uninitialised [B*L, H] at `out_at`, its position
     and segment ids built here. The tables and the output are of `like`'s dtype (an empty array: float32, or uint16
-    for bfloat16). Returns -1, computing nothing, on a bad id; else how many tokens the kernel
-    skipped (0: any other count is a bug). The output is streamed from `stream_from` bytes unless its memory is fresh
+    for bfloat16). Returns -1, computing nothing, on a bad id; else how many tokens the kernel skipped (0: any other
+    count is a bug). The output is streamed from `stream_from` bytes unless its memory is fresh
     (`cpu_run.stream_output`, which gets 2 MB pages instead: `pages.advise_if_fresh_at`); `threads`: (torch's thread
     count, numba's pool size).
 
