@@ -206,7 +206,7 @@ def streams(out):
 
 @overload(streams, inline="always")
 def _streams_impl(out):
-    able = out.dtype == types.float32 or (out.dtype == types.uint16 and BF16_CONVERSION)
+    able = out.dtype == types.float32 or _cpu_converts(out)
     return lambda out: able
 
 
@@ -215,9 +215,13 @@ def converts(out):
     where the CPU converts rows (`BF16_CONVERSION`); elsewhere the kernels store each element as they compute it."""
 
 
+def _cpu_converts(out) -> bool:
+    return out.dtype == types.uint16 and BF16_CONVERSION
+
+
 @overload(converts, inline="always")
 def _converts_impl(out):
-    able = out.dtype == types.uint16 and BF16_CONVERSION
+    able = _cpu_converts(out)
     return lambda out: able
 
 
@@ -235,7 +239,7 @@ def _write_row_impl(y, out, i, stream):
             else:
                 out[i] = y
         return impl
-    if out.dtype == types.uint16 and BF16_CONVERSION:
+    if _cpu_converts(out):
         def impl(y, out, i, stream):
             if stream:
                 _bfloat16_row(y, out, i, True)
