@@ -51,8 +51,9 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
     if input_ids is not None:
         _check_int("input_ids", input_ids)
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; "
-                             f"add a batch dimension with input_ids.unsqueeze(0)")
+            fix = ("add a batch dimension with input_ids.reshape(1, -1)" if input_ids.dim() < 2 else
+                   "flatten the leading dimensions with input_ids.reshape(-1, input_ids.shape[-1])")
+            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; {fix}")
         return tuple(input_ids.shape)
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
         raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
