@@ -97,6 +97,18 @@ def test_patch_finds_bert_inside_a_wrapper():
     assert isinstance(wrapper[1].auto_model.embeddings, BertEmbeddings)
 
 
+def test_patching_twice_keeps_the_fused_layer_and_switches_its_backend():
+    model = model_of(transformers.BertModel).eval()
+    ids = batch()["input_ids"]
+    expected = model(input_ids=ids).last_hidden_state
+    fused = bertembed.patch(model, backend="cpu").embeddings
+    assert bertembed.patch(model, backend="reference").embeddings is fused and fused.backend == "reference"
+    torch.testing.assert_close(model(input_ids=ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        bertembed.patch(model, backend="cuda-please")
+    assert type(bertembed.unpatch(model).embeddings) is transformers.models.bert.modeling_bert.BertEmbeddings
+
+
 def test_patch_refuses_a_model_without_bert_embeddings():
     with pytest.raises(ValueError, match="no transformers BertEmbeddings"):
         bertembed.patch(torch.nn.Linear(2, 2))

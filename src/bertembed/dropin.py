@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from bertembed.config import EmbeddingConfig
-from bertembed.embeddings import BertEmbeddings
+from bertembed.embeddings import BertEmbeddings, checked_backend
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,20 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Replace every transformers `BertEmbeddings` in `model` (BertModel, BertFor... heads, sentence-transformers
-    models built on them) with bertembed's fused layer, in place, keeping the weights. Returns `model`."""
+    models built on them) with bertembed's fused layer, in place, keeping the weights. Returns `model`.
+
+    A model patched before keeps its fused layers, now running `backend` (patching twice, as a notebook cell run
+    again does, changes nothing else)."""
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if _is_hf_bert_embeddings(child):
                 setattr(parent, name, fused_from(child, backend))
-                swapped.append(f"{parent_name}.{name}".lstrip("."))
+            elif getattr(child, "_bertembed_original", None) is not None:
+                child.backend = checked_backend(backend)
+            else:
+                continue
+            swapped.append(f"{parent_name}.{name}".lstrip("."))
     if not swapped:
         raise ValueError(f"no transformers BertEmbeddings found in {type(model).__name__}: bertembed.patch works on "
                          f"BERT models (BertModel, BertFor..., sentence-transformers models built on them)")

@@ -65,15 +65,20 @@ def _kernels():
     return _imported["kernels"]
 
 
+def checked_backend(backend: str) -> str:
+    """Who computes forward: "reference" (this file), or the fused kernels of bertembed.kernels: "cpu" (numba),
+    "triton", "auto" (the kernel for the device; this file when it cannot run, with a logged reason). Raises
+    ValueError for any other name."""
+    return backend if backend == "reference" else _kernels().check_backend(backend)
+
+
 class BertEmbeddings(nn.Module):
     """Word, position and segment tables, summed and layer-normalised: transformers' `BertEmbeddings`, exactly."""
 
     def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
         super().__init__()
         self.config = config = config or EmbeddingConfig()
-        # Who computes forward: "reference" (this file), or the fused kernels of bertembed.kernels: "cpu" (numba),
-        # "triton", "auto" (the kernel for the device; this file when it cannot run, with a logged reason).
-        self.backend = backend if backend == "reference" else _kernels().check_backend(backend)
+        self.backend = checked_backend(backend)
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings: nn.Module | None = {
             "absolute": lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size),
