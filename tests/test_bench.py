@@ -164,6 +164,35 @@ def test_cli_rejects_bad_options_before_running():
     assert result.exit_code == 2 and "--threads" in result.output
 
 
+def test_cli_refuses_an_output_it_cannot_write_before_running(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bertembed.bench import runner
+    from bertembed.cli import app
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("ran before checking the output paths"))
+    for flag in ("--json-out", "--markdown"):
+        result = CliRunner().invoke(app, ["bench", "--quick", flag, str(tmp_path / "missing" / "out")])
+        assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(app, ["bench", "--quick", "--json-out", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder" in result.output
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_kept(tmp_path, monkeypatch, capsys):
+    from bertembed.cli import bench as cli_bench
+
+    report = {"conditions": {}, "wall_seconds": 1.0}
+    monkeypatch.setattr("bertembed.bench.report.markdown", lambda report: "# bench\n")
+    monkeypatch.setattr(cli_bench.tempfile, "tempdir", str(tmp_path / "spare"))
+    (tmp_path / "spare").mkdir()
+    gone = tmp_path / "gone"  # the folder existed when the run started, and is gone when it ends
+    assert cli_bench._save(report, gone / "full.json", tmp_path / "full.md") is False
+    spare = list((tmp_path / "spare").glob("bertembed-bench-*.json"))
+    assert len(spare) == 1 and json.loads(spare[0].read_text()) == report
+    assert (tmp_path / "full.md").read_text().startswith("#") and str(spare[0]) in capsys.readouterr().err.replace(
+        "\n", "")
+
+
 def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch):
     from bertembed.bench import worker
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from bertembed.cli.app import app, console, user_errors
+from bertembed.cli.app import app, console, err_console, user_errors
 
 _RESULT_STYLE = {"pass": "green", "miss": "red"}
 
@@ -44,6 +45,11 @@ def bench(
         options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate,
                                hiddens=tuple(hidden) if hidden else None, shapes=_shapes(shape))
         cases = plan_cases(options)
+        from bertembed.explain.report import check_output
+
+        for path in (json_out, markdown_out):  # before a run of minutes, not after it
+            if path is not None:
+                check_output(path)
     load = os.getloadavg()[0]
     if load > 0.3:
         console.print(f"[yellow]warning: load average {load:.2f} before starting: other processes are running, so "
@@ -51,15 +57,34 @@ def bench(
     started = time.perf_counter()
     report = _run_with_progress(options, cases, count_steps(options, cases))
     report["wall_seconds"] = time.perf_counter() - started
-    from bertembed.bench.report import markdown
-
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=1))
-        console.print(f"wrote {json_out}")
-    if markdown_out:
-        markdown_out.write_text(markdown(report))
-        console.print(f"wrote {markdown_out}")
+    saved = _save(report, json_out, markdown_out)
     _print_summary(report)
+    if not saved:
+        raise typer.Exit(1)
+
+
+def _save(report: dict, json_out: Path | None, markdown_out: Path | None) -> bool:
+    """Write the JSON and the markdown report, each all or nothing. One that cannot be written (the disk filled up or
+    the folder went away during the run) goes to a new file in the temporary folder instead, which is named: the run
+    is never lost. Returns whether every file went where it was asked to."""
+    from bertembed.bench.report import markdown
+    from bertembed.explain.report import write_atomic
+
+    saved = True
+    for path, render in ((json_out, lambda: json.dumps(report, indent=1)), (markdown_out, lambda: markdown(report))):
+        if path is None:
+            continue
+        text = render()
+        try:
+            console.print(f"wrote {write_atomic(path, text.encode('utf-8'))}")
+        except (OSError, ValueError) as err:
+            fd, spare = tempfile.mkstemp(prefix="bertembed-bench-", suffix=path.suffix)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            why = err if isinstance(err, ValueError) else f"cannot write {path}: {err.strerror or err}"
+            err_console.print(f"[bold red]error:[/bold red] {why}; it is in {spare} instead", soft_wrap=True)
+            saved = False
+    return saved
 
 
 def _shapes(given: list[str] | None) -> tuple[tuple[int, int], ...] | None:
