@@ -12,7 +12,7 @@ import torch
 
 from bertembed.bench import candidates as cands
 from bertembed.bench.cases import Case, bound_bytes, bound_seconds, candidates_for, default_cases
-from bertembed.bench.report import evaluate_targets, markdown
+from bertembed.bench.report import evaluate_targets, markdown, targets_table
 from bertembed.bench.runner import BenchOptions, count_steps, run_bench
 
 
@@ -95,6 +95,17 @@ def test_targets_pass_miss_and_missing():
     assert rows["forward time / bandwidth bound at its footprint"]["result"] == "miss"  # 2x > 1.5
     assert rows["forward time / bandwidth bound at its footprint"]["value"] == pytest.approx(2.0)
     assert rows["fwd+bwd vs transformers eager"]["result"] == "not measured"
+    assert rows["forward vs torch.compile"]["shown"] == "3.00"
+
+
+@pytest.mark.parametrize("eager_ms,shown,result", [(4.997, "4.997", "miss"), (4.99996, "4.99996", "miss"),
+                                                   (5.004, "5.00", "pass"), (4.96, "4.96", "miss")])
+def test_a_ratio_is_shown_with_the_digits_its_verdict_needs(eager_ms, shown, result):
+    case = Case(768, 32, 128)
+    results = [_fake(case, "hf-eager", median_s=eager_ms * 1e-3), _fake(case, "bertembed-fused", median_s=1e-3)]
+    row = evaluate_targets({"results": results})[0]
+    assert (row["shown"], row["result"]) == (shown, result)
+    assert f"| {shown} | >= 5 | {result} |" in "\n".join(targets_table([row]))
 
 
 def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):

@@ -87,9 +87,20 @@ def evaluate_targets(condition: dict[str, Any]) -> list[dict[str, Any]]:
             row.update(value=None, result="not measured", why=why_num or why_den or "zero denominator")
         else:
             value = num / den
-            row.update(value=value, result="pass" if _OPS[target.op](value, target.threshold) else "miss", why="")
+            passed = _OPS[target.op](value, target.threshold)
+            row.update(value=value, result="pass" if passed else "miss", why="", shown=_shown(value, target, passed))
         rows.append(row)
     return rows
+
+
+def _shown(value: float, target: Target, passed: bool) -> str:
+    """`value` with two decimals, or as many more (up to six) as it takes for the text to tell the verdict: a miss of
+    4.997 against ">= 5" reads 4.997, not 5.00."""
+    for digits in range(2, 7):
+        text = f"{value:.{digits}f}"
+        if _OPS[target.op](float(text), target.threshold) == passed:
+            return text
+    return text
 
 
 def by_case(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,7 +150,7 @@ def results_table(condition: dict[str, Any]) -> list[str]:
 def targets_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| target | measured | goal | result |", "|---|---:|---:|---|"]
     for row in rows:
-        value = "" if row["value"] is None else f"{row['value']:.2f}"
+        value = "" if row["value"] is None else row["shown"]
         result = row["result"] + (f" ({row['why']})" if row["why"] else "")
         lines.append(f"| {row['target']} | {value} | {row['goal']} | {result} |")
     return lines

@@ -146,7 +146,7 @@ def _print_summary(report: dict) -> None:
         console.print(f"targets ({name}):")
         for row in report["targets"][name]:
             style = _RESULT_STYLE.get(row["result"], "yellow")
-            value = "" if row["value"] is None else f"{row['value']:.2f} "
+            value = "" if row["value"] is None else row["shown"] + " "
             why = f" ({row['why']})" if row["why"] else ""
             console.print(f"  [{style}]{row['result']}[/{style}] {row['target']}: {value}(goal {row['goal']}){why}")
     console.print(f"[dim]wall time {report['wall_seconds']:.0f} s; machine {report['machine']['cpu']}, "
