@@ -6,6 +6,9 @@ No timing is asserted: these tests check that the harness measures the right thi
 from __future__ import annotations
 
 import json
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,9 +140,15 @@ def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
         assert by_name[("fwdbwd", "ort-fused")]["status"] == "not available"
         assert by_name[("fwd", "bertembed-fused")]["status"] in ("ok", "not available")
     assert report["machine"]["threads"] == 1
+    started = datetime.fromisoformat(report["started"])
+    assert started.tzinfo is not None and abs((datetime.now(timezone.utc) - started).total_seconds()) < 600
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    assert report["revision"] is None or report["revision"].split("+")[0] == commit  # None: not a checkout
     assert report["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     text = markdown(report)
     (tmp_path / "bench.md").write_text(text)
+    assert f"- run: started {report['started']}; bertembed " in text
     assert "### Allocator: steady" in text and "### Allocator: default" in text and "#### Targets" in text
     table_lines = [line for line in text.splitlines() if line.startswith("| candidate |") or line.startswith("| ")]
     for line in table_lines:

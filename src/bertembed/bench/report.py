@@ -158,7 +158,10 @@ def targets_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def _header(report: dict[str, Any]) -> list[str]:
     m, v = report["machine"], report["versions"]
-    lines = [f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
+    started, revision = report.get("started"), report.get("revision")
+    lines = [f"- run: started {started or 'at an unrecorded time'}; bertembed "
+             + (f"at git {revision}" if revision else "not from a git checkout"),
+             f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
              f"{m['threads']} threads; {m['os']}; {m['libc']}; Python {m['python']}"
              + (f"; GPU {m['gpu']}" if "gpu" in m else ""),
              "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,23 @@ def machine_info(threads: int) -> dict[str, Any]:
     return info
 
 
+def source_revision() -> str | None:
+    """The git commit bertembed runs from, with "+modified" when its checkout has uncommitted changes; None for an
+    install that is not a git checkout (or without git)."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return None  # some other repository holds the installed package
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def versions() -> dict[str, str]:
     found = {}
     for name in VERSIONED:
@@ -189,6 +207,7 @@ def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None]
 
     cases = plan_cases(options)
     report: dict[str, Any] = {
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "revision": source_revision(),
         "machine": machine_info(options.threads), "versions": versions(), "quick": options.quick,
         "threads": options.threads, "timer": "torch.utils.benchmark.Timer.blocked_autorange: median and IQR of "
         f"block means, min_run_time {worker_spec(options, 'steady', [])['min_run_time']} s",
