@@ -16,7 +16,7 @@ import torch
 from bertembed.bench import candidates as cands
 from bertembed.bench.cases import Case, bound_bytes, bound_seconds, candidates_for, default_cases
 from bertembed.bench.report import evaluate_targets, markdown, targets_table
-from bertembed.bench.runner import BenchOptions, count_steps, run_bench
+from bertembed.bench.runner import BenchOptions, count_steps, finish_partial, run_bench
 
 
 @pytest.mark.parametrize("hidden", [48, 100])  # 100: not a power of two
@@ -182,6 +182,52 @@ def test_cli_rejects_bad_options_before_running():
     assert "steady" in result.output and "sometimes" in result.output
     result = CliRunner().invoke(app, ["bench", "--quick", "--threads", "0"])
     assert result.exit_code == 2 and "--threads" in result.output
+
+
+def _tiny(**kwargs) -> BenchOptions:
+    return BenchOptions(quick=True, threads=1, allocator="steady", vocab_size=100, warmup=1, min_run_time=0.01,
+                        bandwidth_bytes=4 << 20, candidates=("hf-eager", "bertembed-reference"), **kwargs)
+
+
+def test_a_stopped_run_keeps_what_it_measured():
+    seen = []
+
+    def stop_at_the_second(record):
+        seen.append(record)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    report: dict = {}
+    with pytest.raises(KeyboardInterrupt):  # the worker is killed, the interrupt goes on
+        run_bench(_tiny(cases=[Case(16, 1, 3, "fwd"), Case(16, 2, 4, "fwd")]), stop_at_the_second, report)
+    finish_partial(report, "interrupted (Ctrl-C)")
+    results = report["conditions"]["steady"]["results"]
+    assert results == seen and len(results) == 2 and all(r["status"] == "ok" for r in results)
+    assert all(row["result"] == "not measured" for row in report["targets"]["steady"])
+    assert "STOPPED EARLY (interrupted (Ctrl-C))" in markdown(json.loads(json.dumps(report)))
+
+
+def test_cli_writes_what_it_measured_when_interrupted(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bertembed.bench import runner
+    from bertembed.cli import app
+
+    real = runner.run_bench
+
+    def interrupted(options, on_record, report):  # the CLI's sweep replaced by a tiny one, stopped at its first record
+        def stop(record):
+            on_record(record)
+            raise KeyboardInterrupt
+        real(_tiny(cases=[Case(16, 1, 3, "fwd")]), stop, report)
+
+    monkeypatch.setattr(runner, "run_bench", interrupted)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--quick", "--json-out", str(out), "--markdown", str(tmp_path / "b.md")])
+    assert result.exit_code == 130, result.output
+    saved = json.loads(out.read_text())
+    assert saved["stopped"] == "interrupted (Ctrl-C)" and len(saved["conditions"]["steady"]["results"]) == 1
+    assert "STOPPED EARLY" in (tmp_path / "b.md").read_text() and "measured before it" in result.output
 
 
 def test_cli_refuses_an_output_it_cannot_write_before_running(tmp_path, monkeypatch):

@@ -160,7 +160,9 @@ def _header(report: dict[str, Any]) -> list[str]:
     m, v = report["machine"], report["versions"]
     started, revision = report.get("started"), report.get("revision")
     lines = [f"- run: started {started or 'at an unrecorded time'}; bertembed "
-             + (f"at git {revision}" if revision else "not from a git checkout"),
+             + (f"at git {revision}" if revision else "not from a git checkout")
+             + (f"; STOPPED EARLY ({report['stopped']}): the results below are those measured before"
+                if report.get("stopped") else ""),
              f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
              f"{m['threads']} threads; {m['os']}; {m['libc']}; Python {m['python']}"
              + (f"; GPU {m['gpu']}" if "gpu" in m else ""),

@@ -115,43 +115,48 @@ def _worker_env(options: BenchOptions, condition: str) -> dict[str, str]:
 
 
 def run_condition(options: BenchOptions, condition: str, cases: list[Case],
-                  on_record: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Run one condition: one worker, or one per candidate when isolated. Returns {"meta": ..., "results": [...]}
-    (meta of the first worker) and calls `on_record` per result."""
+                  on_record: Callable[[dict[str, Any]], None], out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one condition: one worker, or one per candidate when isolated. Fills and returns `out` (a new dict when
+    None) as {"meta": ..., "results": [...]} (meta of the first worker), as results come, and calls `on_record` per
+    result."""
     isolate = (not options.quick) if options.isolate is None else options.isolate
     names = [n for n in options.candidates if any(n in candidates_for(c, options.candidates) for c in cases)]
     groups = [(name,) for name in names] if isolate else [tuple(names)]
-    out: dict[str, Any] = {"meta": {}, "results": [], "isolated": isolate}
+    out = {} if out is None else out
+    out.update(meta={}, results=[], isolated=isolate)
     for group in groups:
         spec = {**worker_spec(options, condition, cases), "candidates": list(group)}
-        part = _run_worker(spec, _worker_env(options, condition), on_record)
-        out["meta"] = out["meta"] or part["meta"]
-        out["results"] += part["results"]
+        _run_worker(spec, _worker_env(options, condition), on_record, out)
     return out
 
 
-def _run_worker(spec: dict[str, Any], env: dict[str, str],
-                on_record: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def _run_worker(spec: dict[str, Any], env: dict[str, str], on_record: Callable[[dict[str, Any]], None],
+                out: dict[str, Any]) -> None:
+    """One worker process; its meta (when `out` has none yet) and results go into `out` as they arrive. The worker
+    is killed if this stops early (an interrupt, a failed callback)."""
     condition = spec["condition"]
-    out: dict[str, Any] = {"meta": {}, "results": []}
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "bertembed.bench.worker", json.dumps(spec)],
                                 env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if not line.startswith(PREFIX):
-                continue
-            record = json.loads(line[len(PREFIX):])
-            if record["type"] == "meta":
-                out["meta"] = record
-            else:
-                out["results"].append(record)
-                on_record(record)
+        try:
+            for line in proc.stdout:
+                if not line.startswith(PREFIX):
+                    continue
+                record = json.loads(line[len(PREFIX):])
+                if record["type"] == "meta":
+                    out["meta"] = out["meta"] or record
+                else:
+                    out["results"].append(record)
+                    on_record(record)
+        except BaseException:  # an interrupt, a failed callback: no worker outlives the run
+            proc.kill()
+            proc.wait()
+            raise
         if proc.wait() != 0:
             stderr.seek(0)
             tail = stderr.read()[-3000:]
             raise RuntimeError(f"bench worker ({condition}) exited with status {proc.returncode}:\n{tail}")
-    return out
 
 
 def machine_info(threads: int) -> dict[str, Any]:
@@ -201,20 +206,34 @@ def versions() -> dict[str, str]:
     return found
 
 
-def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
-    """The whole benchmark: every allocator condition, then the issue's targets. Returns the JSON-able report."""
+def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None] = lambda r: None,
+              report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole benchmark: every allocator condition, then the issue's targets. Returns the JSON-able report. A
+    `report` dict passed in is filled as results arrive, so a caller keeps what was measured if the run stops early
+    (`finish_partial` makes it a report)."""
     from bertembed.bench.report import evaluate_targets
 
     cases = plan_cases(options)
-    report: dict[str, Any] = {
+    report = {} if report is None else report
+    report.update({
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "revision": source_revision(),
         "machine": machine_info(options.threads), "versions": versions(), "quick": options.quick,
         "threads": options.threads, "timer": "torch.utils.benchmark.Timer.blocked_autorange: median and IQR of "
         f"block means, min_run_time {worker_spec(options, 'steady', [])['min_run_time']} s",
         "peak_memory_method": {"cpu": PEAK_METHOD_CPU, "cuda": PEAK_METHOD_CUDA},
         "steady_env": STEADY_ENV, "conditions": {},
-    }
+    })
     for condition in CONDITIONS[options.allocator]:
-        report["conditions"][condition] = run_condition(options, condition, cases, on_record)
+        run_condition(options, condition, cases, on_record, report["conditions"].setdefault(condition, {}))
     report["targets"] = {c: evaluate_targets(r) for c, r in report["conditions"].items()}
+    return report
+
+
+def finish_partial(report: dict[str, Any], why: str) -> dict[str, Any]:
+    """A run that stopped early, made a report of what it measured: targets over those results (the rest "not
+    measured"), and `stopped` saying why. None of the run's results is dropped."""
+    from bertembed.bench.report import evaluate_targets
+
+    report["stopped"] = why
+    report["targets"] = {c: evaluate_targets(r) for c, r in report.get("conditions", {}).items()}
     return report

@@ -55,10 +55,18 @@ def bench(
         console.print(f"[yellow]warning: load average {load:.2f} before starting: other processes are running, so "
                       f"{threads}-thread timings will be disturbed (parallel regions wait for time slices)[/yellow]")
     started = time.perf_counter()
-    report = _run_with_progress(options, cases, count_steps(options, cases))
+    report: dict = {}
+    stopped = _run_with_progress(options, cases, count_steps(options, cases), report)
     report["wall_seconds"] = time.perf_counter() - started
+    if stopped and not any(c["results"] for c in report.get("conditions", {}).values()):
+        err_console.print(f"[bold red]error:[/bold red] {stopped}, before any result", soft_wrap=True)
+        raise typer.Exit(130 if stopped.startswith("interrupted") else 1)
     saved = _save(report, json_out, markdown_out)
     _print_summary(report)
+    if stopped:
+        err_console.print(f"[bold red]error:[/bold red] {stopped}; the results measured before it are above"
+                          + (" and in the files written" if json_out or markdown_out else ""), soft_wrap=True)
+        raise typer.Exit(130 if stopped.startswith("interrupted") else 1)
     if not saved:
         raise typer.Exit(1)
 
@@ -100,10 +108,12 @@ def _shapes(given: list[str] | None) -> tuple[tuple[int, int], ...] | None:
     return tuple(shapes)
 
 
-def _run_with_progress(options, cases, total: int) -> dict:
+def _run_with_progress(options, cases, total: int, report: dict) -> str | None:
+    """Run the bench into `report` under a progress bar. Returns None, or why it stopped early (Ctrl-C, a worker that
+    failed), with `report` made a report of what was measured before (`runner.finish_partial`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bertembed.bench.runner import run_bench
+    from bertembed.bench.runner import finish_partial, run_bench
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -113,7 +123,17 @@ def _run_with_progress(options, cases, total: int) -> dict:
             progress.update(task, advance=1,
                             description=f"{record['condition']}: {record['key']} {record['candidate']}")
 
-        return run_bench(options, advance)
+        try:
+            run_bench(options, advance, report)
+        except KeyboardInterrupt:
+            stopped = "interrupted (Ctrl-C)"
+        except RuntimeError as err:  # a worker process failed: its stderr's tail is in the message
+            err_console.print(str(err), soft_wrap=True, markup=False)
+            stopped = str(err).splitlines()[0].rstrip(":")
+        else:
+            return None
+    finish_partial(report, stopped)
+    return stopped
 
 
 def _print_summary(report: dict) -> None:
