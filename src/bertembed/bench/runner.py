@@ -211,8 +211,6 @@ def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None]
     """The whole benchmark: every allocator condition, then the issue's targets. Returns the JSON-able report. A
     `report` dict passed in is filled as results arrive, so a caller keeps what was measured if the run stops early
     (`finish_partial` makes it a report)."""
-    from bertembed.bench.report import evaluate_targets
-
     cases = plan_cases(options)
     report = {} if report is None else report
     report.update({
@@ -225,15 +223,19 @@ def run_bench(options: BenchOptions, on_record: Callable[[dict[str, Any]], None]
     })
     for condition in CONDITIONS[options.allocator]:
         run_condition(options, condition, cases, on_record, report["conditions"].setdefault(condition, {}))
-    report["targets"] = {c: evaluate_targets(r) for c, r in report["conditions"].items()}
-    return report
+    return _with_targets(report)
 
 
 def finish_partial(report: dict[str, Any], why: str) -> dict[str, Any]:
     """A run that stopped early, made a report of what it measured: targets over those results (the rest "not
     measured"), and `stopped` saying why. None of the run's results is dropped."""
+    report["stopped"] = why
+    return _with_targets(report)
+
+
+def _with_targets(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with each condition's targets evaluated over its results."""
     from bertembed.bench.report import evaluate_targets
 
-    report["stopped"] = why
     report["targets"] = {c: evaluate_targets(r) for c, r in report.get("conditions", {}).items()}
     return report
