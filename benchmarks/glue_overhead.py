@@ -4,6 +4,8 @@ process, eval mode under `torch.no_grad()`, H 768, random BERT-sized tables, 2 t
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/glue_overhead.py [--dtype bfloat16]
 
+`--dtype mixed`: bfloat16 tables with the LayerNorm kept in float32.
+
 Prints the median over blocks of each block's median call, in ms. To compare revisions, run it with
 `PYTHONPATH=<worktree>/src` for each, one after the other (the VM's memory speed drifts: repeat both).
 """
@@ -23,8 +25,9 @@ from bertembed.kernels.cpu_elements import dropout_threshold
 SHAPES = [(32, 128), (1, 11)]
 
 
-def candidates(batch: int, length: int, dtype: torch.dtype) -> dict:
+def candidates(batch: int, length: int, dtype: torch.dtype, norm: torch.dtype) -> dict:
     layer = BertEmbeddings(EmbeddingConfig(vocab_size=30522, hidden_size=768), backend="cpu").eval().to(dtype)
+    layer.LayerNorm.to(norm)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 30522, (batch, length), generator=gen)
     types = torch.randint(0, 2, (batch, length), generator=gen)
@@ -50,12 +53,14 @@ def candidates(batch: int, length: int, dtype: torch.dtype) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=10)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the layer's dtype")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "mixed"], default="float32",
+                        help="the layer's dtype; mixed: bfloat16 tables, float32 LayerNorm")
     args = parser.parse_args()
     torch.set_num_threads(2)
     with torch.no_grad():
         for batch, length in SHAPES:
-            steps = candidates(batch, length, getattr(torch, args.dtype))
+            dtype = torch.bfloat16 if args.dtype == "mixed" else getattr(torch, args.dtype)
+            steps = candidates(batch, length, dtype, torch.float32 if args.dtype == "mixed" else dtype)
             calls = 30 if batch * length > 100 else 2000
             medians = {name: [] for name in steps}
             for step in steps.values():

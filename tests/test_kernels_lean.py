@@ -115,13 +115,16 @@ def test_a_table_cut_at_the_same_address_is_seen(batch):
         _close(fused(ids), ref(ids))
 
 
+@pytest.mark.parametrize("norm", [torch.bfloat16, torch.float32])  # float32: mixed precision
 @pytest.mark.parametrize("shape,offset,types", [((1, 11), 0, True), ((1, 1), 0, False), ((3, 7), 5, True),
                                                  ((16, 64), 0, True), ((40, 17), 3, False)])  # these on all threads
-def test_bfloat16_layers_take_the_short_path(shape, offset, types):
-    """A bfloat16 layer (`.to(torch.bfloat16)`: all five tables) takes the short path: the general path's numbers
-    exactly (the same kernel), the reference's within assert_close's bfloat16 defaults; a LayerNorm weight changed in
-    place is read at the next call."""
+def test_bfloat16_layers_take_the_short_path(shape, offset, types, norm):
+    """A bfloat16 layer (`.to(torch.bfloat16)`: all five tables; or with its LayerNorm kept in float32) takes the
+    short path: the general path's numbers exactly (the same kernel), the reference's within assert_close's bfloat16
+    defaults, in bfloat16 as the reference's; a LayerNorm weight changed in place is read at the next call."""
     ref, fused = (layer.to(torch.bfloat16) for layer in _pair())
+    for layer in (ref, fused):
+        layer.LayerNorm.to(norm)
     ids = torch.randint(0, 500, shape)
     tts = torch.randint(0, 2, shape) if types else None
     positions = torch.arange(shape[1])[None] + offset  # given: the general path
@@ -130,20 +133,22 @@ def test_bfloat16_layers_take_the_short_path(shape, offset, types):
             out = lean.try_infer(fused, ids, tts, None, None, offset)
             assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*shape, 200)
             assert torch.equal(out, fused(ids, tts, past_key_values_length=offset, position_ids=positions))
-            torch.testing.assert_close(out, ref(ids, tts, past_key_values_length=offset))
+            expected = ref(ids, tts, past_key_values_length=offset)
+            assert expected.dtype == torch.bfloat16
+            torch.testing.assert_close(out, expected)
             for layer in (ref, fused):
                 layer.LayerNorm.weight.mul_(-0.5)
 
 
-def test_mixed_dtypes_go_the_general_way():
-    ref, fused = (layer.to(torch.bfloat16) for layer in _pair())
+def test_float32_tables_with_a_bfloat16_layer_norm_go_the_general_way():
+    """The one mix the short path leaves (torch's own LayerNorm refuses it; the general path computes it in float32)."""
+    _, fused = _pair()
+    fused.LayerNorm.to(torch.bfloat16)
     with torch.no_grad():
-        for layer in (ref, fused):
-            layer.LayerNorm.float()  # bfloat16 tables, float32 LayerNorm
         for shape in ((1, 9), (64, 64)):
             ids = torch.randint(0, 500, shape)
             assert lean.try_infer(fused, ids, None, None, None, 0) is None
-            torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
+            assert fused(ids).dtype == torch.float32
 
 
 def test_what_the_short_path_leaves_to_the_general_one():

@@ -10,9 +10,9 @@ addresses are cached while their storage stays the same, a sentence's ids reach 
 inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
 compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
 and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
-path does not cover (training, autograd, mixed dtypes, explicit position ids, `inputs_embeds`, a bad id) returns
-None, and the general path takes over: it raises the reference layer's errors. A bfloat16 layer takes it too, with all
-five tables bfloat16 (as `layer.to(torch.bfloat16)` leaves them).
+path does not cover (training, autograd, explicit position ids, `inputs_embeds`, a bad id) returns None, and the
+general path takes over: it raises the reference layer's errors. A bfloat16 layer takes it too, with all five tables
+bfloat16 (as `layer.to(torch.bfloat16)` leaves them) or with a float32 LayerNorm beside bfloat16 tables.
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -29,6 +29,7 @@ from bertembed.kernels import cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
+_HIDDEN, _NORM_BFLOAT16 = 8, 9  # in `_Tables.addresses`: H, and whether the LayerNorm weight and bias are bfloat16
 
 
 @njit(cache=True)
@@ -46,17 +47,28 @@ def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
 
 @njit(cache=True, inline="always")
 def _views(ids_at, tts_at, batch, length, tables, dtype):
-    """(ids, tts [B, L] int64; word, seg, pos, gamma, beta of `dtype`: float32, or uint16 for bfloat16) as arrays over
-    the addresses `try_infer` passes: ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids);
+    """(ids, tts [B, L] int64; word, seg, pos of `dtype`: float32, or uint16 for bfloat16) as arrays over the
+    addresses `try_infer` passes: ids_at, tts_at of C-contiguous int64 [B, L] (tts_at unread without segment ids);
     tables = `_Tables.addresses`. Building them reads nothing."""
-    word_at, seg_at, pos_at, gamma_at, beta_at, vocab, segments, positions, hidden = tables
+    word_at, seg_at, pos_at, _, _, vocab, segments, positions, hidden, _ = tables
     ids = carray(pointer(ids_at, np.int64), (batch, length))
     tts = carray(pointer(tts_at, np.int64), (batch, length))
     word = carray(pointer(word_at, dtype), (vocab, hidden))
     seg = carray(pointer(seg_at, dtype), (segments, hidden))
     pos = carray(pointer(pos_at, dtype), (positions, hidden))
-    gamma, beta = carray(pointer(gamma_at, dtype), hidden), carray(pointer(beta_at, dtype), hidden)
-    return ids, tts, word, seg, pos, gamma, beta
+    return ids, tts, word, seg, pos
+
+
+@njit(cache=True, inline="always")
+def _norm_views(tables, into):
+    """The LayerNorm weight and bias as float32 arrays: views of float32 ones, or bfloat16 ones widened into `into`
+    (float32, 2H long; unread when the layer's LayerNorm is float32). The kernel reads them in its loop, where
+    bfloat16 ones cost a sentence 4 us (8.4 against 4.3 in the compiled call)."""
+    gamma_at, beta_at, hidden, narrow = tables[3], tables[4], tables[_HIDDEN], tables[_NORM_BFLOAT16]
+    if narrow:
+        return (as_float32(carray(pointer(gamma_at, np.uint16), hidden), into[:hidden]),
+                as_float32(carray(pointer(beta_at, np.uint16), hidden), into[hidden:]))
+    return carray(pointer(gamma_at, np.float32), hidden), carray(pointer(beta_at, np.float32), hidden)
 
 
 @njit(cache=True, fastmath={"contract"})  # as `cpu._forward_chunk`: the same numbers
@@ -68,23 +80,21 @@ def _infer(ids_at, tts_at, has_tts, past, tables, eps, out):
     The ids and tables arrive as addresses (`Tensor.data_ptr()`: a tenth of what `Tensor.numpy()` costs, and an int
     argument unboxes in half an array's time): see `_views`."""
     batch, length, hidden = out.shape
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, out.dtype)
+    ids, tts, word, seg, pos = _views(ids_at, tts_at, batch, length, tables, out.dtype)
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return False
     n = batch * length
-    # One allocation: the row, the statistics (not kept), and for bfloat16 the LayerNorm weight and bias as float32,
-    # as the kernel takes them (bfloat16 ones read in its loop cost a sentence 4 us: 8.4 against 4.3).
-    widened = 0 if out.itemsize == 4 else 2 * hidden
+    # One allocation: the row, the statistics (not kept), and a bfloat16 LayerNorm's weight and bias as float32.
+    widened = 2 * hidden if tables[_NORM_BFLOAT16] else 0
     scratch = np.empty(hidden + 2 * n + widened, np.float32)
     x, mean, rstd = borrowed(scratch[:hidden]), borrowed(scratch[hidden:hidden + n]), borrowed(scratch[hidden + n:])
     end = hidden + 2 * n
-    gamma = as_float32(gamma, borrowed(scratch[end:end + widened // 2]))
-    beta = as_float32(beta, borrowed(scratch[end + widened // 2:]))
+    gamma, beta = _norm_views(tables, borrowed(scratch[end:]))
     out = borrowed(out.reshape(batch * length, hidden))
     for r in range(batch):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
-            if widened:  # bfloat16: wide vectors pay (4.8 -> 4.3 us a sentence), unlike for float32
+            if out.itemsize == 2:  # bfloat16: wide vectors pay (4.8 -> 4.3 us a sentence), unlike for float32
                 cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
                                    _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, True, False)
             else:
@@ -108,7 +118,7 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
 
     All of it one compiled call from Python: after the previous batch's kernel has left the caches cold, each Python
     step before it costs 6-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh and eighth rounds)."""
-    ids, tts, word, seg, pos, gamma, beta = _views(ids_at, tts_at, batch, length, tables, like.dtype)
+    ids, tts, word, seg, pos = _views(ids_at, tts_at, batch, length, tables, like.dtype)
     hidden = word.shape[1]
     if not _ids_fit(ids, tts, has_tts, past, word.shape[0], seg.shape[0], pos.shape[0]):
         return -1
@@ -119,8 +129,7 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
             positions[r * length + c] = past + c
             segments[r * length + c] = tts[r, c] if has_tts else 0
     stats = np.empty((2, n), np.float32)
-    norm = np.empty((2, 0 if like.itemsize == 4 else hidden), np.float32)  # bfloat16: weight and bias as float32
-    gamma, beta = as_float32(gamma, norm[0]), as_float32(beta, norm[1])
+    gamma, beta = _norm_views(tables, np.empty(2 * hidden if tables[_NORM_BFLOAT16] else 0, np.float32))
     nbytes = n * hidden * like.itemsize
     stream = not pages.advise_if_fresh_at(out_at, nbytes) and nbytes >= stream_from
     chunks = cpu_run.chunks_for(n, cpu_run.use_threads(threads[0], threads[1]))
@@ -131,8 +140,10 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
 
 class _Tables(NamedTuple):
     """The five CPU tables (word, segment, position, weight, bias) as numpy views (bfloat16 as uint16 bits), and as
-    addresses followed by the rows of the first three and the hidden size (V, T, P, H), for `_infer`. The views hold
-    the tensors' storage, so the addresses stay valid while this is held. `dtype`: all five's, float32 or bfloat16."""
+    addresses followed by the rows of the first three, the hidden size (V, T, P, H) and 1 for a bfloat16 LayerNorm
+    weight and bias (0: float32), for `_infer`. The views hold the tensors' storage, so the addresses stay valid while
+    this is held. `dtype`: the word, segment and position tables', float32 or bfloat16; the LayerNorm's is the same,
+    or float32 beside bfloat16 tables (mixed precision)."""
 
     arrays: list
     addresses: tuple
@@ -143,8 +154,8 @@ _SHORT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _tables(layer) -> _Tables | None:
-    """The layer's five CPU tables, all float32 or all bfloat16, cached on the layer while their storage and sizes are
-    unchanged."""
+    """The layer's five CPU tables (all float32, all bfloat16, or bfloat16 with a float32 LayerNorm), cached on the
+    layer while their storage and sizes are unchanged."""
     tensors = module_tables(layer)
     if tensors is None:
         return None
@@ -157,14 +168,15 @@ def _tables(layer) -> _Tables | None:
     cached = layer.__dict__.get("_lean_tables")
     if cached is not None and cached[0] == key:
         return cached[1]
-    hidden, dtype = word.shape[1], word.dtype
-    if dtype not in _SHORT_DTYPES or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
-                                         for t in tensors) \
+    hidden, dtype, norm = word.shape[1], word.dtype, weight.dtype
+    if dtype not in _SHORT_DTYPES or segment.dtype != dtype or position.dtype != dtype \
+            or norm not in (dtype, torch.float32) or bias.dtype != norm \
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) \
             or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
             or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
-    tables = _Tables([cpu_run._np(t) for t in tensors],
-                     (*key[:5], word.shape[0], segment.shape[0], position.shape[0], hidden), dtype)
+    tables = _Tables([cpu_run._np(t) for t in tensors], (*key[:5], word.shape[0], segment.shape[0], position.shape[0],
+                                                          hidden, int(norm is torch.bfloat16)), dtype)
     layer.__dict__["_lean_tables"] = (key, tables)
     return tables
 
@@ -189,7 +201,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     tables = _tables(layer)
     if tables is None:
         return None
-    (batch, length), hidden, eps = shape, tables.addresses[-1], layer.config.layer_norm_eps
+    (batch, length), hidden, eps = shape, tables.addresses[_HIDDEN], layer.config.layer_norm_eps
     bfloat16 = tables.dtype is torch.bfloat16
     if batch * length * hidden >= cpu_run._PARALLEL_FROM:
         out = torch.empty(batch, length, hidden, dtype=tables.dtype)  # torch's allocator: its profiler sees it
