@@ -58,17 +58,23 @@ def bench(
     report: dict = {}
     stopped = _run_with_progress(options, cases, count_steps(options, cases), report)
     report["wall_seconds"] = time.perf_counter() - started
+    _report(report, stopped, json_out, markdown_out)
+
+
+def _report(report: dict, stopped: str | None, json_out: Path | None, markdown_out: Path | None) -> None:
+    """Save and print a run's report; exit with status 130 (interrupted) or 1 when the run stopped early or a file
+    could not be written where asked."""
+    status = 0 if not stopped else 130 if stopped.startswith("interrupted") else 1
     if stopped and not any(c["results"] for c in report.get("conditions", {}).values()):
         err_console.print(f"[bold red]error:[/bold red] {stopped}, before any result", soft_wrap=True)
-        raise typer.Exit(130 if stopped.startswith("interrupted") else 1)
+        raise typer.Exit(status)
     saved = _save(report, json_out, markdown_out)
     _print_summary(report)
     if stopped:
         err_console.print(f"[bold red]error:[/bold red] {stopped}; the results measured before it are above"
                           + (" and in the files written" if json_out or markdown_out else ""), soft_wrap=True)
-        raise typer.Exit(130 if stopped.startswith("interrupted") else 1)
-    if not saved:
-        raise typer.Exit(1)
+    if status or not saved:
+        raise typer.Exit(status or 1)
 
 
 def _save(report: dict, json_out: Path | None, markdown_out: Path | None) -> bool:
