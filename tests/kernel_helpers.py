@@ -157,3 +157,29 @@ def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
         assert_grads_match(ref, fused)
         for module in (ref, fused):
             module.zero_grad(set_to_none=True)
+
+
+def check_traced_whole_layer(backend: str) -> None:
+    """The whole layer under `torch.compile(fullgraph=True)` (inference and training) and `torch.export`: no graph
+    break (the id-range check and the short path stay out of traced code), the reference's outputs and gradients, and
+    a bad id inside the graph still fails, reading nothing outside a table (as in transformers' layer)."""
+    import pytest
+
+    ref, layer = twins(48, backend)
+    ids = awkward_ids(2, 9, ref.config.vocab_size)
+    bad = ids.clone()
+    bad[1, 3] = ref.config.vocab_size
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        assert_output_close(compiled(ids), ref(ids))
+    out_ref, out = run_both(ref, compiled, input_ids=ids, past_key_values_length=2)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, layer)
+    exported = torch.export.export(layer.eval(), (ids,))
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert backend == "reference" or any(op.startswith("bertembed.embeddings") for op in ops), ops
+    assert_output_close(exported.module()(ids), ref.eval()(ids))
+    for traced in (compiled, exported.module()):
+        with pytest.raises((IndexError, RuntimeError), match="out of|outside their tables"), torch.no_grad():
+            traced(bad)

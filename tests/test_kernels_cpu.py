@@ -19,6 +19,7 @@ from kernel_helpers import (  # noqa: E402
     check_custom_op_compiles,
     check_empty_batches,
     check_never_reads_outside_a_table,
+    check_traced_whole_layer,
     run_both,
     twins,
 )
@@ -356,7 +357,7 @@ def test_opcheck():
 
 
 def test_compiled_module_forward_and_backward():
-    """torch.compile of the whole fused layer: the input checks break the graph, the custom op stays one node."""
+    """torch.compile of the whole fused layer (graph breaks allowed), with an offset: the custom op stays one node."""
     ref, fused = twins(64, "cpu")
     ids = awkward_ids(2, 9, ref.config.vocab_size)
     torch._dynamo.reset()
@@ -364,6 +365,11 @@ def test_compiled_module_forward_and_backward():
     out_ref, out = run_both(ref, compiled, input_ids=ids, past_key_values_length=2)
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_whole_layer_traces_without_a_graph_break(backend):
+    check_traced_whole_layer(backend)
 
 
 def test_eager_training_skips_the_op_and_compile_keeps_it(monkeypatch):

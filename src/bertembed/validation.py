@@ -37,6 +37,13 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
                              f"{fix}")
 
 
+def skipped_ids_error(count: int, where: str) -> RuntimeError:
+    """The error of a kernel that found `count` ids outside their tables and skipped those tokens."""
+    return RuntimeError(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for them). "
+                        f"The layer checks ids before its kernels and names the bad one (check_inputs), except "
+                        f"inside a torch.compile or torch.export graph; reaching here otherwise is a bug")
+
+
 def table_rows(tables) -> tuple[int, int, int | None]:
     """(word, segment, position) rows of (word, segment, position or None, ...) tables, for `check_inputs`."""
     word, segment, position = tables[:3]
@@ -76,7 +83,10 @@ def check_inputs(
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
     `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are): for the GPU kernels with
-    `id_checks="device"`, which check each id themselves and so need no wait for the device. `rows`: the rows of the
+    `id_checks="device"`, which check each id themselves and so need no wait for the device. Under `torch.compile`
+    and `torch.export` the values are not checked either: a check that reads them would break the graph. There, as in
+    transformers' layer, a bad id fails in the lookup (torch's IndexError; the fused kernels skip it and raise),
+    never reading outside a table. `rows`: the rows of the
     word, segment and position tables the ids will index (`table_rows`), which differ from the config's sizes where a
     table was replaced through `.data`; the config's sizes when not given. (Positions stay within the config's
     `max_position_embeddings` too: the default position ids are a buffer of that length.)"""
@@ -109,6 +119,6 @@ def check_inputs(
                              f"pass [B, L] or [1, L] (shared by the batch)")
         ranges.append(("position_ids", position_ids, limit, "position",
                        f"positions count from 0 and stop at {limit - 1}; truncate the sequence"))
-    if check_ranges:
+    if check_ranges and not torch.compiler.is_compiling():
         _check_ranges(ranges)
     return batch, length

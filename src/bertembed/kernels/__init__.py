@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import check_inputs, table_rows
@@ -111,14 +112,14 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
                  check_ranges=not device_checks, rows=table_rows(tables))
     word, segment, position, weight, bias = tables
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
-    if out is not None or not _needs_autograd(tables) and not torch.compiler.is_compiling():
+    if out is not None or not _needs_autograd(tables) and not is_compiling():
         # inference: the forward kernel alone, skipping the op's dispatch (~50 us)
         return _run_into(out, backend, input_ids, token_type_ids, position_ids, past_key_values_length, tables,
                          config.layer_norm_eps, p, seed)
     pad = -1 if padding_idx is None else int(padding_idx)
     from bertembed.kernels.function import EagerEmbeddings, embeddings_op
 
-    run = embeddings_op if torch.compiler.is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
+    run = embeddings_op if is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
     result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, past_key_values_length, word, segment,
                                position, weight, bias, config.layer_norm_eps, p, seed, pad, backend,
                                options.deterministic)
@@ -234,6 +235,7 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
 
 
 _short_paths: dict[tuple[str, bool], object] = {}
+_UNSET = object()
 
 
 def _short_path(backend: str, cuda: bool):
@@ -249,7 +251,13 @@ def _short_path(backend: str, cuda: bool):
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    short = _short_path(layer.backend, type(input_ids) is torch.Tensor and input_ids.is_cuda)
+    if is_compiling():  # traced (torch.compile, torch.export): the custom op below goes into the graph, since the
+        short = None  # short paths hand addresses to compiled code, which no tracer can follow
+    else:  # (a sentence's latency: the dict is read here, not through a call)
+        cuda = type(input_ids) is torch.Tensor and input_ids.is_cuda
+        short = _short_paths.get((layer.backend, cuda), _UNSET)
+        if short is _UNSET:
+            short = _short_path(layer.backend, cuda)
     if short is not None and (out := short(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                            past_key_values_length)) is not None:
         return out

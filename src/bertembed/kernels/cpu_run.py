@@ -14,6 +14,7 @@ from numba import njit
 
 from bertembed.kernels import cpu, cpu_rows, pages
 from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
+from bertembed.validation import skipped_ids_error
 
 
 def _launch_pool() -> None:
@@ -97,8 +98,7 @@ def _np(t):
 
 def check_bad(bad: int, where: str) -> None:
     if bad:
-        raise RuntimeError(f"{where}: {bad} tokens had ids outside their tables and were skipped; ids must be checked "
-                           f"with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
+        raise skipped_ids_error(bad, where)
 
 
 def forward_chunks(tokens: int) -> int:

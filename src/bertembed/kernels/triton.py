@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from bertembed.kernels.triton_launch import Launcher
+from bertembed.validation import skipped_ids_error
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when @triton.jit decorates, as Triton itself reads it
 
@@ -197,8 +198,7 @@ def _check_bad(bad: torch.Tensor | None, where: str) -> None:
     """Count of tokens a kernel skipped for bad ids; kept and read only on CPU tensors (the interpreter): on a GPU the
     loads are masked, so a bad id reads nothing, and its output row is NaN; a read-back would cost a sync."""
     if bad is not None and int(bad):
-        raise RuntimeError(f"{where}: {int(bad)} tokens had ids outside their tables and were skipped; ids must be "
-                           f"checked with bertembed.validation.check_inputs before a kernel runs (this is a bug)")
+        raise skipped_ids_error(int(bad), where)
 
 
 def _position_args(pids, length: int | None, past: int, where: str) -> tuple[int, int]:
