@@ -87,8 +87,8 @@ def _infer(ids_at, tts_at, has_tts, past, tables, eps, out):
     # One allocation: the row, the statistics (not kept), and a bfloat16 LayerNorm's weight and bias as float32.
     widened = 2 * hidden if tables[_NORM_BFLOAT16] else 0
     scratch = np.empty(hidden + 2 * n + widened, np.float32)
-    x, mean, rstd = borrowed(scratch[:hidden]), borrowed(scratch[hidden:hidden + n]), borrowed(scratch[hidden + n:])
     end = hidden + 2 * n
+    x, mean, rstd = borrowed(scratch[:hidden]), borrowed(scratch[hidden:hidden + n]), borrowed(scratch[hidden + n:end])
     gamma, beta = _norm_views(tables, borrowed(scratch[end:]))
     out = borrowed(out.reshape(batch * length, hidden))
     for r in range(batch):
