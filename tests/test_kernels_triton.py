@@ -29,6 +29,7 @@ from kernel_helpers import (  # noqa: E402
     check_empty_batches,
     check_low_precision,
     check_never_reads_outside_a_table,
+    check_traced_whole_layer,
     run_both,
     twins,
 )
@@ -312,3 +313,8 @@ def test_empty_batches():
 
 def test_custom_op_compiles_fullgraph():
     check_custom_op_compiles("triton", DEVICE)
+
+
+def test_whole_layer_traces_without_a_graph_break():
+    check_traced_whole_layer("triton", DEVICE)
+
