@@ -9,10 +9,8 @@ the Triton `run_backward` to clone the two rows, as it did. Alternated in one pr
 steps, us a step.
 """
 
-from gpu_host_overhead import _ours, per_call_us
+from gpu_host_overhead import alternate_training_steps
 
-from bertembed.bench.candidates import _torch_call, make_workload
-from bertembed.bench.cases import Case
 from bertembed.kernels import triton as tk
 
 new = tk.run_backward
@@ -23,12 +21,5 @@ def old(*args, **kwargs):
     return g[:3] + (g[3].clone(), g[4].clone())
 
 
-for shape in ((1, 11), (32, 128)):
-    work = make_workload(Case(768, *shape, "fwdbwd", device="cuda"))
-    step = _torch_call(_ours(work, "device"), work)
-    times = {"before (copies)": [], "after (views)": []}
-    for _ in range(7):
-        for name, fn in (("before (copies)", old), ("after (views)", new)):
-            tk.run_backward = fn
-            times[name].append(per_call_us(step, calls=200))
-    print(shape, {k: round(sorted(v)[3], 1) for k, v in times.items()})
+alternate_training_steps({"before (copies)": lambda: setattr(tk, "run_backward", old),
+                          "after (views)": lambda: setattr(tk, "run_backward", new)})

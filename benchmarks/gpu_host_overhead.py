@@ -41,6 +41,21 @@ def per_call_us(fn, calls: int = 1000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def alternate_training_steps(variants: dict, shapes=((1, 11), (32, 128)), rounds: int = 7) -> None:
+    """Before and after for one change, alternated in one process: `variants` maps a name to a function that puts
+    that version in place. The training step (`id_checks` "device", H 768) at each shape, medians of `rounds` rounds
+    of 200 steps, us a step."""
+    for shape in shapes:
+        work = make_workload(Case(768, *shape, "fwdbwd", device="cuda"))
+        step = _torch_call(_ours(work, "device"), work)
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, put_in_place in variants.items():
+                put_in_place()
+                times[name].append(per_call_us(step, calls=200))
+        print(shape, {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()})
+
+
 def _ours(work, id_checks: str) -> BertEmbeddings:
     layer = BertEmbeddings(work.config, backend="triton")
     layer.load_state_dict(work.state_dict)

@@ -192,3 +192,28 @@ def check_traced_whole_layer(backend: str, device: str = "cpu") -> None:
         assert out[1, 3].isnan().all() and not out[0].isnan().any()
         assert_output_close(out[0], expected[0])
 
+
+def check_training_step_makes_no_statistics_gradient(backend: str, device: str = "cpu") -> None:
+    """The layer's mean and 1/std [B, L] outputs get no gradient: a training step creates no zero-filled [B, L] tensor
+    for them (autograd's default for unused outputs: two fill kernels a step on a GPU), and its gradients are right."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ZeroFills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.zero_):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    ref, fused = twins(48, backend, hidden_dropout_prob=0.0)  # train mode, same outputs
+    ref, fused = ref.to(device), fused.to(device)
+    ids = awkward_ids(3, 7, ref.config.vocab_size).to(device)
+    with ZeroFills() as fills:
+        out_ref, out = run_both(ref.train(), fused.train(), input_ids=ids)
+    assert (3, 7) not in fills.shapes, fills.shapes
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)

@@ -20,6 +20,7 @@ from kernel_helpers import (  # noqa: E402
     check_empty_batches,
     check_never_reads_outside_a_table,
     check_traced_whole_layer,
+    check_training_step_makes_no_statistics_gradient,
     run_both,
     twins,
 )
@@ -439,3 +440,7 @@ def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
 
 def test_empty_batches():
     check_empty_batches("cpu")
+
+
+def test_training_step_makes_no_statistics_gradient():
+    check_training_step_makes_no_statistics_gradient("cpu")

@@ -30,6 +30,7 @@ from kernel_helpers import (  # noqa: E402
     check_low_precision,
     check_never_reads_outside_a_table,
     check_traced_whole_layer,
+    check_training_step_makes_no_statistics_gradient,
     run_both,
     twins,
 )
@@ -318,3 +319,6 @@ def test_custom_op_compiles_fullgraph():
 def test_whole_layer_traces_without_a_graph_break():
     check_traced_whole_layer("triton", DEVICE)
 
+
+def test_training_step_makes_no_statistics_gradient():
+    check_training_step_makes_no_statistics_gradient("triton", DEVICE)
