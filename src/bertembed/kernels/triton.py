@@ -215,6 +215,17 @@ def _block(hidden: int) -> int:
     return triton.next_power_of_2(hidden)
 
 
+def _warps(elements: int, itemsize: int) -> int:
+    """The forward's warps for a program of `elements` row elements: one per KB of row block (four at hidden 1024 in
+    float32), but one for float16/bfloat16 rows of up to 1024 elements. On an H100 at (64, 512), GPU time a call,
+    bfloat16: hidden 768 36.5-36.8 us at one warp against 39.5-40.0 at two (three runs; float16 35.8 against 38.9),
+    hidden 1024 47.3 against 47.5-47.7, hidden 2048 94.7 at one, 96.7 at two, 93.1 at four; float32 hidden 768 74.1
+    at one against 69.9 at four (BENCHMARKS.md, "The fifth GPU session")."""
+    if itemsize < 4 and elements <= 1024:
+        return 1
+    return min(max(elements * itemsize // 1024, 1), 8)
+
+
 def _bad_counter(device: torch.device) -> torch.Tensor | None:
     return torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cpu" else None
 
@@ -226,12 +237,14 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 
     GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
     tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
-    Tuning (benchmarks/gpu_triton.py): `rows` token rows per program (a power of 2) and `num_warps`. The defaults, one
-    row and a warp per 256 bytes of row, were the fastest of 1, 2, 4 rows and 2, 4, 8 warps on an H100 at hidden 768 and
-    1024 (or within 2%). `evict_first` marks the word rows read and the output written as the first to leave the L2
-    cache, so the few shared rows (positions, segments, LayerNorm's) stay and a word row read again may still be
-    there: 0.3-2% faster than without it at (64, 512), hidden 1024, float32, 2-5% in bfloat16, on an H100
-    (`benchmarks/gpu_cache_hints.py`; two identical kernels differed by up to 1.5% there)."""
+    Tuning (benchmarks/gpu_triton.py, gpu_forward_shapes.py): `rows` token rows per program (a power of 2) and
+    `num_warps`. The defaults, one row and a warp per KB of the (power of 2) row block, one warp for half-precision
+    rows of up to 1024 elements (`_warps`), were the fastest of 1, 2, 4 rows and 1, 2, 4, 8 warps on an H100 at hidden
+    768 and 1024 (or within 2%), and faster than persistent kernels looping over tokens. `evict_first` marks the word
+    rows read and the output written as the first to leave the L2 cache, so the few shared rows (positions, segments,
+    LayerNorm's) stay and a word row read again may still be there: 0.3-2% faster than without it at (64, 512),
+    hidden 1024, float32, 2-5% in bfloat16, on an H100 (`benchmarks/gpu_cache_hints.py`; two identical kernels
+    differed by up to 1.5% there)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     out = torch.empty(n, h, dtype=word.dtype, device=dev) if out is None else out.view(n, h)
@@ -242,7 +255,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     if n:
         block = _block(h)
         _launch_forward(
-            triton.cdiv(n, rows), num_warps or min(max(rows * block * word.element_size() // 1024, 1), 8),
+            triton.cdiv(n, rows), num_warps or _warps(rows * block, word.element_size()),
             ids=ids, tts=ids if tts is None else tts, pids=ids if pids is None else pids, word=word, seg=seg,
             pos=word if pos is None else pos, gamma=gamma, beta=beta, out=out, mean=mean, rstd=rstd,
             bad=ids if bad is None else bad, N=n, H=h, V=word.shape[0], T=seg.shape[0],
