@@ -31,28 +31,38 @@ from bertembed.kernels import triton as triton_kernels
 
 
 def per_call_us(fn, calls: int = 1000) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def alternate_training_steps(variants: dict, shapes=((1, 11), (32, 128)), rounds: int = 7) -> None:
+def alternate_training_steps(variants: dict, shapes=((1, 11), (32, 128)), rounds: int = 7,
+                             device: str = "cuda") -> None:
     """Before and after for one change, alternated in one process: `variants` maps a name to a function that puts
-    that version in place. The training step (`id_checks` "device", H 768) at each shape, medians of `rounds` rounds
-    of 200 steps, us a step."""
+    that version in place. The training step (H 768; on a GPU with `id_checks` "device", on the CPU with the cpu
+    backend and its 2 threads) at each shape, medians of `rounds` rounds of 200 steps (20 on the CPU at (32, 128)),
+    us a step."""
     for shape in shapes:
-        work = make_workload(Case(768, *shape, "fwdbwd", device="cuda"))
-        step = _torch_call(_ours(work, "device"), work)
+        work = make_workload(Case(768, *shape, "fwdbwd", device=device))
+        if device == "cuda":
+            layer = _ours(work, "device")
+        else:
+            torch.set_num_threads(2)
+            layer = BertEmbeddings(work.config, backend="cpu")
+            layer.load_state_dict(work.state_dict)
+        step = _torch_call(layer, work)
+        calls = 200 if device == "cuda" or shape[0] * shape[1] < 1000 else 20
         times = {name: [] for name in variants}
         for _ in range(rounds):
             for name, put_in_place in variants.items():
                 put_in_place()
-                times[name].append(per_call_us(step, calls=200))
+                times[name].append(per_call_us(step, calls=calls))
         print(shape, {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()})
 
 
