@@ -226,15 +226,6 @@ def _warps(elements: int, itemsize: int) -> int:
     return min(max(elements * itemsize // 1024, 1), 8)
 
 
-def _dense_gradients(word_rows: int, pos_rows: int, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed float32 [word_rows, H] and [pos_rows, H] gradients as views of one buffer: one fill launch a training
-    step, not two (on the lent H100's host a launch cost about 30 us of a 600 us step at one sentence). The position
-    rows start on a 16-byte boundary, as a tensor of their own would, so Triton compiles the same kernel for them."""
-    start = -(-word_rows * hidden // 4) * 4
-    dense = torch.zeros(start + pos_rows * hidden, dtype=torch.float32, device=device)
-    return dense[:word_rows * hidden].view(word_rows, hidden), dense[start:].view(pos_rows, hidden)
-
-
 def _bad_counter(device: torch.device) -> torch.Tensor | None:
     return torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cpu" else None
 
@@ -289,7 +280,8 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     programs = max(1, triton.cdiv(n, rows))
     length, past = _position_args(pids, length, past, "run_backward")
     # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
-    dword, dpos = _dense_gradients(word.shape[0] if need_word else 1, pos.shape[0] if want_pos else 1, h, dev)
+    dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
+    dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
     types = seg.shape[0]
     part = (torch.empty if n else torch.zeros)(programs, types + 2, h, **f32)  # each program's slab, filled by it
     dx = torch.empty(n if deterministic else 1, h, **f32)
@@ -312,8 +304,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
     sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
-    # word and position gradients share one buffer, as do the others: the custom op copies them apart
-    # (`function.embeddings_backward_op`), eager autograd need not
+    # views of one buffer; the custom op copies them apart (`function.embeddings_backward_op`), eager autograd need not
     return dword.to(dtype), sums[:types].to(dtype), dpos.to(dtype), sums[types].to(gamma.dtype), \
         sums[types + 1].to(gamma.dtype)
 
