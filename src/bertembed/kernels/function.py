@@ -127,7 +127,7 @@ def _setup_context(ctx, inputs, output) -> None:
      backend, deterministic) = inputs
     _out, mean, rstd = output
     # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step (two
-    # kernel launches on a GPU, about 60 us of host time each on the lent H100's host); backward never reads them
+    # fill kernels on a GPU; BENCHMARKS.md, "The fifth GPU session"); backward never reads them
     ctx.set_materialize_grads(False)
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
