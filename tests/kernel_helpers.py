@@ -3,6 +3,7 @@ the issue states."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bertembed.config import EmbeddingConfig
@@ -217,3 +218,48 @@ def check_training_step_makes_no_statistics_gradient(backend: str, device: str =
     assert (3, 7) not in fills.shapes, fills.shapes
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
+
+
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _torch_layer_norm_takes(summed: torch.dtype, weight: torch.dtype, bias: torch.dtype, device: str) -> bool:
+    """The oracle: whether torch's own LayerNorm on `device` runs on an input of dtype `summed` with these."""
+    import torch.nn.functional as F
+
+    try:
+        F.layer_norm(torch.randn(3, 8, dtype=summed, device=device), (8,), torch.ones(8, dtype=weight, device=device),
+                     torch.zeros(8, dtype=bias, device=device))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _no_kernel(*args, **kwargs):
+    pytest.fail("a kernel ran on bad input")
+
+
+def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
+    """Every table dtype beside every LayerNorm dtype (and a bias apart from its weight): where torch's LayerNorm
+    refuses the mix, the fused layer raises the reference's ValueError, with or without autograd and before any kernel;
+    where it takes it, the two agree. (Bad input must fail the same way on every backend.)"""
+    from bertembed.kernels.function import _backend_module
+
+    mixes = [(t, n, n) for t in _NORM_DTYPES for n in _NORM_DTYPES] + [(torch.bfloat16, torch.float32, torch.bfloat16)]
+    ids = awkward_ids(2, 5, 1000).to(device)
+    for tables, weight, bias in mixes:
+        ref, fused = twins(24, backend, dtype=tables)
+        for layer in (ref, fused):
+            layer.to(device).LayerNorm.weight.data = layer.LayerNorm.weight.data.to(weight)
+            layer.LayerNorm.bias.data = layer.LayerNorm.bias.data.to(bias)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                if _torch_layer_norm_takes(tables, weight, bias, device):
+                    torch.testing.assert_close(fused(ids), ref(ids), msg=lambda m, t=tables, w=weight: f"{t} {w}: {m}")
+                    continue
+                with pytest.raises(ValueError, match="LayerNorm weight and bias are") as expected:
+                    ref(ids)
+                with pytest.MonkeyPatch.context() as patch, pytest.raises(ValueError) as got:
+                    patch.setattr(_backend_module(backend), "run_forward", _no_kernel)
+                    fused(ids)
+                assert str(got.value) == str(expected.value)

@@ -18,6 +18,7 @@ from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_custom_op_compiles,
     check_empty_batches,
+    check_layer_norm_dtypes_as_torch,
     check_never_reads_outside_a_table,
     check_traced_whole_layer,
     check_training_step_makes_no_statistics_gradient,
@@ -444,3 +445,16 @@ def test_empty_batches():
 
 def test_training_step_makes_no_statistics_gradient():
     check_training_step_makes_no_statistics_gradient("cpu")
+
+
+def test_layer_norm_dtypes_fail_as_torchs_layer_norm_does():
+    check_layer_norm_dtypes_as_torch("cpu")
+    ref, _ = twins(24, "cpu")
+    word, position, segment, weight, bias = (p.detach() for p in ref.parameters())  # in the order registered
+    ids = awkward_ids(2, 5, 1000)
+    errors = []
+    for backend in ("reference", "cpu"):  # the functional form too
+        with pytest.raises(ValueError, match="bfloat16 but the embeddings they normalise are torch.float32") as info:
+            fused_embeddings(ids, word, segment, position, weight.bfloat16(), bias.bfloat16(), backend=backend)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]

@@ -140,15 +140,16 @@ def test_bfloat16_layers_take_the_short_path(shape, offset, types, norm):
                 layer.LayerNorm.weight.mul_(-0.5)
 
 
-def test_float32_tables_with_a_bfloat16_layer_norm_go_the_general_way():
-    """The one mix the short path leaves (torch's own LayerNorm refuses it; the general path computes it in float32)."""
+def test_float32_tables_with_a_bfloat16_layer_norm_are_refused_as_torch_refuses_them():
+    """The one mix the short path leaves: torch's own LayerNorm refuses it, so every backend raises."""
     _, fused = _pair()
     fused.LayerNorm.to(torch.bfloat16)
     with torch.no_grad():
         for shape in ((1, 9), (64, 64)):
             ids = torch.randint(0, 500, shape)
             assert lean.try_infer(fused, ids, None, None, None, 0) is None
-            assert fused(ids).dtype == torch.float32
+            with pytest.raises(ValueError, match="bfloat16 but the embeddings they normalise are torch.float32"):
+                fused(ids)
 
 
 def test_what_the_short_path_leaves_to_the_general_one():

@@ -27,6 +27,7 @@ from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_custom_op_compiles,
     check_empty_batches,
+    check_layer_norm_dtypes_as_torch,
     check_low_precision,
     check_never_reads_outside_a_table,
     check_traced_whole_layer,
@@ -322,3 +323,7 @@ def test_whole_layer_traces_without_a_graph_break():
 
 def test_training_step_makes_no_statistics_gradient():
     check_training_step_makes_no_statistics_gradient("triton", DEVICE)
+
+
+def test_layer_norm_dtypes_fail_as_torchs_layer_norm_does():
+    check_layer_norm_dtypes_as_torch("triton", DEVICE)

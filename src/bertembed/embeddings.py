@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs, table_rows
+from bertembed.validation import check_inputs, check_norm_dtypes, summed_dtype, table_rows
 
 
 def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
@@ -109,6 +109,9 @@ class BertEmbeddings(nn.Module):
                   None if positions is None else positions.weight)
         batch, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
                                      past_key_values_length, rows=table_rows(tables))
+        norm = self.LayerNorm
+        check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:]),
+                          norm.weight, norm.bias)
         if position_ids is None:
             position_ids = self.position_ids[:, past_key_values_length:past_key_values_length + length]
         if token_type_ids is None:

@@ -37,6 +37,51 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
                              f"{fix}")
 
 
+def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
+    dtypes = [t.dtype for t in addends if t is not None]
+    result = dtypes[0]
+    for dtype in dtypes[1:]:
+        result = torch.promote_types(result, dtype)
+    return result
+
+
+_norm_mixes: dict[tuple, bool] = {}
+
+
+def norm_dtypes_fit(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether torch's LayerNorm on the weight's device takes this weight and bias beside an input of dtype `summed`.
+    Asked of torch once per mix and device type, as the answer differs between devices and releases (torch 2.13's
+    CPU kernel: weight and bias both of the input's dtype, or both float32 beside a float16 or bfloat16 input)."""
+    device = weight.device
+    key = (summed, weight.dtype, None if bias is None else bias.dtype, device.type)
+    fits = _norm_mixes.get(key)
+    if fits is None:
+        try:
+            with torch.no_grad():
+                torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=device), (2,),
+                                               torch.ones(2, dtype=key[1], device=device),
+                                               None if bias is None else torch.zeros(2, dtype=key[2], device=device))
+            fits = True
+        except RuntimeError:
+            fits = False
+        _norm_mixes[key] = fits
+    return fits
+
+
+def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A ValueError, before any table is read, for a LayerNorm weight and bias that torch's LayerNorm refuses beside
+    an input of dtype `summed` (`norm_dtypes_fit`). The fused kernels could compute such mixes, but then one layer
+    would run on one backend and fail on another; so every backend raises this. Not checked inside a traced graph
+    (the check runs torch's LayerNorm), where the reference's LayerNorm raises torch's own error."""
+    if torch.compiler.is_compiling() or norm_dtypes_fit(summed, weight, bias):
+        return
+    dtypes = str(weight.dtype) if bias is None or bias.dtype == weight.dtype else f"{weight.dtype}/{bias.dtype}"
+    fix = f"layer.LayerNorm.to({summed})" + (" or .float()" if summed in (torch.float16, torch.bfloat16) else "")
+    raise ValueError(f"the LayerNorm weight and bias are {dtypes} but the embeddings they normalise are {summed}, "
+                     f"a mix torch's LayerNorm on {weight.device.type} refuses; cast them with {fix}")
+
+
 def skipped_ids_error(count: int, where: str) -> RuntimeError:
     """The error of a kernel that found `count` ids outside their tables and skipped those tokens."""
     return RuntimeError(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for them). "

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs, table_rows
+from bertembed.validation import check_inputs, check_norm_dtypes, summed_dtype, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
     check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
                  check_ranges=not device_checks, rows=table_rows(tables))
     word, segment, position, weight, bias = tables
+    check_norm_dtypes(word.dtype, weight, bias)  # (the three tables share a dtype here: `_mixed_tables`)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     if out is not None or not _needs_autograd(tables) and not is_compiling():
         # inference: the forward kernel alone, skipping the op's dispatch (~50 us)
@@ -223,6 +224,7 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
     batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
                                  rows=table_rows(tables))
     word, segment, position, weight, bias = tables
+    check_norm_dtypes(summed_dtype(word, segment, position), weight, bias)
     if token_type_ids is None:
         token_type_ids = torch.zeros((batch, length), dtype=torch.int64, device=word.device)
     if position_ids is None:

@@ -19,17 +19,18 @@ import torch
 
 from bertembed.kernels import _DTYPES, ID_CHECKS, module_tables
 from bertembed.kernels import triton as triton_kernels
-from bertembed.validation import check_inputs, table_rows
+from bertembed.validation import check_inputs, norm_dtypes_fit, table_rows
 
 
 def _tables(layer) -> tuple[torch.Tensor, ...] | None:
-    """(word, segment, position, LayerNorm weight, bias) when all are contiguous CUDA tensors of one table dtype."""
+    """(word, segment, position, LayerNorm weight, bias) when all are contiguous CUDA tensors of one table dtype, with
+    a LayerNorm dtype torch's LayerNorm takes beside it (the general path raises for the others)."""
     tables = module_tables(layer)
     if tables is None:
         return None
     dtype = tables[0].dtype
     if any(not t.is_cuda or not t.is_contiguous() or t.dtype != dtype for t in tables[:3]) \
-            or any(not t.is_cuda for t in tables[3:]):
+            or any(not t.is_cuda for t in tables[3:]) or not norm_dtypes_fit(dtype, tables[3], tables[4]):
         return None
     return tables
 
