@@ -73,7 +73,8 @@ def test_sweep_narrowed_by_device_hidden_and_shape(monkeypatch):
     assert {c.device for c in runner.plan_cases(BenchOptions(device="cpu", quick=True))} == {"cpu"}
     assert "bertembed-fused-device-checks" in candidates_for(cases[0])
     assert "bertembed-fused-device-checks" not in candidates_for(Case(768, 32, 128))
-    for bad in (["64by512"], ["0x5"]):
+    assert BenchOptions(shapes=_shapes(["1x512"])).shapes == ((1, 512),)
+    for bad in (["64by512"], ["0x5"], ["1x513"]):  # 513: past the position table, which the worker would find late
         with pytest.raises(ValueError, match="--shape"):
             BenchOptions(shapes=_shapes(bad))
     with pytest.raises(ValueError, match="--device"):

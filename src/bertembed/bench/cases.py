@@ -11,6 +11,7 @@ from typing import Any
 
 HIDDENS: tuple[int, ...] = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES: tuple[tuple[int, int], ...] = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
+PREFIX = "BENCH "  # starts each line of results a worker (`worker.py`) writes for the runner (`runner.py`) to read
 QUICK_HIDDENS: tuple[int, ...] = (768,)
 QUICK_SHAPES: tuple[tuple[int, int], ...] = ((1, 11), (32, 128))
 MODES: tuple[str, ...] = ("fwd", "fwdbwd")

@@ -20,9 +20,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bertembed.bench.cases import CANDIDATES, Case, candidates_for, default_cases
+from bertembed.bench.cases import CANDIDATES, PREFIX, Case, candidates_for, default_cases
 from bertembed.bench.measure import PEAK_METHOD_CPU, PEAK_METHOD_CUDA, STEADY_ENV, allocator_env
-from bertembed.bench.worker import PREFIX
+from bertembed.config import EmbeddingConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class BenchOptions:
             raise ValueError(f"--hidden must be positive sizes, got {self.hiddens}")
         if self.shapes is not None and (not self.shapes or min(min(s) for s in self.shapes) < 1):
             raise ValueError(f"--shape must be positive BxL, got {self.shapes}")
+        positions = EmbeddingConfig().max_position_embeddings
+        if self.shapes is not None and max(length for _, length in self.shapes) > positions:
+            raise ValueError(f"--shape lengths stop at {positions}, the rows of BERT's position table; got "
+                             f"{self.shapes}")
         if self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         unknown = [c for c in self.candidates if c not in CANDIDATES]

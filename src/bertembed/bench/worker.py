@@ -19,12 +19,11 @@ from typing import Any
 import torch
 
 from bertembed.bench import candidates as cands
-from bertembed.bench.cases import CANDIDATES, Case, bound_bytes, candidates_for
+from bertembed.bench.cases import CANDIDATES, PREFIX, Case, bound_bytes, candidates_for
 from bertembed.bench.measure import apply_steady_malloc, copy_bandwidth, peak_bytes, time_call, warm_up
 from bertembed.bench.prewarm import Prewarm
 
 log = logging.getLogger(__name__)
-PREFIX = "BENCH "
 
 
 def setup(spec: dict[str, Any]) -> dict[str, Any]:
