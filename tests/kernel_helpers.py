@@ -248,10 +248,9 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
     mixes = [(t, n, n) for t in _NORM_DTYPES for n in _NORM_DTYPES] + [(torch.bfloat16, torch.float32, torch.bfloat16)]
     ids = awkward_ids(2, 5, 1000).to(device)
     for tables, weight, bias in mixes:
-        ref, fused = twins(24, backend, dtype=tables)
-        for layer in (ref, fused):
-            layer.to(device).LayerNorm.weight.data = layer.LayerNorm.weight.data.to(weight)
-            layer.LayerNorm.bias.data = layer.LayerNorm.bias.data.to(bias)
+        ref, fused = (layer.to(device) for layer in twins(24, backend, dtype=tables))
+        for norm in (ref.LayerNorm, fused.LayerNorm):
+            norm.weight.data, norm.bias.data = norm.weight.data.to(weight), norm.bias.data.to(bias)
         for grad in (False, True):
             with torch.set_grad_enabled(grad):
                 if _torch_layer_norm_takes(tables, weight, bias, device):
