@@ -177,3 +177,34 @@ def test_the_first_fused_forward_keeps_the_thread_counts_asked_for():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1"]
+
+
+def test_copies_and_pickles_leave_the_table_cache_behind():
+    """The short path's cache (numpy views of the tables, and their addresses) stays with its layer: a pickle taken
+    after a call is as large as one taken before it (no second copy of the tables), a deep copy starts without one,
+    and each copy computes from its own tables, as the reference layer does."""
+    import copy
+    import io
+
+    from bertembed.embeddings import KERNEL_CACHE
+
+    def pickled(layer) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        return buffer
+
+    ref, fused = _pair()
+    ids = torch.randint(0, 500, (2, 9))
+    before = pickled(fused).getbuffer().nbytes
+    with torch.no_grad():
+        fused(ids)
+        assert KERNEL_CACHE in fused.__dict__
+        assert pickled(fused).getbuffer().nbytes == before
+        twin, loaded = copy.deepcopy(fused), torch.load(pickled(fused), weights_only=False)
+        assert KERNEL_CACHE not in twin.__dict__ and KERNEL_CACHE in fused.__dict__
+        for layer in (ref, twin):
+            layer.word_embeddings.weight.mul_(2.0)  # the twin's own tables, not the original's
+        _close(twin(ids), ref(ids))
+        _close(loaded(ids), fused(ids))
+        assert not torch.equal(fused(ids), twin(ids))

@@ -72,6 +72,9 @@ def checked_backend(backend: str) -> str:
     return backend if backend == "reference" else _kernels().check_backend(backend)
 
 
+KERNEL_CACHE = "_kernel_cache"  # the attribute where the fused kernels keep what they derive from the tables
+
+
 class BertEmbeddings(nn.Module):
     """Word, position and segment tables, summed and layer-normalised: transformers' `BertEmbeddings`, exactly."""
 
@@ -93,6 +96,14 @@ class BertEmbeddings(nn.Module):
         self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None], persistent=False)
         self.register_buffer("token_type_ids", torch.zeros_like(self.position_ids), persistent=False)
         self.reset_parameters()
+
+    def __getstate__(self) -> dict:
+        """nn.Module's state for pickling and `copy.deepcopy`, less the kernels' cache (`KERNEL_CACHE`): numpy views of
+        the tables and their addresses, which a pickle would store as a second copy of every table and a copy would
+        carry as addresses of the original's memory. The next fused call rebuilds it."""
+        state = super().__getstate__()
+        state.pop(KERNEL_CACHE, None)
+        return state
 
     def reset_parameters(self) -> None:
         """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity."""

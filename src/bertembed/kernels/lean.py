@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from numba import carray, njit
 
+from bertembed.embeddings import KERNEL_CACHE
 from bertembed.kernels import cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 
@@ -165,7 +166,7 @@ def _tables(layer) -> _Tables | None:
     # held storage; the kernel can never read outside it.
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.nbytes,
            position.nbytes)
-    cached = layer.__dict__.get("_lean_tables")
+    cached = layer.__dict__.get(KERNEL_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1]
     hidden, dtype, norm = word.shape[1], word.dtype, weight.dtype
@@ -177,7 +178,7 @@ def _tables(layer) -> _Tables | None:
         return None  # not cached: a dtype or device change always comes with new storage
     tables = _Tables([cpu_run._np(t) for t in tensors], (*key[:5], word.shape[0], segment.shape[0], position.shape[0],
                                                           hidden, int(norm is torch.bfloat16)), dtype)
-    layer.__dict__["_lean_tables"] = (key, tables)
+    layer.__dict__[KERNEL_CACHE] = (key, tables)  # (not pickled or copied: `BertEmbeddings.__getstate__`)
     return tables
 
 
