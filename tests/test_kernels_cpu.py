@@ -339,6 +339,35 @@ def test_mixed_table_dtypes_fall_back(caplog, monkeypatch):
     assert "different dtypes" in caplog.text
 
 
+def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
+    """Per-sample gradients the torch.func way (`grad` of `functional_call`), and `vmap`: the kernels cannot read
+    functorch's wrapped tensors, so the layer runs the reference, with the reason logged, and gives its numbers."""
+    from torch.func import functional_call, grad
+
+    import bertembed.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_told", set())
+    ref, fused = twins(24, "cpu")
+    ids = awkward_ids(2, 5, ref.config.vocab_size)
+    params = {name: p.detach() for name, p in ref.named_parameters()}
+    upstream = torch.randn(2, 5, 24)
+
+    def loss(tables, layer):
+        return (functional_call(layer, tables, (ids,)) * upstream).sum()
+
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        got = grad(loss)(params, fused)
+    assert "torch.func" in caplog.text
+    expected = grad(loss)(params, ref)
+    for name in params:
+        assert torch.equal(got[name], expected[name]), name
+    assert got["word_embeddings.weight"].abs().sum() > 0
+    for grad_mode in (False, True):  # vmap over sentences: the short path (no autograd) and the general one
+        with torch.set_grad_enabled(grad_mode):
+            out = torch.vmap(lambda sentence: fused(sentence[None])[0])(ids)
+            assert torch.equal(out, ref(ids))
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

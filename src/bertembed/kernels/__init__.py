@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs, check_norm_dtypes, summed_dtype, table_rows
+from bertembed.validation import check_inputs, check_norm_dtypes, in_torch_func, summed_dtype, table_rows
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,21 @@ def _device_reason(backend: str, device: torch.device) -> str | None:
     return None
 
 
+def _transform_reason() -> str | None:
+    """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...), or None outside one: its
+    tensors wrap others, with no memory of their own for a kernel to read, and `function.EagerEmbeddings` has no
+    functorch rules. (Under torch.compile the custom op is traced instead; this asks nothing there.)"""
+    if not is_compiling() and in_torch_func():
+        return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
+    return None
+
+
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
     """(backend that will run, reason it is the reference when a fused one was asked for or None)."""
     if requested == "reference":
         return "reference", None
     backend = requested if requested != "auto" else ("cpu" if device.type == "cpu" else "triton")
-    reason = _missing(backend) or _device_reason(backend, device)
+    reason = _missing(backend) or _device_reason(backend, device) or _transform_reason()
     if reason is None and dtype not in _DTYPES[backend]:
         reason = f"the {backend!r} kernels take {[str(d) for d in _DTYPES[backend]]} tables, not {dtype}"
     return ("reference", reason) if reason else (backend, None)

@@ -191,15 +191,18 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     shape = input_ids.shape
     if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():
         return None
-    ids_at = input_ids.data_ptr()
-    if token_type_ids is None:
-        tts_at, has_tts = ids_at, False  # never read
-    elif type(token_type_ids) is torch.Tensor and token_type_ids.shape == shape \
-            and token_type_ids.dtype == torch.int64 and token_type_ids.is_cpu and token_type_ids.is_contiguous():
-        tts_at, has_tts = token_type_ids.data_ptr(), True
-    else:
+    try:  # (free in Python 3.11 unless raised)
+        ids_at = input_ids.data_ptr()
+        if token_type_ids is None:
+            tts_at, has_tts = ids_at, False  # never read
+        elif type(token_type_ids) is torch.Tensor and token_type_ids.shape == shape \
+                and token_type_ids.dtype == torch.int64 and token_type_ids.is_cpu and token_type_ids.is_contiguous():
+            tts_at, has_tts = token_type_ids.data_ptr(), True
+        else:
+            return None
+        tables = _tables(layer)
+    except RuntimeError:  # a tensor with no memory of its own: torch.func's wrapped ones (`vmap`, `grad`)
         return None
-    tables = _tables(layer)
     if tables is None:
         return None
     (batch, length), hidden, eps = shape, tables.addresses[_HIDDEN], layer.config.layer_norm_eps

@@ -19,7 +19,7 @@ import torch
 
 from bertembed.kernels import _DTYPES, ID_CHECKS, module_tables
 from bertembed.kernels import triton as triton_kernels
-from bertembed.validation import check_inputs, norm_dtypes_fit, table_rows
+from bertembed.validation import check_inputs, in_torch_func, norm_dtypes_fit, table_rows
 
 
 def _tables(layer) -> tuple[torch.Tensor, ...] | None:
@@ -39,7 +39,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     """The output [B, L, H], or None when these inputs are not for the short path."""
     if layer.training or torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or not input_ids.is_cuda or input_ids.dtype != torch.int64 \
-            or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int:
+            or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int \
+            or in_torch_func():
         return None
     if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
                                        or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()):
