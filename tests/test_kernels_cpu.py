@@ -368,6 +368,23 @@ def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
             assert torch.equal(out, ref(ids))
 
 
+def test_differentiating_the_gradients_again_raises():
+    """The kernels' gradients are not differentiable. A gradient penalty built on them (`create_graph=True`) must fail
+    when it is differentiated, not lose the fused layer's part and train on (which it did before). The first-order
+    gradient it is built from still equals the reference's."""
+    ref, fused = twins(24, "cpu", hidden_dropout_prob=0.0)
+    ids = awkward_ids(2, 5, ref.config.vocab_size)
+    penalties = []
+    for layer in (ref, fused):
+        out = layer(ids)
+        (first,) = torch.autograd.grad((out ** 3).sum(), layer.LayerNorm.weight, create_graph=True)
+        penalties.append((out.sum() + first.square().sum(), first))
+    assert_grad_close(penalties[1][1], penalties[0][1], "LayerNorm.weight")
+    penalties[0][0].backward()  # torch's layer is twice differentiable
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalties[1][0].backward()
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

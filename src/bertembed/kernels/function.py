@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 def _backend_module(backend: str):
@@ -153,6 +154,19 @@ def _backward_with(gradients):
 embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_context=_setup_context)
 
 
+def _once_differentiable(backward):
+    """`backward` whose gradients raise when differentiated again (double backward, `create_graph=True`): the kernels'
+    gradients are not differentiable, and would otherwise leave as constants, so a gradient penalty would lose the
+    layer's part unseen. torch's `once_differentiable` does it for 2.2 us a call; autograd runs a backward with grad
+    mode on only for `create_graph=True`, so that is the only time it is paid."""
+    guarded = once_differentiable(backward)
+
+    def run(ctx, *grads):
+        return guarded(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return run
+
+
 class EagerEmbeddings(torch.autograd.Function):
     """The op's forward and backward as a plain autograd.Function, for eager mode: torch.library's dispatch of a
     custom op costs about 70 us a call in Python, more than a sentence's kernels. `torch.compile` gets the op, which it
@@ -165,4 +179,4 @@ class EagerEmbeddings(torch.autograd.Function):
         ctx.mark_non_differentiable(*output[1:])
         return output
 
-    backward = staticmethod(_backward_with(_gradients))
+    backward = staticmethod(_once_differentiable(_backward_with(_gradients)))
