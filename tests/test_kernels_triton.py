@@ -218,6 +218,28 @@ def test_deterministic_backward_is_bitwise_repeatable():
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def test_torchs_deterministic_flag_asks_for_the_deterministic_backward(monkeypatch):
+    """`torch.use_deterministic_algorithms(True)` gets the fixed-order backward without `layer.deterministic`, as it
+    gets torch's own deterministic embedding backward."""
+    _, fused = on_device(*twins(32, "triton"))
+    ids = awkward_ids(2, 6, 20).to(DEVICE)
+    asked, run_backward = [], triton_kernels.run_backward
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["deterministic"])
+        return run_backward(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "run_backward", spy)
+    fused(ids).sum().backward()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fused(ids).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert asked == [False, True]
+
+
 def _round_kernel(x, y, n, BLOCK: tl.constexpr):
     """Decorated with triton.jit inside the test, where the fixture has set TRITON_INTERPRET as needed."""
     i = tl.arange(0, BLOCK)

@@ -42,9 +42,10 @@ ID_CHECKS = ("host", "device")
 @dataclass(frozen=True)
 class KernelOptions:
     """How the fused kernels run. `deterministic`: bitwise-repeatable GPU gradients (a fixed summation order instead
-    of atomics). `id_checks`: "host" checks every id before any kernel runs, raising the reference layer's errors (on
-    a GPU the check waits for the device once a call); "device" (GPU only) leaves that to the kernel, which never reads
-    outside a table and gives a token with a bad id a row of NaN instead of raising, with no wait."""
+    of atomics), also whenever `torch.use_deterministic_algorithms(True)` is on. `id_checks`: "host" checks every id
+    before any kernel runs, raising the reference layer's errors (on a GPU the check waits for the device once a
+    call); "device" (GPU only) leaves that to the kernel, which never reads outside a table and gives a token with a
+    bad id a row of NaN instead of raising, with no wait."""
 
     deterministic: bool = False
     id_checks: str = "host"
@@ -132,7 +133,7 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
     run = embeddings_op if is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
     result, _mean, _rstd = run(input_ids, token_type_ids, position_ids, past_key_values_length, word, segment,
                                position, weight, bias, config.layer_norm_eps, p, seed, pad, backend,
-                               options.deterministic)
+                               options.deterministic or torch.are_deterministic_algorithms_enabled())
     return result
 
 
