@@ -135,6 +135,23 @@ def test_patch_refuses_a_model_without_bert_embeddings():
         bertembed.patch(torch.nn.Linear(2, 2))
 
 
+def test_patch_leaves_layers_with_relative_positions(caplog):
+    """transformers 4's BERT with position_embedding_type="relative_key" keeps the position table but adds none of its
+    rows in the embedding layer (the attention uses the positions); an attribute on the layer says so, which
+    transformers 5 dropped. The fused layer always adds the rows, so such a layer stays transformers' own, with a
+    warning, and a model with only such layers is refused."""
+    model = model_of(transformers.BertModel)
+    model.embeddings.position_embedding_type = "relative_key"  # as transformers 4 sets it
+    with pytest.raises(ValueError, match="only layers it cannot replace: embeddings .*relative_key"):
+        bertembed.patch(model)
+    wrapper = torch.nn.ModuleDict({"relative": model, "absolute": model_of(transformers.BertModel, seed=1)})
+    with caplog.at_level("WARNING", logger="bertembed.dropin"):
+        bertembed.patch(wrapper)
+    assert "relative.embeddings (position_embedding_type='relative_key')" in caplog.text
+    assert type(wrapper["relative"].embeddings).__module__.startswith("transformers.")
+    assert isinstance(wrapper["absolute"].embeddings, BertEmbeddings)
+
+
 def test_patched_layer_matches_hf_embeddings_directly():
     hf = model_of(transformers.BertModel).embeddings.train()
     fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="cpu")

@@ -31,6 +31,12 @@ def _is_hf_bert_embeddings(module: nn.Module) -> bool:
     return kind.__name__ == "BertEmbeddings" and kind.__module__.startswith("transformers.models.bert.")
 
 
+def _position_type(hf: nn.Module) -> str:
+    """transformers 4's `position_embedding_type` of the layer: "absolute" adds position rows; "relative_key" and
+    "relative_key_query" add none there. transformers 5's layer has no such attribute and always adds them."""
+    return getattr(hf, "position_embedding_type", "absolute")
+
+
 def _config_of(hf: nn.Module) -> EmbeddingConfig:
     """The layer's sizes and constants, read from its own tables (the model config may not be at hand)."""
     vocab, hidden = hf.word_embeddings.weight.shape
@@ -62,19 +68,27 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
 
     A model patched before keeps its fused layers, now running `backend` (patching twice, as a notebook cell run
     again does, changes nothing else)."""
-    swapped = []
+    swapped, left = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            where = f"{parent_name}.{name}".lstrip(".")
+            if _is_hf_bert_embeddings(child) and (kind := _position_type(child)) != "absolute":
+                left.append(f"{where} (position_embedding_type={kind!r})")
+                continue
             if _is_hf_bert_embeddings(child):
                 setattr(parent, name, fused_from(child, backend))
             elif getattr(child, "_bertembed_original", None) is not None:
                 child.backend = checked_backend(backend)
             else:
                 continue
-            swapped.append(f"{parent_name}.{name}".lstrip("."))
+            swapped.append(where)
+    if left:
+        log.warning("bertembed.patch: left transformers' layer at %s: it adds no position rows there (the positions "
+                    "enter the attention), and the fused layer always adds them", ", ".join(left))
     if not swapped:
-        raise ValueError(f"no transformers BertEmbeddings found in {type(model).__name__}: bertembed.patch works on "
-                         f"BERT models (BertModel, BertFor..., sentence-transformers models built on them)")
+        found = f"only layers it cannot replace: {', '.join(left)}" if left else "no transformers BertEmbeddings"
+        raise ValueError(f"{found} in {type(model).__name__}: bertembed.patch works on BERT models (BertModel, "
+                         f"BertFor..., sentence-transformers models built on them) with absolute positions")
     log.info("bertembed.patch: fused embeddings (backend=%r) at %s", backend, ", ".join(swapped))
     return model
 
