@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numba
 import pytest
 import torch
 
@@ -208,3 +209,51 @@ def test_copies_and_pickles_leave_the_table_cache_behind():
         _close(twin(ids), ref(ids))
         _close(loaded(ids), fused(ids))
         assert not torch.equal(fused(ids), twin(ids))
+
+
+_FORKED = '''
+import logging, os, sys, torch
+from bertembed import BertEmbeddings, EmbeddingConfig
+torch.manual_seed(0)
+config = EmbeddingConfig(vocab_size=500, hidden_size=384, hidden_dropout_prob=0.0)
+fused = BertEmbeddings(config, backend="cpu").eval()
+ids = torch.randint(0, 500, (16, 128))
+with torch.no_grad():
+    fused(ids)  # a batch on numba's pool: the parent's GNU OpenMP is in use
+torch.save(fused.state_dict(), sys.argv[1] + ".weights")
+pid = os.fork()
+if pid == 0:
+    status = 1
+    try:
+        logging.basicConfig(level=logging.INFO)
+        torch.set_num_threads(1)  # what DataLoader workers do: torch's own OpenMP cannot run in a forked child either
+        with torch.no_grad():
+            out = fused(ids)
+        fused.train()
+        fused(ids).pow(2).sum().backward()
+        torch.save({"ids": ids, "out": out, "grad": fused.word_embeddings.weight.grad}, sys.argv[1])
+        status = 0
+    finally:
+        os._exit(status)
+print(os.waitpid(pid, 0)[1])
+'''
+
+
+def test_a_forked_child_runs_where_numbas_pool_cannot(tmp_path):
+    """numba's GNU OpenMP pool cannot run in a process forked after it started: numba ends the child ("fork() called
+    from a process already using GNU OpenMP"), as multiprocessing's default 'fork' start and DataLoader workers would
+    meet. In the child, inference takes the serial kernel and training the reference layer (the reason logged); both
+    give the reference's numbers. In a fresh process, with a timeout: a child could hang, not fail."""
+    saved = tmp_path / "child.pt"
+    done = subprocess.run([sys.executable, "-c", _FORKED, str(saved)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["0"], done.stdout + done.stderr
+    if numba.threading_layer() == "omp":  # (a TBB pool can run in a forked child, and is left to)
+        assert "forked" in done.stderr
+    child = torch.load(saved)
+    ref = BertEmbeddings(EmbeddingConfig(vocab_size=500, hidden_size=384, hidden_dropout_prob=0.0)).eval()
+    ref.load_state_dict(torch.load(f"{saved}.weights"))
+    with torch.no_grad():
+        _close(child["out"], ref(child["ids"]))
+    ref.train()
+    ref(child["ids"]).pow(2).sum().backward()
+    torch.testing.assert_close(child["grad"], ref.word_embeddings.weight.grad)  # the reference ran in the child

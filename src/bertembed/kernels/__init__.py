@@ -34,6 +34,16 @@ _DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, tor
 _INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
 _told: set[str] = set()
 _found: dict[str, bool] = {}
+# Set in a process forked from one whose numba pool ran on GNU OpenMP (`cpu_run`): a parallel kernel there would end
+# the process ("Terminating: fork() called from a process already using GNU OpenMP").
+_FORKED_POOL = "this process was forked from one whose numba thread pool runs on GNU OpenMP, which cannot run in a " \
+    "forked child; start worker processes with multiprocessing's 'spawn' or 'forkserver' method to keep the kernels"
+_cpu_pool: dict[str, str | None] = {"lost": None}
+
+
+def lose_cpu_pool() -> None:
+    """`os.register_at_fork`'s child hook (`cpu_run`): from now on the cpu backend's parallel kernels cannot run."""
+    _cpu_pool["lost"] = _FORKED_POOL
 
 
 ID_CHECKS = ("host", "device")
@@ -75,6 +85,8 @@ def check_backend(backend: str) -> str:
 def _device_reason(backend: str, device: torch.device) -> str | None:
     if backend == "cpu" and device.type != "cpu":
         return f"the 'cpu' backend runs on CPU tensors, these are on {device}"
+    if backend == "cpu" and _cpu_pool["lost"]:
+        return _cpu_pool["lost"]
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
     return None

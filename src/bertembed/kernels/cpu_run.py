@@ -7,11 +7,14 @@ Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segmen
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 import torch
 from numba import njit
 
+from bertembed import kernels
 from bertembed.kernels import cpu, cpu_rows, pages
 from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
 from bertembed.validation import skipped_ids_error
@@ -29,6 +32,8 @@ def _launch_pool() -> None:
 
 _launch_pool()
 POOL = numba.config.NUMBA_NUM_THREADS  # numba's pool size: read at its launch, fixed from then on
+if numba.threading_layer() == "omp":  # GNU OpenMP (Intel's would do; numba does not tell them apart here)
+    os.register_at_fork(after_in_child=kernels.lose_cpu_pool)  # a forked child takes the reference (`_device_reason`)
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:

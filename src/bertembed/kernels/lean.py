@@ -26,7 +26,7 @@ import torch
 from numba import carray, njit
 
 from bertembed.embeddings import KERNEL_CACHE
-from bertembed.kernels import cpu, cpu_run, module_tables, pages
+from bertembed.kernels import _cpu_pool, cpu, cpu_run, module_tables, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
@@ -207,7 +207,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         return None
     (batch, length), hidden, eps = shape, tables.addresses[_HIDDEN], layer.config.layer_norm_eps
     bfloat16 = tables.dtype is torch.bfloat16
-    if batch * length * hidden >= cpu_run._PARALLEL_FROM:
+    # A batch runs on all threads, except in a forked child where numba's pool cannot run (`kernels.lose_cpu_pool`).
+    if batch * length * hidden >= cpu_run._PARALLEL_FROM and not _cpu_pool["lost"]:
         out = torch.empty(batch, length, hidden, dtype=tables.dtype)  # torch's allocator: its profiler sees it
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
