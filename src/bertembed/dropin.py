@@ -67,7 +67,8 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     models built on them) with bertembed's fused layer, in place, keeping the weights. Returns `model`.
 
     A model patched before keeps its fused layers, now running `backend` (patching twice, as a notebook cell run
-    again does, changes nothing else)."""
+    again does, changes nothing else). transformers 4's layers with relative position types add no position rows,
+    which the fused layer always adds: they are left as they are, with a warning."""
     swapped, left = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):

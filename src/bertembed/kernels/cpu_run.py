@@ -33,7 +33,7 @@ def _launch_pool() -> None:
 _launch_pool()
 POOL = numba.config.NUMBA_NUM_THREADS  # numba's pool size: read at its launch, fixed from then on
 if numba.threading_layer() == "omp":  # GNU OpenMP (Intel's would do; numba does not tell them apart here)
-    os.register_at_fork(after_in_child=kernels.lose_cpu_pool)  # a forked child takes the reference (`_device_reason`)
+    os.register_at_fork(after_in_child=kernels.lose_cpu_pool)  # a forked child: serial inference, else the reference
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:

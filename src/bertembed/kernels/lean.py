@@ -7,7 +7,8 @@ Same per-token kernel as `cpu.forward` (`cpu._forward_token`), so the same numbe
 parameters are read through the module's dicts (no `nn.Module.__getattr__`), numpy views of the tables and their
 addresses are cached while their storage stays the same, a sentence's ids reach the kernel as addresses
 (`Tensor.numpy()` took 0.6 us a tensor), and one compiled call checks every id before any table row is read. Small
-inputs run serially with positions computed in the kernel; larger ones run `cpu.forward` on all threads, from one
+inputs run serially with positions computed in the kernel (all inputs do in a forked child, where numba's pool cannot
+run); larger ones run `cpu.forward` on all threads, from one
 compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
 and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
 path does not cover (training, autograd, explicit position ids, `inputs_embeds`, a bad id) returns None, and the
