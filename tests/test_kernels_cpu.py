@@ -385,6 +385,33 @@ def test_differentiating_the_gradients_again_raises():
         penalties[1][0].backward()
 
 
+def test_jit_trace_and_onnx_export_record_the_reference(tmp_path):
+    """`torch.jit.trace` (and `torch.onnx.export`'s TorchScript tracer, which hands `past_key_values_length` over as a
+    tensor) record torch operations, not compiled kernels: a fused layer traces its reference, which then computes
+    other ids right, there and in ONNX Runtime. Both failed before (numba's TypingError; the offset's type)."""
+    import warnings
+
+    import numpy as np
+
+    ref, fused = twins(24, "cpu")
+    ids, other = awkward_ids(2, 7, 1000), awkward_ids(2, 7, 1000, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracers' own warnings
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                traced = torch.jit.trace(fused, (ids,), check_trace=False)
+                assert_output_close(traced(other).detach(), ref(other).detach())
+        pytest.importorskip("onnx")
+        onnxruntime = pytest.importorskip("onnxruntime")
+        path = tmp_path / "fused.onnx"
+        with torch.no_grad():
+            torch.onnx.export(fused, (ids,), str(path), dynamo=False)
+            expected = ref(other)
+    session = onnxruntime.InferenceSession(str(path))
+    feed = {i.name: other.numpy() if i.name == "input_ids" else np.array(0, np.int64) for i in session.get_inputs()}
+    assert_output_close(torch.from_numpy(session.run(None, feed)[0]), expected)
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

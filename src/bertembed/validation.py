@@ -143,6 +143,9 @@ def check_inputs(
     table was replaced through `.data`; the config's sizes when not given. (Positions stay within the config's
     `max_position_embeddings` too: the default position ids are a buffer of that length.)"""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
+    if isinstance(past_key_values_length, torch.Tensor) and torch._C._is_tracing() \
+            and past_key_values_length.dim() == 0 and not past_key_values_length.is_floating_point():
+        past_key_values_length = int(past_key_values_length)  # torch.onnx.export's tracer passes the default so
     if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
             or past_key_values_length < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")

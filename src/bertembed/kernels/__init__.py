@@ -93,11 +93,14 @@ def _device_reason(backend: str, device: torch.device) -> str | None:
 
 
 def _transform_reason() -> str | None:
-    """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...), or None outside one: its
-    tensors wrap others, with no memory of their own for a kernel to read, and `function.EagerEmbeddings` has no
-    functorch rules. (Under torch.compile the custom op is traced instead; this asks nothing there.)"""
+    """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...) or `torch.jit.trace`, or
+    None outside them: a transform's tensors wrap others, with no memory of their own for a kernel to read, and
+    `function.EagerEmbeddings` has no functorch rules; the tracer records torch operations, not numba's or Triton's
+    code. (Under torch.compile the custom op is traced instead; this asks nothing there.)"""
     if not is_compiling() and in_torch_func():
         return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
+    if torch._C._is_tracing():
+        return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
     return None
 
 
@@ -275,8 +278,9 @@ def _short_path(backend: str, cuda: bool):
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    if is_compiling():  # traced (torch.compile, torch.export): the custom op below goes into the graph, since the
-        short = None  # short paths hand addresses to compiled code, which no tracer can follow
+    if is_compiling() or torch._C._is_tracing():  # traced (torch.compile, torch.export: the custom op below goes into
+        short = None  # the graph; torch.jit.trace: the reference), since the short paths hand addresses to compiled
+        # code, which no tracer can follow. (`torch.jit.is_tracing` costs 77 ns, its C function 29.)
     else:  # (a sentence's latency: the dict is read here, not through a call)
         cuda = type(input_ids) is torch.Tensor and input_ids.is_cuda
         short = _short_paths.get((layer.backend, cuda), _UNSET)
