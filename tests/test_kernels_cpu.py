@@ -385,10 +385,12 @@ def test_differentiating_the_gradients_again_raises():
         penalties[1][0].backward()
 
 
-def test_jit_trace_and_onnx_export_record_the_reference(tmp_path):
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_jit_trace_and_onnx_export_record_the_reference(tmp_path, dynamo):
     """`torch.jit.trace` (and `torch.onnx.export`'s TorchScript tracer, which hands `past_key_values_length` over as a
-    tensor) record torch operations, not compiled kernels: a fused layer traces its reference, which then computes
-    other ids right, there and in ONNX Runtime. Both failed before (numba's TypingError; the offset's type)."""
+    tensor) record torch operations, not compiled kernels, and ONNX has no operator for them (the default, dynamo
+    exporter): a fused layer traces its reference, which then computes other ids right, there and in ONNX Runtime.
+    All three failed before (numba's TypingError; the offset's type; no ONNX function for the custom op)."""
     import warnings
 
     import numpy as np
@@ -401,11 +403,11 @@ def test_jit_trace_and_onnx_export_record_the_reference(tmp_path):
             with torch.set_grad_enabled(grad):
                 traced = torch.jit.trace(fused, (ids,), check_trace=False)
                 assert_output_close(traced(other).detach(), ref(other).detach())
-        pytest.importorskip("onnx")
+        pytest.importorskip("onnxscript" if dynamo else "onnx")
         onnxruntime = pytest.importorskip("onnxruntime")
         path = tmp_path / "fused.onnx"
         with torch.no_grad():
-            torch.onnx.export(fused, (ids,), str(path), dynamo=False)
+            torch.onnx.export(fused, (ids,), str(path), dynamo=dynamo)
             expected = ref(other)
     session = onnxruntime.InferenceSession(str(path))
     feed = {i.name: other.numpy() if i.name == "input_ids" else np.array(0, np.int64) for i in session.get_inputs()}

@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -96,11 +97,16 @@ def _transform_reason() -> str | None:
     """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...) or `torch.jit.trace`, or
     None outside them: a transform's tensors wrap others, with no memory of their own for a kernel to read, and
     `function.EagerEmbeddings` has no functorch rules; the tracer records torch operations, not numba's or Triton's
-    code. (Under torch.compile the custom op is traced instead; this asks nothing there.)"""
-    if not is_compiling() and in_torch_func():
-        return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
-    if torch._C._is_tracing():
-        return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
+    code, and ONNX has no operator for them. (Under torch.compile the custom op is traced instead.)"""
+    if not is_compiling():  # (dynamo cannot trace these two questions)
+        if in_torch_func():
+            return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
+        if torch._C._is_tracing():
+            return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
+        return None
+    onnx = sys.modules.get("torch.onnx")  # (not imported: no export is running, and asking would import it)
+    if onnx is not None and onnx.is_in_onnx_export():
+        return "torch.onnx.export is running, and ONNX has no operator for the fused kernels"
     return None
 
 
