@@ -414,6 +414,22 @@ def test_jit_trace_and_onnx_export_record_the_reference(tmp_path, dynamo):
     assert_output_close(torch.from_numpy(session.run(None, feed)[0]), expected)
 
 
+def test_a_sparse_word_table_gets_sparse_gradients(caplog):
+    """`nn.Embedding(..., sparse=True)` (for `torch.optim.SparseAdam`): the kernels write dense gradients, so a layer
+    whose word table asks for sparse ones trains on the reference, as asked; inference still takes the kernels."""
+    ref, fused = twins(24, "cpu")
+    for layer in (ref, fused):
+        layer.word_embeddings.sparse = True
+    ids = awkward_ids(2, 5, 1000)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+        run_both(ref, fused, input_ids=ids)
+    assert fused.word_embeddings.weight.grad.is_sparse
+    torch.testing.assert_close(fused.word_embeddings.weight.grad.to_dense(), ref.word_embeddings.weight.grad.to_dense())
+    assert "sparse" in caplog.text
+    with torch.no_grad():
+        assert_output_close(fused(ids), ref(ids))
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

@@ -304,6 +304,8 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
         chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
     if chosen != "reference" and (mixed := _mixed_tables(tables)):
         chosen, reason = "reference", mixed
+    if chosen != "reference" and layer.word_embeddings.sparse and torch.is_grad_enabled():
+        chosen, reason = "reference", "the word table asks for sparse gradients (the kernels write dense ones)"
     if chosen == "reference":
         if reason:
             _fall_back(reason)
