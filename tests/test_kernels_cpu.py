@@ -430,6 +430,23 @@ def test_a_sparse_word_table_gets_sparse_gradients(caplog):
         assert_output_close(fused(ids), ref(ids))
 
 
+@pytest.mark.parametrize("option", [dict(max_norm=0.05), dict(scale_grad_by_freq=True)])
+def test_embedding_options_the_kernels_do_not_have_run_the_reference(option):
+    """`max_norm` renormalises rows as F.embedding reads them (in place), `scale_grad_by_freq` scales the word
+    gradient: a layer whose tables ask for either gives the reference's outputs and gradients (set before the first
+    call: the short path asks when it builds its cache)."""
+    ref, fused = twins(24, "cpu")
+    for layer in (ref, fused):
+        for key, value in option.items():
+            setattr(layer.word_embeddings, key, value)
+    ids = awkward_ids(2, 5, 1000)
+    with torch.no_grad():
+        assert_output_close(fused(ids), ref(ids))
+    out_ref, out = run_both(ref, fused, input_ids=ids)
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")

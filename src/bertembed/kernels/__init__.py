@@ -304,8 +304,8 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
         chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
     if chosen != "reference" and (mixed := _mixed_tables(tables)):
         chosen, reason = "reference", mixed
-    if chosen != "reference" and layer.word_embeddings.sparse and torch.is_grad_enabled():
-        chosen, reason = "reference", "the word table asks for sparse gradients (the kernels write dense ones)"
+    if chosen != "reference" and (lookup := lookup_reason(layer, torch.is_grad_enabled())):
+        chosen, reason = "reference", lookup
     if chosen == "reference":
         if reason:
             _fall_back(reason)
@@ -313,6 +313,22 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     p = layer.dropout.p if layer.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
+
+
+def lookup_reason(layer, autograd: bool) -> str | None:
+    """Why an `nn.Embedding` option of the layer's tables needs the reference, or None: `max_norm` (rows renormalised
+    in place as they are read), and under autograd `scale_grad_by_freq` and `sparse` (the kernels write dense,
+    unscaled gradients)."""
+    for name in ("word_embeddings", "token_type_embeddings", "position_embeddings"):
+        table = layer._modules.get(name)
+        if not isinstance(table, torch.nn.Embedding):
+            continue
+        if table.max_norm is not None:
+            return f"{name} has max_norm={table.max_norm} (rows renormalised as they are read)"
+        if autograd and (table.sparse or table.scale_grad_by_freq):
+            option = "sparse=True" if table.sparse else "scale_grad_by_freq=True"
+            return f"{name} has {option} (the kernels write dense, unscaled gradients)"
+    return None
 
 
 def module_tables(layer) -> tuple[Tensor, ...] | None:

@@ -27,7 +27,7 @@ import torch
 from numba import carray, njit
 
 from bertembed.embeddings import KERNEL_CACHE
-from bertembed.kernels import _cpu_pool, cpu, cpu_run, module_tables, pages
+from bertembed.kernels import _cpu_pool, cpu, cpu_run, lookup_reason, module_tables, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
@@ -175,7 +175,7 @@ def _tables(layer) -> _Tables | None:
             or norm not in (dtype, torch.float32) or bias.dtype != norm \
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) \
             or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
-            or bias.shape != (hidden,):
+            or bias.shape != (hidden,) or lookup_reason(layer, False):  # (max_norm: asked when the cache is built)
         return None  # not cached: a dtype or device change always comes with new storage
     tables = _Tables([cpu_run._np(t) for t in tensors], (*key[:5], word.shape[0], segment.shape[0], position.shape[0],
                                                           hidden, int(norm is torch.bfloat16)), dtype)
