@@ -403,8 +403,9 @@ def test_jit_trace_and_onnx_export_record_the_reference(tmp_path, dynamo):
             with torch.set_grad_enabled(grad):
                 traced = torch.jit.trace(fused, (ids,), check_trace=False)
                 assert_output_close(traced(other).detach(), ref(other).detach())
-        pytest.importorskip("onnxscript" if dynamo else "onnx")
-        onnxruntime = pytest.importorskip("onnxruntime")
+        needed = "onnxscript" if dynamo else "onnx"  # the exporter's own dependency; both are in the dev extra
+        pytest.importorskip(needed, reason=f"torch.onnx.export(dynamo={dynamo}) needs {needed} (the dev extra)")
+        onnxruntime = pytest.importorskip("onnxruntime", reason="the exported graph runs in ONNX Runtime (dev extra)")
         path = tmp_path / "fused.onnx"
         with torch.no_grad():
             torch.onnx.export(fused, (ids,), str(path), dynamo=dynamo)

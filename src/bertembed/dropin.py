@@ -73,10 +73,10 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             where = f"{parent_name}.{name}".lstrip(".")
-            if _is_hf_bert_embeddings(child) and (kind := _position_type(child)) != "absolute":
-                left.append(f"{where} (position_embedding_type={kind!r})")
-                continue
             if _is_hf_bert_embeddings(child):
+                if (kind := _position_type(child)) != "absolute":
+                    left.append(f"{where} (position_embedding_type={kind!r})")
+                    continue
                 setattr(parent, name, fused_from(child, backend))
             elif getattr(child, "_bertembed_original", None) is not None:
                 child.backend = checked_backend(backend)
