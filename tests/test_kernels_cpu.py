@@ -1,9 +1,7 @@
 """The numba kernels (backend="cpu") against the reference layer: outputs, gradients of all five tensors, dropout,
-bad input, the custom op under torch.compile."""
+bad input, out= buffers, empty batches (the kernels inside the rest of torch: test_kernels_cpu_integration.py)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -12,15 +10,12 @@ pytest.importorskip("numba")
 
 from bertembed.kernels import cpu, cpu_elements, cpu_run, fused_embeddings, pages  # noqa: E402
 from kernel_helpers import (  # noqa: E402
-    assert_grad_close,
     assert_grads_match,
     assert_output_close,
     awkward_ids,
-    check_custom_op_compiles,
     check_empty_batches,
     check_layer_norm_dtypes_as_torch,
     check_never_reads_outside_a_table,
-    check_traced_whole_layer,
     check_training_step_makes_no_statistics_gradient,
     run_both,
     twins,
@@ -309,229 +304,9 @@ def test_functional_matches_module_and_fills_out_buffer():
         fused_embeddings(ids, *tables, backend="cpu", out=buffer)
 
 
-def test_auto_falls_back_with_a_logged_reason(caplog, monkeypatch):
-    import bertembed.kernels as kernels
-
-    monkeypatch.setattr(kernels, "_told", set())  # each reason is logged once per process
-    ref, fused = twins(24, "auto")
-    embeds = torch.randn(2, 3, 24)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        out = fused(inputs_embeds=embeds)
-    assert torch.equal(out, ref(inputs_embeds=embeds))
-    assert "inputs_embeds" in caplog.text
-    ref64, fused64 = ref.double(), fused.double()
-    ids = awkward_ids(2, 5, 1000)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        assert torch.equal(fused64(ids), ref64(ids))
-    assert "torch.float64" in caplog.text
-
-
-def test_mixed_table_dtypes_fall_back(caplog, monkeypatch):
-    import bertembed.kernels as kernels
-
-    monkeypatch.setattr(kernels, "_told", set())
-    ref, fused = twins(32, "cpu")
-    for layer in (ref, fused):
-        layer.token_type_embeddings.bfloat16()
-    ids = awkward_ids(2, 5, ref.config.vocab_size)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        assert torch.equal(fused(ids), ref(ids))
-    assert "different dtypes" in caplog.text
-
-
-def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
-    """Per-sample gradients the torch.func way (`grad` of `functional_call`), and `vmap`: the kernels cannot read
-    functorch's wrapped tensors, so the layer runs the reference, with the reason logged, and gives its numbers."""
-    from torch.func import functional_call, grad
-
-    import bertembed.kernels as kernels
-
-    monkeypatch.setattr(kernels, "_told", set())
-    ref, fused = twins(24, "cpu")
-    ids = awkward_ids(2, 5, ref.config.vocab_size)
-    params = {name: p.detach() for name, p in ref.named_parameters()}
-    upstream = torch.randn(2, 5, 24)
-
-    def loss(tables, layer):
-        return (functional_call(layer, tables, (ids,)) * upstream).sum()
-
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        got = grad(loss)(params, fused)
-    assert "torch.func" in caplog.text
-    expected = grad(loss)(params, ref)
-    for name in params:
-        assert torch.equal(got[name], expected[name]), name
-    assert got["word_embeddings.weight"].abs().sum() > 0
-    for grad_mode in (False, True):  # vmap over sentences: the short path (no autograd) and the general one
-        with torch.set_grad_enabled(grad_mode):
-            out = torch.vmap(lambda sentence: fused(sentence[None])[0])(ids)
-            assert torch.equal(out, ref(ids))
-
-
-def test_differentiating_the_gradients_again_raises():
-    """The kernels' gradients are not differentiable. A gradient penalty built on them (`create_graph=True`) must fail
-    when it is differentiated, not lose the fused layer's part and train on (which it did before). The first-order
-    gradient it is built from still equals the reference's."""
-    ref, fused = twins(24, "cpu", hidden_dropout_prob=0.0)
-    ids = awkward_ids(2, 5, ref.config.vocab_size)
-    penalties = []
-    for layer in (ref, fused):
-        out = layer(ids)
-        (first,) = torch.autograd.grad((out ** 3).sum(), layer.LayerNorm.weight, create_graph=True)
-        penalties.append((out.sum() + first.square().sum(), first))
-    assert_grad_close(penalties[1][1], penalties[0][1], "LayerNorm.weight")
-    penalties[0][0].backward()  # torch's layer is twice differentiable
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        penalties[1][0].backward()
-
-
-@pytest.mark.parametrize("dynamo", [False, True])
-def test_jit_trace_and_onnx_export_record_the_reference(tmp_path, dynamo):
-    """`torch.jit.trace` (and `torch.onnx.export`'s TorchScript tracer, which hands `past_key_values_length` over as a
-    tensor) record torch operations, not compiled kernels, and ONNX has no operator for them (the default, dynamo
-    exporter): a fused layer traces its reference, which then computes other ids right, there and in ONNX Runtime.
-    All three failed before (numba's TypingError; the offset's type; no ONNX function for the custom op)."""
-    import warnings
-
-    import numpy as np
-
-    ref, fused = twins(24, "cpu")
-    ids, other = awkward_ids(2, 7, 1000), awkward_ids(2, 7, 1000, seed=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracers' own warnings
-        for grad in (False, True):
-            with torch.set_grad_enabled(grad):
-                traced = torch.jit.trace(fused, (ids,), check_trace=False)
-                assert_output_close(traced(other).detach(), ref(other).detach())
-        needed = "onnxscript" if dynamo else "onnx"  # the exporter's own dependency; both are in the dev extra
-        pytest.importorskip(needed, reason=f"torch.onnx.export(dynamo={dynamo}) needs {needed} (the dev extra)")
-        onnxruntime = pytest.importorskip("onnxruntime", reason="the exported graph runs in ONNX Runtime (dev extra)")
-        path = tmp_path / "fused.onnx"
-        with torch.no_grad():
-            torch.onnx.export(fused, (ids,), str(path), dynamo=dynamo)
-            expected = ref(other)
-    session = onnxruntime.InferenceSession(str(path))
-    feed = {i.name: other.numpy() if i.name == "input_ids" else np.array(0, np.int64) for i in session.get_inputs()}
-    assert_output_close(torch.from_numpy(session.run(None, feed)[0]), expected)
-
-
-def test_a_sparse_word_table_gets_sparse_gradients(caplog):
-    """`nn.Embedding(..., sparse=True)` (for `torch.optim.SparseAdam`): the kernels write dense gradients, so a layer
-    whose word table asks for sparse ones trains on the reference, as asked; inference still takes the kernels."""
-    ref, fused = twins(24, "cpu")
-    for layer in (ref, fused):
-        layer.word_embeddings.sparse = True
-    ids = awkward_ids(2, 5, 1000)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        run_both(ref, fused, input_ids=ids)
-    assert fused.word_embeddings.weight.grad.is_sparse
-    torch.testing.assert_close(fused.word_embeddings.weight.grad.to_dense(), ref.word_embeddings.weight.grad.to_dense())
-    assert "sparse" in caplog.text
-    with torch.no_grad():
-        assert_output_close(fused(ids), ref(ids))
-
-
-@pytest.mark.parametrize("option", [dict(max_norm=0.05), dict(scale_grad_by_freq=True)])
-def test_embedding_options_the_kernels_do_not_have_run_the_reference(option):
-    """`max_norm` renormalises rows as F.embedding reads them (in place), `scale_grad_by_freq` scales the word
-    gradient: a layer whose tables ask for either gives the reference's outputs and gradients (set before the first
-    call: the short path asks when it builds its cache)."""
-    ref, fused = twins(24, "cpu")
-    for layer in (ref, fused):
-        for key, value in option.items():
-            setattr(layer.word_embeddings, key, value)
-    ids = awkward_ids(2, 5, 1000)
-    with torch.no_grad():
-        assert_output_close(fused(ids), ref(ids))
-    out_ref, out = run_both(ref, fused, input_ids=ids)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-
-
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")
-
-
-def test_custom_op_compiles_fullgraph():
-    check_custom_op_compiles("cpu")
-
-
-def test_opcheck():
-    """torch.library's own consistency checks of the op: schema, fake tensor, autograd registration."""
-    word, seg, pos = torch.randn(20, 16, requires_grad=True), torch.randn(2, 16), torch.randn(8, 16)
-    ids = torch.tensor([[1, 2, 3, 0]])
-    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, "cpu", False)
-    for ids_args in ((ids, torch.zeros_like(ids), torch.arange(4)[None], 0), (ids, None, None, 3)):  # None: defaults
-        torch.library.opcheck(torch.ops.bertembed.embeddings.default, ids_args + tail,
-                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-
-
-def test_compiled_module_forward_and_backward():
-    """torch.compile of the whole fused layer (graph breaks allowed), with an offset: the custom op stays one node."""
-    ref, fused = twins(64, "cpu")
-    ids = awkward_ids(2, 9, ref.config.vocab_size)
-    torch._dynamo.reset()
-    compiled = torch.compile(fused)
-    out_ref, out = run_both(ref, compiled, input_ids=ids, past_key_values_length=2)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_whole_layer_traces_without_a_graph_break(backend):
-    check_traced_whole_layer(backend)
-
-
-def test_eager_training_skips_the_op_and_compile_keeps_it(monkeypatch):
-    """Eager autograd runs `EagerEmbeddings` (the custom op's dispatch costs ~70 us a call); torch.compile traces the
-    op. Each is replaced by something that fails, in turn, and the other mode must still train correctly."""
-    from bertembed.kernels import function
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("this mode must not run this path")
-
-    ref, fused = twins(64, "cpu")
-    ids = awkward_ids(2, 9, ref.config.vocab_size)
-    with monkeypatch.context() as patch:
-        patch.setattr(function, "embeddings_op", refuse)
-        out_ref, out = run_both(ref, fused, input_ids=ids)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-    ref, fused = twins(64, "cpu")
-    torch._dynamo.reset()
-    monkeypatch.setattr(function.EagerEmbeddings, "apply", refuse)
-    out_ref, out = run_both(ref, torch.compile(fused), input_ids=ids)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-
-
-def test_frozen_tables_get_no_gradient():
-    """Fine-tuning with frozen word and position tables: no dense gradient is built for them, the rest still match."""
-    ref, fused = twins(48, "cpu")
-    for layer in (ref, fused):
-        layer.word_embeddings.weight.requires_grad_(False)
-        layer.position_embeddings.weight.requires_grad_(False)
-    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(2, 11, ref.config.vocab_size))
-    assert_output_close(out, out_ref)
-    assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
-    for name in ("token_type_embeddings.weight", "LayerNorm.weight", "LayerNorm.bias"):
-        assert_grad_close(fused.get_parameter(name).grad, ref.get_parameter(name).grad, name)
-
-
-def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch, caplog):
-    import bertembed.kernels as kernels
-
-    monkeypatch.setitem(kernels._found, "cpu", False)  # as if numba were not installed
-    monkeypatch.setattr(kernels, "_short_paths", {})
-    monkeypatch.setattr(kernels, "_told", set())
-    with pytest.raises(ImportError, match="numba is not installed"):
-        twins(16, "cpu")
-    ref, fused = twins(16, "auto")
-    ids = awkward_ids(1, 4, ref.config.vocab_size)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
-        assert torch.equal(fused(ids), ref(ids))
-    assert "numba is not installed" in caplog.text
 
 
 def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
