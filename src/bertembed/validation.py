@@ -121,6 +121,18 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
     return tuple(inputs_embeds.shape[:2])
 
 
+def _offset(past_key_values_length) -> int:
+    """`past_key_values_length` as a non-negative int, or ValueError. A whole-number 0-d tensor is taken while a
+    tracer records: `torch.onnx.export`'s TorchScript tracer passes the default that way."""
+    if isinstance(past_key_values_length, torch.Tensor) and torch._C._is_tracing() \
+            and past_key_values_length.dim() == 0 and not past_key_values_length.is_floating_point():
+        past_key_values_length = int(past_key_values_length)
+    if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
+            or past_key_values_length < 0:
+        raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
+    return past_key_values_length
+
+
 def check_inputs(
     config: EmbeddingConfig,
     input_ids: torch.Tensor | None,
@@ -143,12 +155,7 @@ def check_inputs(
     table was replaced through `.data`; the config's sizes when not given. (Positions stay within the config's
     `max_position_embeddings` too: the default position ids are a buffer of that length.)"""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
-    if isinstance(past_key_values_length, torch.Tensor) and torch._C._is_tracing() \
-            and past_key_values_length.dim() == 0 and not past_key_values_length.is_floating_point():
-        past_key_values_length = int(past_key_values_length)  # torch.onnx.export's tracer passes the default so
-    if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
-            or past_key_values_length < 0:
-        raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
+    past_key_values_length = _offset(past_key_values_length)
     vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
     limit = config.max_position_embeddings if positions is None else min(positions, config.max_position_embeddings)
     if position_ids is None and past_key_values_length + length > limit:
