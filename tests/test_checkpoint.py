@@ -31,6 +31,19 @@ def test_folder_safetensors(hf_checkpoint):
     assert layer.source.kind == "folder"
 
 
+def test_a_loaded_layer_is_in_eval_mode_as_transformers_models_are(hf_checkpoint):
+    """transformers' from_pretrained returns a model in eval mode; a loaded layer must not apply dropout either."""
+    folder, _ = hf_checkpoint("tiny-odd")
+    from transformers import BertModel
+
+    hf = BertModel.from_pretrained(folder)
+    layer = BertEmbeddings.from_pretrained(folder)
+    assert layer.training == hf.training == hf.embeddings.training is False
+    ids = torch.randint(1, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(ids), hf.embeddings(ids), rtol=0, atol=1e-6)
+
+
 def test_bin_folder_and_single_files(tmp_path):
     model = make_hf_model("tiny-odd", seed=3)
     (tmp_path / "bin").mkdir()

@@ -197,6 +197,8 @@ class BertEmbeddings(nn.Module):
         `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
         bundled default (`bertembed.DEFAULT_MODEL`). Only the five embedding tensors are read.
         `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
+        The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
+        to fine-tune it.
         """
         from bertembed.checkpoint import load_checkpoint
 
@@ -204,7 +206,7 @@ class BertEmbeddings(nn.Module):
         layer = cls(checkpoint.config, backend=backend)
         layer.load_state_dict(checkpoint.tensors)
         layer.source = checkpoint.source
-        return layer
+        return layer.eval()
 
     def load_pretrained_weights(self, name_or_path: str | Path | None = None, **kwargs) -> None:
         """Replace this layer's weights with a checkpoint's; on any error the layer is left as it was."""
