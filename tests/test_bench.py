@@ -112,7 +112,7 @@ def test_a_ratio_is_shown_with_the_digits_its_verdict_needs(eager_ms, shown, res
     assert f"| {shown} | >= 5 | {result} |" in "\n".join(targets_table([row]))
 
 
-def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
+def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime")
     options = BenchOptions(
         quick=True, threads=1, allocator="both", vocab_size=100, warmup=1, min_run_time=0.01,
@@ -159,6 +159,29 @@ def test_tiny_run_writes_wellformed_json_and_markdown(tmp_path):
         assert len({len(row.strip("|").split("|")) for row in rows}) <= 1, block
     tables = [line for line in text.splitlines() if line.startswith("| candidate |")]
     assert len(tables) == 2 * 2  # two cases x two conditions
+    check_summary_keeps_its_numbers_in_a_log(report, monkeypatch)
+
+
+def check_summary_keeps_its_numbers_in_a_log(report, monkeypatch):
+    """The terminal summary written to a pipe (CI, `| tee`), where rich assumes 80 columns: every number whole."""
+    import io
+
+    from bertembed.cli import bench as cli_bench
+    from bertembed.cli.app import make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    log = io.StringIO()
+    monkeypatch.setattr(cli_bench, "console", make_console(file=log))  # as the command's console is made
+    cli_bench._print_summary({**report, "wall_seconds": 1.0})  # the command adds its wall time
+    shown = log.getvalue()
+    assert "…" not in shown
+    for condition in report["conditions"].values():
+        for r in condition["results"]:
+            if r["status"] == "ok":
+                assert f"{r['median_s'] * 1e3:.3f}" in shown and f"{r['iqr_s'] * 1e3:.3f}" in shown
+    for rows in report["targets"].values():
+        for row in rows:
+            assert f"{row['target']}: " in shown
 
 
 def test_isolated_run_one_process_per_candidate():

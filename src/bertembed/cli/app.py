@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
@@ -14,14 +15,25 @@ from bertembed.sources import DEFAULT_MODEL
 
 app = typer.Typer(help="BERT's input embedding layer: exact, fast, and explained.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
-console = Console(highlight=False)
+
+
+def make_console(**options) -> Console:
+    """A rich console. Into a pipe or a log (CI, `| tee`) rich assumes 80 columns, which cuts a wide table's numbers
+    to "1…": there lines may run to 120 unless COLUMNS says otherwise."""
+    made = Console(highlight=False, **options)
+    if not made.is_terminal and "COLUMNS" not in os.environ:
+        made.width = max(made.width, 120)
+    return made
+
+
+console = make_console()
 
 
 @app.callback()
 def _group() -> None:
     """BERT's input embedding layer: exact, fast, and explained."""
 
-err_console = Console(stderr=True, highlight=False)
+err_console = make_console(stderr=True)
 
 MODEL_HELP = f"hub id, local folder or weights file; default: the bundled {DEFAULT_MODEL}"
 

@@ -166,14 +166,15 @@ def _print_summary(report: dict) -> None:
             peak_text = "" if peak is None else f"{peak / r['output_bytes']:.2f}x"
             table.add_row(case, r["candidate"], f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
                           f"{gbs / 1e9:.1f}" if gbs else "", peak_text)
-        console.print(table)
+        console.print(table)  # the long lines below are left whole (soft wrap), for the terminal or log to wrap
         for what, note in notes.items():
-            console.print(f"  [dim]{what}: {note}[/dim]")
+            console.print(f"  [dim]{what}: {note}[/dim]", soft_wrap=True)
         console.print(f"targets ({name}):")
         for row in report["targets"][name]:
             style = _RESULT_STYLE.get(row["result"], "yellow")
             value = "" if row["value"] is None else row["shown"] + " "
             why = f" ({row['why']})" if row["why"] else ""
-            console.print(f"  [{style}]{row['result']}[/{style}] {row['target']}: {value}(goal {row['goal']}){why}")
+            console.print(f"  [{style}]{row['result']}[/{style}] {row['target']}: {value}(goal {row['goal']}){why}",
+                          soft_wrap=True)
     console.print(f"[dim]wall time {report['wall_seconds']:.0f} s; machine {report['machine']['cpu']}, "
                   f"{report['threads']} threads[/dim]")
