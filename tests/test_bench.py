@@ -293,3 +293,12 @@ def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch):
     record = worker.measure_one("bertembed-fused", work, reference, spec, {"working_set": 1e10, "dram": 1e10})
     assert record["status"] == "ok" and record["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
     assert "OUTPUT DIFFERS" in record["note"]
+
+
+def test_a_run_warns_of_what_disturbs_its_timings():
+    from bertembed.cli.bench import disturbances
+
+    assert disturbances(2, 0.1, 2) == []
+    oversubscribed, busy = disturbances(4, 0.9, 2)
+    assert "--threads 4 is more than the 2 CPUs" in oversubscribed
+    assert "load average 0.90" in busy

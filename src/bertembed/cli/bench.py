@@ -50,15 +50,33 @@ def bench(
         for path in (json_out, markdown_out):  # before a run of minutes, not after it
             if path is not None:
                 check_output(path)
-    load = os.getloadavg()[0]
-    if load > 0.3:
-        console.print(f"[yellow]warning: load average {load:.2f} before starting: other processes are running, so "
-                      f"{threads}-thread timings will be disturbed (parallel regions wait for time slices)[/yellow]")
+    for warning in disturbances(threads, os.getloadavg()[0], _usable_cpus()):
+        console.print(f"[yellow]warning: {warning}[/yellow]")
     started = time.perf_counter()
     report: dict = {}
     stopped = _run_with_progress(options, cases, count_steps(options, cases), report)
     report["wall_seconds"] = time.perf_counter() - started
     _report(report, stopped, json_out, markdown_out)
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as taskset or a container sets it), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def disturbances(threads: int, load: float, cpus: int) -> list[str]:
+    """Why a run's timings would not be the machine's own: more threads than CPUs, or other processes running."""
+    found = []
+    if threads > cpus:
+        found.append(f"--threads {threads} is more than the {cpus} CPUs this process may use, so threads will wait "
+                     f"for time slices and the timings will not be the machine's")
+    if load > 0.3:
+        found.append(f"load average {load:.2f} before starting: other processes are running, so {threads}-thread "
+                     f"timings will be disturbed (parallel regions wait for time slices)")
+    return found
 
 
 def _report(report: dict, stopped: str | None, json_out: Path | None, markdown_out: Path | None) -> None:
