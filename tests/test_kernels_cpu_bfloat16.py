@@ -19,7 +19,12 @@ pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
 from bertembed.kernels import cpu_elements, cpu_rows, cpu_run, pages  # noqa: E402
-from kernel_helpers import awkward_ids, check_low_precision, twins  # noqa: E402
+from kernel_helpers import (  # noqa: E402
+    awkward_ids,
+    check_low_precision,
+    check_low_precision_grads_beat_torchs,
+    twins,
+)
 
 _BF16 = np.zeros((1, 1), np.uint16)  # stands for a bfloat16 table in `round_like`'s dispatch
 
@@ -113,6 +118,10 @@ def test_bfloat16_tables_and_output(hidden):
     the bfloat16 reference, gradients of the same function computed in float32."""
     ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
     check_low_precision(ref, fused, awkward_ids(3, 24, ref.config.vocab_size))
+
+
+def test_bfloat16_gradients_are_closer_to_float64_than_torchs():
+    check_low_precision_grads_beat_torchs(*twins(48, "cpu", dtype=torch.bfloat16))
 
 
 def test_float32_layer_norm_with_bfloat16_tables():

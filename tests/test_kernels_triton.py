@@ -29,6 +29,7 @@ from kernel_helpers import (  # noqa: E402
     check_empty_batches,
     check_layer_norm_dtypes_as_torch,
     check_low_precision,
+    check_low_precision_grads_beat_torchs,
     check_never_reads_outside_a_table,
     check_traced_whole_layer,
     check_training_step_makes_no_statistics_gradient,
@@ -267,6 +268,11 @@ def test_rounding_to_half_precision_is_torchs(dtype):
 def test_half_precision_tables(dtype):
     ref, fused = on_device(*twins(64, "triton", dtype=dtype))
     check_low_precision(ref, fused, awkward_ids(2, 10, ref.config.vocab_size).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_are_closer_to_float64_than_torchs(dtype):
+    check_low_precision_grads_beat_torchs(*on_device(*twins(48, "triton", dtype=dtype)))
 
 
 def test_dropout_keeps_the_right_fraction_and_scales():
