@@ -89,3 +89,53 @@ def test_tables_are_collapsed_once_and_keep_their_values(monkeypatch):
     other = torch.arange(2 << 20, dtype=torch.float32)
     monkeypatch.setenv("BERTEMBED_COLLAPSE_TABLES", "0")
     assert not pages.collapse_table(other.data_ptr(), other.nbytes)
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode: always, madvise or never ("" where it cannot be read)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def _huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings over `t`'s memory, from /proc/self/smaps (kB; advice splits a mapping)."""
+    start, stop, inside, total = t.data_ptr(), t.data_ptr() + t.nbytes, False, 0
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < stop and start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@linux
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages follow the advice only in THP's madvise mode")
+@pytest.mark.parametrize("huge", [True, False])
+def test_huge_pages_follow_the_switch_and_fresh_memory_is_still_told_apart(huge, monkeypatch):
+    """BERTEMBED_HUGE_PAGES=0 (here its cached answer) keeps fresh memory on 4 KB pages, and `advise_if_fresh` still
+    says it was fresh, which decides how the kernels write it."""
+    monkeypatch.setattr(pages, "_advice", [huge])
+    region = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc maps large blocks
+    t = torch.from_numpy(np.frombuffer(region, dtype=np.float32))
+    assert pages.advise_if_fresh(t)
+    t.fill_(1.0)  # the pages fault in now, 2 MB ones where advised
+    assert (_huge_kb(t) > 0) == huge
+    del t
+    region.close()
+
+
+@pytest.mark.parametrize(("value", "huge"), [(None, True), ("1", True), ("0", False)])
+def test_the_huge_page_switch_is_read_from_the_environment(value, huge, monkeypatch):
+    monkeypatch.setattr(pages, "_advice", [])
+    if value is None:
+        monkeypatch.delenv("BERTEMBED_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("BERTEMBED_HUGE_PAGES", value)
+    assert pages.huge_pages() is huge
+    monkeypatch.setenv("BERTEMBED_HUGE_PAGES", "1" if value == "0" else "0")
+    assert pages.huge_pages() is huge  # read once, at the first large output or gradient

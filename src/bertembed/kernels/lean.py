@@ -110,13 +110,13 @@ _FLOAT32, _BFLOAT16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `_infer
 
 
 @njit(cache=True)
-def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, like, stream_from, threads):
+def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_at, like, stream_from, huge, threads):
     """`_infer` for a batch: `cpu.forward` on all threads, into the uninitialised [B*L, H] at `out_at`, its position
     and segment ids built here. The tables and the output are of `like`'s dtype (an empty array: float32, or uint16
     for bfloat16). Returns -1, computing nothing, on a bad id; else how many tokens the kernel skipped (0: any other
     count is a bug). The output is streamed from `stream_from` bytes unless its memory is fresh
-    (`cpu_run.stream_output`, which gets 2 MB pages instead: `pages.advise_if_fresh_at`); `threads`: (torch's thread
-    count, numba's pool size).
+    (`cpu_run.stream_output`, which gets 2 MB pages instead where `huge`: `pages.advise_if_fresh_at`); `threads`:
+    (torch's thread count, numba's pool size).
 
     All of it one compiled call from Python: after the previous batch's kernel has left the caches cold, each Python
     step before it costs 6-17 us, against about 1 us in a loop (BENCHMARKS.md, the seventh and eighth rounds)."""
@@ -133,7 +133,7 @@ def _infer_batch(ids_at, tts_at, has_tts, past, batch, length, tables, eps, out_
     stats = np.empty((2, n), np.float32)
     gamma, beta = _norm_views(tables, np.empty(2 * hidden if tables[_NORM_BFLOAT16] else 0, np.float32))
     nbytes = n * hidden * like.itemsize
-    stream = not pages.advise_if_fresh_at(out_at, nbytes) and nbytes >= stream_from
+    stream = not pages.advise_if_fresh_at(out_at, nbytes, huge) and nbytes >= stream_from
     chunks = cpu_run.chunks_for(n, cpu_run.use_threads(threads[0], threads[1]))
     out = carray(pointer(out_at, like.dtype), (n, hidden))
     return cpu.forward(ids.reshape(n), segments, positions, word, seg, pos, gamma, beta, eps, _NO_DROPOUT, _SCALE,
@@ -214,7 +214,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         pages.collapse_table(tables.addresses[0], tables.arrays[0].nbytes)  # a batch: rows from all over the table
         bad = _infer_batch(ids_at, tts_at, has_tts, past_key_values_length, batch, length, tables.addresses, eps,
                            out.data_ptr(), _BFLOAT16 if bfloat16 else _FLOAT32, cpu_run._STREAM_OUT_FROM,
-                           (torch.get_num_threads(), cpu_run.POOL))
+                           pages.huge_pages(), (torch.get_num_threads(), cpu_run.POOL))
         if bad < 0:
             return None  # a bad id: the general path raises the reference's error
         cpu_run.check_bad(bad, "bertembed cpu forward (short path)")

@@ -6,8 +6,9 @@ its pages is in RAM, and the kernel zero-fills each 4 KB page at its first write
 allocating and zeroing 94 MB that way took 18 ms with ordinary stores and 31 ms with non-temporal ones (which write
 around the line the fault has just zeroed in the cache), against 2 ms for memory glibc kept. With 2 MB pages
 (`madvise(MADV_HUGEPAGE)`, honoured when /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`) the
-same took 8 ms. The CPU kernels' outputs and word gradients go through `advise_if_fresh`; the zeros of kept memory
-are streamed (`bertembed.kernels.cpu`).
+same took 8 ms, with a rare stall of 100+ ms (`huge_pages`, which `BERTEMBED_HUGE_PAGES=0` turns off). The CPU
+kernels' outputs and word gradients go through `advise_if_fresh`; the zeros of kept memory are streamed
+(`bertembed.kernels.cpu`).
 
 Tables are read, not written: a batch reads rows all over a 94 MB word table, and on 4 KB pages each row is a page the
 TLB (8 MB of 4 KB pages on this VM's CPU) has not mapped. `collapse_table` moves a large table onto 2 MB pages once,
@@ -41,6 +42,7 @@ _COLLAPSE_FROM = 16 << 20  # bytes: past the reach of the TLB's 4 KB entries
 _LINUX = sys.platform.startswith("linux")
 _libc: list = []
 _collapsed: set = set()  # (address, bytes) of the tables asked for already
+_advice: list = []  # `huge_pages`'s answer, once read
 logger = logging.getLogger(__name__)
 
 
@@ -106,13 +108,30 @@ def advise_huge_pages_at(address, nbytes):
         _advise(start, stop - start, _MADV_HUGEPAGE)
 
 
+def huge_pages() -> bool:
+    """Whether fresh memory is asked onto 2 MB pages: yes, unless the environment variable BERTEMBED_HUGE_PAGES=0
+    (read at the first large output or gradient).
+
+    The trade, measured on this VM (`benchmarks/huge_page_tail.py`: a fresh 94 MB block allocated, zeroed on two
+    threads and freed, 400 times each way): on 2 MB pages 8.9 ms in the median and 9.5 on average, against 20.4 and
+    20.6 on 4 KB pages; but 3 of the 400 took over 3x the median, the slowest 122 ms, nearly all of it in the kernel,
+    where 4 KB pages never passed 40 ms (zeroed on one thread, neither way stalled). A fused training step at
+    (32, 128), hidden 768, under glibc's default settings: 17.7-19.6 ms in the median with a 99th percentile of
+    110-148 ms, against 34.6-35.1 and 42-45 ms with the switch off. A program that needs every call fast, rather than
+    many calls fast on average, can turn them off."""
+    if not _advice:
+        _advice.append(os.environ.get("BERTEMBED_HUGE_PAGES") != "0")
+    return _advice[0]
+
+
 @njit(cache=True)
-def advise_if_fresh_at(address, nbytes):
-    """For memory of `_ADVISE_FROM` bytes or more: when it is fresh (`fresh_at`), ask for 2 MB pages for it. Returns
-    whether it was fresh."""
+def advise_if_fresh_at(address, nbytes, huge):
+    """For memory of `_ADVISE_FROM` bytes or more: whether it is fresh (`fresh_at`), and if so and `huge`
+    (`huge_pages()`), ask for 2 MB pages for it."""
     if nbytes < _ADVISE_FROM or not fresh_at(address, nbytes):
         return False
-    advise_huge_pages_at(address, nbytes)
+    if huge:
+        advise_huge_pages_at(address, nbytes)
     return True
 
 
@@ -128,7 +147,7 @@ def advise_huge_pages(t: torch.Tensor) -> None:
 
 def advise_if_fresh(t: torch.Tensor) -> bool:
     """`advise_if_fresh_at` of a new tensor's memory: whether it was fresh."""
-    return advise_if_fresh_at(t.data_ptr(), t.nbytes)
+    return advise_if_fresh_at(t.data_ptr(), t.nbytes, huge_pages())
 
 
 def collapse_table(address: int, nbytes: int) -> bool:
