@@ -1,6 +1,6 @@
 """What 2 MB pages do to fresh memory, in the median and in the tail: allocate a new 94 MB block (BERT-base's word
-gradient; glibc maps anything over 32 MB afresh), ask for 2 MB pages for it or not, zero it, free it; the two ways
-alternate in one process.
+gradient; glibc maps anything over 32 MB afresh), ask for 2 MB pages for it or not, zero it, free it; the ways take
+turns in one process. The third asks for 2 MB pages and faults them in on one thread before zeroing.
 
     python benchmarks/huge_page_tail.py [--mb 94] [--rounds 400] [--threads 2]
 
@@ -20,13 +20,17 @@ import torch
 
 from bertembed.kernels import pages
 
+WAYS = ("2 MB pages", "4 KB pages", "2 MB, faulted in on one thread first")
 
-def one_round(nbytes: int, huge: bool) -> tuple[float, float]:
+
+def one_round(nbytes: int, way: str) -> tuple[float, float]:
     """(wall, system) seconds to allocate, advise or not, zero and free `nbytes` of fresh memory."""
     before, began = resource.getrusage(resource.RUSAGE_SELF).ru_stime, time.perf_counter()
     block = torch.empty(nbytes // 4)
-    if huge:
+    if way != "4 KB pages":
         pages.advise_huge_pages(block)
+    if way == WAYS[2]:
+        block[:: (2 << 20) // 4] = 0.0  # one write a 2 MB page, on this thread: each page faults in here
     block.zero_()
     del block
     return time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
@@ -41,20 +45,20 @@ def main() -> None:
                              "torch's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    times: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     for i in range(args.rounds + 1):
-        for huge in (i % 2 == 0, i % 2 == 1):
-            result = one_round(args.mb << 20, huge)
+        for k in range(len(WAYS)):
+            way = WAYS[(i + k) % len(WAYS)]  # each way in turn, in a rotating order
+            result = one_round(args.mb << 20, way)
             if i:  # the first round of each way warms up
-                times[huge].append(result)
+                times[way].append(result)
     print(f"{args.mb} MB of fresh memory, allocated, zeroed on {args.threads} threads and freed {args.rounds} times "
           f"each way (ms):")
-    for huge, rounds in times.items():
+    for way, rounds in times.items():
         walls = sorted(wall * 1e3 for wall, _ in rounds)
         median = statistics.median(walls)
         slowest_sys = max(rounds)[1] * 1e3
-        way = "2 MB pages" if huge else "4 KB pages"
-        print(f"  {way:<11} median {median:6.1f}  mean {statistics.mean(walls):6.1f}  "
+        print(f"  {way:<37} median {median:6.1f}  mean {statistics.mean(walls):6.1f}  "
               f"p99 {walls[int(0.99 * (len(walls) - 1))]:6.1f}  max {walls[-1]:6.1f}  "
               f"over 3x median: {sum(w > 3 * median for w in walls):3d}  system time of the slowest: {slowest_sys:.1f}")
 

@@ -113,12 +113,12 @@ def huge_pages() -> bool:
     (read at the first large output or gradient).
 
     The trade, measured on this VM (`benchmarks/huge_page_tail.py`: a fresh 94 MB block allocated, zeroed on two
-    threads and freed, 400 times each way): on 2 MB pages 8.9 ms in the median and 9.5 on average, against 20.4 and
-    20.6 on 4 KB pages; but 3 of the 400 took over 3x the median, the slowest 122 ms, nearly all of it in the kernel,
-    where 4 KB pages never passed 40 ms (zeroed on one thread, neither way stalled). A fused training step at
-    (32, 128), hidden 768, under glibc's default settings: 17.7-19.6 ms in the median with a 99th percentile of
-    110-148 ms, against 34.6-35.1 and 42-45 ms with the switch off. A program that needs every call fast, rather than
-    many calls fast on average, can turn them off."""
+    threads and freed, 400 times each way, two runs): on 2 MB pages 8.9-9.5 ms in the median and 9.5-14.0 on average,
+    against 20.4-20.8 and 20.6-21.1 on 4 KB pages; but 3 and 17 of the 400 took over 3x the median, the slowest
+    122-158 ms, nearly all of it in the kernel, where 4 KB pages never passed 40 ms. A fused training step at
+    (32, 128), hidden 768, under glibc's default settings (`benchmarks/training_step_tail.py`, 300 steps, two runs):
+    18.3-19.9 ms in the median with a 99th percentile of 121-132 ms, against 34.7-36.0 and 40-45 ms with the switch
+    off. A program that needs every call fast, rather than many calls fast on average, can turn them off."""
     if not _advice:
         _advice.append(os.environ.get("BERTEMBED_HUGE_PAGES") != "0")
     return _advice[0]
