@@ -84,7 +84,7 @@ def test_no_prewarm_without_a_compiled_candidate_or_when_not_asked(monkeypatch):
 
 
 def test_the_prewarm_process_runs_the_fused_path(caplog):
-    pytest.importorskip("numba")
+    pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
     with caplog.at_level(logging.WARNING):
         warm = Prewarm([Case(16, 1, 3), Case(16, 2, 8, "fwdbwd"), Case(16, 1, 3, "fwd", "float32", "cuda")], 50)
         assert warm._proc is not None

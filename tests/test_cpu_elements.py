@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
 import numba  # noqa: E402
 from numba import njit  # noqa: E402

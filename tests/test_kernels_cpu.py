@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
 from bertembed.kernels import cpu, cpu_elements, cpu_run, fused_embeddings, pages  # noqa: E402
 from kernel_helpers import (  # noqa: E402

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
 from numba import njit  # noqa: E402
 

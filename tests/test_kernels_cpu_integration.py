@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
 from kernel_helpers import (  # noqa: E402
     assert_grad_close,

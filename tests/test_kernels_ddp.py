@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 transformers = pytest.importorskip("transformers")
 
 WORLD = 2

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("numba")
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 transformers = pytest.importorskip("transformers")
 
 import bertembed  # noqa: E402
