@@ -38,9 +38,9 @@ def main() -> None:
         steps.append((time.perf_counter() - began) * 1e3)
     steps = sorted(steps[1:])
     median = statistics.median(steps)
-    at = lambda q: steps[int(q * (len(steps) - 1))]  # noqa: E731
+    p90, p99 = (steps[int(q * (len(steps) - 1))] for q in (0.9, 0.99))
     print(f"{args.backend} training step, H {args.hidden}, ({batch}, {length}), {args.steps} steps: median "
-          f"{median:.1f} ms, p90 {at(0.9):.1f}, p99 {at(0.99):.1f}, max {steps[-1]:.1f}; "
+          f"{median:.1f} ms, p90 {p90:.1f}, p99 {p99:.1f}, max {steps[-1]:.1f}; "
           f"over 3x the median: {sum(s > 3 * median for s in steps)}")
 
 

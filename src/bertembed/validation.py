@@ -5,6 +5,8 @@ Dimension letters: B batch, L length, H hidden.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from bertembed.config import EmbeddingConfig
@@ -45,11 +47,7 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
 
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
-    dtypes = [t.dtype for t in addends if t is not None]
-    result = dtypes[0]
-    for dtype in dtypes[1:]:
-        result = torch.promote_types(result, dtype)
-    return result
+    return functools.reduce(torch.promote_types, [t.dtype for t in addends if t is not None])
 
 
 _norm_mixes: dict[tuple, bool] = {}
