@@ -86,6 +86,27 @@ def test_inference_positions_come_from_the_row(hidden, batch, length, past):
     assert_output_close(out, expected)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_hooks_and_changed_submodules_run(grad):
+    """As on the CPU (tests/test_kernels_submodules.py): a hook on a table, or a table whose max_norm is set after the
+    first call, makes the layer run its submodules (on a GPU, inference takes `lean_gpu`'s short path first)."""
+    ref, fused = on_device(*twins(32, "triton"))
+    ids = awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE)
+    with torch.set_grad_enabled(grad):
+        plain = fused(ids).detach()
+        for layer in (ref, fused):
+            layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2)
+        out_ref, out = ref(ids), fused(ids)
+        assert (out_ref - plain).abs().max() > 1e-2
+        assert_output_close(out, out_ref)
+        for layer in (ref, fused):
+            layer.word_embeddings._forward_hooks.clear()
+            layer.token_type_embeddings.max_norm = 0.01  # renormalises the rows it reads, in place
+        out_ref, out = ref(ids), fused(ids)
+        assert (out_ref - plain).abs().max() > 1e-2
+        assert_output_close(out, out_ref)
+
+
 def test_launch_cache_key_tells_apart_what_triton_specialises():
     """`triton_launch.spec` must separate every pair of argument values that Triton compiles different kernels for,
     or a cached kernel would run with a wrong assumption (a misaligned pointer taken for an aligned one)."""

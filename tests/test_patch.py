@@ -202,3 +202,44 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     with torch.no_grad():
         exact = double(**inputs).last_hidden_state
     assert (out.double() - exact).abs().max() <= 3 * (out_ref.double() - exact).abs().max()
+
+
+def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model():
+    """peft's LoRA on `word_embeddings` wraps the table in its own module, whose forward adds the low-rank update:
+    the fused layer runs that forward (the reference path) whether the model was patched before or after the adapter
+    went in, so outputs and gradients, the adapter's included, are the unpatched adapted model's."""
+    peft = pytest.importorskip("peft")
+    model = model_of(transformers.BertModel).train()
+    config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False)  # a random update
+    adapted = peft.get_peft_model(copy.deepcopy(model), config)
+    patched_after = bertembed.patch(copy.deepcopy(adapted), backend="cpu")
+    patched_before = peft.get_peft_model(bertembed.patch(copy.deepcopy(model), backend="cpu"), config)
+    patched_before.load_state_dict(adapted.state_dict())
+    inputs = batch()
+    out_ref, grads_ref = forward_backward(adapted, inputs)
+    assert (out_ref - forward_backward(model, inputs)[0]).abs().max() > 1e-2  # the adapter changes the output
+    assert any("lora" in name for name in grads_ref)
+    for patched in (patched_after, patched_before):
+        assert sum(isinstance(m, BertEmbeddings) for m in patched.modules()) == 1
+        out, grads = forward_backward(patched, inputs)
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
+        assert grads.keys() == grads_ref.keys()
+        assert_grads_close(grads, grads_ref)
+
+
+def test_a_hook_on_a_table_of_a_patched_model_runs():
+    """Layer attributions (captum's LayerIntegratedGradients) hook `embeddings.word_embeddings` and replace its output:
+    the patched model gives the unpatched model's outputs under such a hook."""
+    model = model_of(transformers.BertModel).eval()
+    patched = bertembed.patch(copy.deepcopy(model), backend="cpu")
+    inputs = batch()
+    with torch.no_grad():
+        plain = first_output(patched(**inputs))
+        outputs = []
+        for m in (model, patched):
+            hook = m.embeddings.word_embeddings.register_forward_hook(lambda mod, args, out: out * 0.25)
+            outputs.append(first_output(m(**inputs)))
+            hook.remove()
+        assert (outputs[0] - plain).abs().max() > 1e-2
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(first_output(patched(**inputs)), plain, rtol=0, atol=0)  # fused again, same bits

@@ -37,13 +37,19 @@ def _position_type(hf: nn.Module) -> str:
     return getattr(hf, "position_embedding_type", "absolute")
 
 
+def _base(module: nn.Module) -> nn.Module:
+    """The module a wrapper wraps (peft's adapters: `get_base_layer()`), or the module itself."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
 def _config_of(hf: nn.Module) -> EmbeddingConfig:
-    """The layer's sizes and constants, read from its own tables (the model config may not be at hand)."""
-    vocab, hidden = hf.word_embeddings.weight.shape
-    pad = hf.word_embeddings.padding_idx
+    """The layer's sizes and constants, read from its own tables (the model config may not be at hand). A wrapped
+    table (a LoRA adapter) is sized by the table it wraps; the fused layer then runs the wrapper's own forward."""
+    vocab, hidden = _base(hf.word_embeddings).weight.shape
+    pad = _base(hf.word_embeddings).padding_idx
     return EmbeddingConfig(
-        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=hf.position_embeddings.weight.shape[0],
-        type_vocab_size=hf.token_type_embeddings.weight.shape[0], layer_norm_eps=hf.LayerNorm.eps,
+        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=_base(hf.position_embeddings).weight.shape[0],
+        type_vocab_size=_base(hf.token_type_embeddings).weight.shape[0], layer_norm_eps=_base(hf.LayerNorm).eps,
         hidden_dropout_prob=hf.dropout.p, pad_token_id=0 if pad is None else pad, position_embedding_type="absolute")
 
 
@@ -53,7 +59,7 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
         layer = BertEmbeddings(_config_of(hf), backend=backend)
     for name in _SHARED:
         setattr(layer, name, getattr(hf, name))
-    device = hf.word_embeddings.weight.device
+    device = _base(hf.word_embeddings).weight.device
     positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
     for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
         setattr(layer, name, getattr(hf, name, default))  # older transformers may lack a buffer

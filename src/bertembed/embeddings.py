@@ -73,6 +73,7 @@ def checked_backend(backend: str) -> str:
 
 
 KERNEL_CACHE = "_kernel_cache"  # the attribute where the fused kernels keep what they derive from the tables
+SUBMODULE_VERDICT = "_kernel_verdict"  # and whether they may stand in for the submodules (`kernels.submodules`)
 
 
 class BertEmbeddings(nn.Module):
@@ -98,11 +99,13 @@ class BertEmbeddings(nn.Module):
         self.reset_parameters()
 
     def __getstate__(self) -> dict:
-        """nn.Module's state for pickling and `copy.deepcopy`, less the kernels' cache (`KERNEL_CACHE`): numpy views of
+        """nn.Module's state for pickling and `copy.deepcopy`, less the kernels' caches: `KERNEL_CACHE`, numpy views of
         the tables and their addresses, which a pickle would store as a second copy of every table and a copy would
-        carry as addresses of the original's memory. The next fused call rebuilds it."""
+        carry as addresses of the original's memory; `SUBMODULE_VERDICT`, which names the original's submodules. The
+        next fused call rebuilds both."""
         state = super().__getstate__()
         state.pop(KERNEL_CACHE, None)
+        state.pop(SUBMODULE_VERDICT, None)
         return state
 
     def reset_parameters(self) -> None:

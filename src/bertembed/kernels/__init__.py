@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
+from bertembed.kernels.submodules import submodule_reason
 from bertembed.validation import check_inputs, check_norm_dtypes, in_torch_func, summed_dtype, table_rows
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,9 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     if short is not None and (out := short(layer, input_ids, token_type_ids, position_ids, inputs_embeds,
                                            past_key_values_length)) is not None:
         return out
+    if reason := submodule_reason(layer, torch.is_grad_enabled()):  # first: a wrapper may have no `weight` to read
+        _fall_back(reason)
+        return None
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
     positions = layer.position_embeddings
@@ -304,8 +308,6 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
         chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
     if chosen != "reference" and (mixed := _mixed_tables(tables)):
         chosen, reason = "reference", mixed
-    if chosen != "reference" and (lookup := lookup_reason(layer, torch.is_grad_enabled())):
-        chosen, reason = "reference", lookup
     if chosen == "reference":
         if reason:
             _fall_back(reason)
@@ -313,34 +315,6 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     p = layer.dropout.p if layer.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
-
-
-def lookup_reason(layer, autograd: bool) -> str | None:
-    """Why an `nn.Embedding` option of the layer's tables needs the reference, or None: `max_norm` (rows renormalised
-    in place as they are read), and under autograd `scale_grad_by_freq` and `sparse` (the kernels write dense,
-    unscaled gradients)."""
-    for name in ("word_embeddings", "token_type_embeddings", "position_embeddings"):
-        table = layer._modules.get(name)
-        if not isinstance(table, torch.nn.Embedding):
-            continue
-        if table.max_norm is not None:
-            return f"{name} has max_norm={table.max_norm} (rows renormalised as they are read)"
-        if autograd and (table.sparse or table.scale_grad_by_freq):
-            option = "sparse=True" if table.sparse else "scale_grad_by_freq=True"
-            return f"{name} has {option} (the kernels write dense, unscaled gradients)"
-    return None
-
-
-def module_tables(layer) -> tuple[Tensor, ...] | None:
-    """(word, segment, position, LayerNorm weight, bias) of a `BertEmbeddings`, read through the modules' dicts (the
-    short paths' way: no `nn.Module.__getattr__` per table), or None when the positions are not an `nn.Embedding`."""
-    modules = layer._modules
-    positions = modules["position_embeddings"]
-    if not isinstance(positions, torch.nn.Embedding):
-        return None
-    norm = modules["LayerNorm"]._parameters
-    return (modules["word_embeddings"]._parameters["weight"], modules["token_type_embeddings"]._parameters["weight"],
-            positions._parameters["weight"], norm["weight"], norm["bias"])
 
 
 def _layer_options(layer) -> KernelOptions:

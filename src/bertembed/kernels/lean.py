@@ -27,8 +27,9 @@ import torch
 from numba import carray, njit
 
 from bertembed.embeddings import KERNEL_CACHE
-from bertembed.kernels import _cpu_pool, cpu, cpu_run, lookup_reason, module_tables, pages
+from bertembed.kernels import _cpu_pool, cpu, cpu_run, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
+from bertembed.kernels.submodules import short_path_tables
 
 _NO_DROPOUT, _SCALE, _SEED = dropout_threshold(0.0), 1.0, np.uint64(0)
 _HIDDEN, _NORM_BFLOAT16 = 8, 9  # in `_Tables.addresses`: H, and whether the LayerNorm weight and bias are bfloat16
@@ -155,39 +156,43 @@ class _Tables(NamedTuple):
 _SHORT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _tables(layer) -> _Tables | None:
+def _tables(layer, state: dict) -> tuple[_Tables, float] | None:
     """The layer's five CPU tables (all float32, all bfloat16, or bfloat16 with a float32 LayerNorm), cached on the
-    layer while their storage and sizes are unchanged."""
-    tensors = module_tables(layer)
-    if tensors is None:
+    layer while their storage and sizes are unchanged, and its LayerNorm's eps; None where the fused kernel may not
+    stand in for the submodules (`submodules.short_path_tables`). `state`: the layer's `__dict__`."""
+    found = short_path_tables(layer, state)
+    if found is None:
         return None
+    tensors, eps = found
     word, segment, position, weight, bias = tensors
     # The same storage (the cached views hold the old one, so no address is reused) and extents of the tables whose rows
     # the ids bound (`nbytes` costs 70 ns, `shape` 120). A view at the same address with other sizes reads inside the
     # held storage; the kernel can never read outside it.
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.nbytes,
            position.nbytes)
-    cached = layer.__dict__.get(KERNEL_CACHE)
+    cached = state.get(KERNEL_CACHE)
     if cached is not None and cached[0] == key:
-        return cached[1]
+        return cached[1], eps
     hidden, dtype, norm = word.shape[1], word.dtype, weight.dtype
     if dtype not in _SHORT_DTYPES or segment.dtype != dtype or position.dtype != dtype \
             or norm not in (dtype, torch.float32) or bias.dtype != norm \
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) \
             or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
-            or bias.shape != (hidden,) or lookup_reason(layer, False):  # (max_norm: asked when the cache is built)
+            or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
     tables = _Tables([cpu_run._np(t) for t in tensors], (*key[:5], word.shape[0], segment.shape[0], position.shape[0],
                                                           hidden, int(norm is torch.bfloat16)), dtype)
-    layer.__dict__[KERNEL_CACHE] = (key, tables)  # (not pickled or copied: `BertEmbeddings.__getstate__`)
-    return tables
+    state[KERNEL_CACHE] = (key, tables)  # (not pickled or copied: `BertEmbeddings.__getstate__`)
+    return tables, eps
 
 
 def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """The output [B, L, H], or None when these inputs are not for the short path. (A sentence's latency is mostly
     this function: each tensor attribute read costs 60-120 ns, so each is read once.)"""
-    if layer.training or position_ids is not None or inputs_embeds is not None or type(input_ids) is not torch.Tensor \
-            or type(past_key_values_length) is not int or past_key_values_length < 0 or torch.is_grad_enabled():
+    state = layer.__dict__  # (each attribute read of an nn.Module costs 50 ns, a dict read 15)
+    if state["training"] or position_ids is not None or inputs_embeds is not None \
+            or type(input_ids) is not torch.Tensor or type(past_key_values_length) is not int \
+            or past_key_values_length < 0 or torch.is_grad_enabled():
         return None  # (autograd needs the custom op)
     shape = input_ids.shape
     if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():
@@ -201,12 +206,13 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             tts_at, has_tts = token_type_ids.data_ptr(), True
         else:
             return None
-        tables = _tables(layer)
+        found = _tables(layer, state)
     except RuntimeError:  # a tensor with no memory of its own: torch.func's wrapped ones (`vmap`, `grad`)
         return None
-    if tables is None:
+    if found is None:
         return None
-    (batch, length), hidden, eps = shape, tables.addresses[_HIDDEN], layer.config.layer_norm_eps
+    (batch, length), (tables, eps) = shape, found
+    hidden = tables.addresses[_HIDDEN]
     bfloat16 = tables.dtype is torch.bfloat16
     # A batch runs on all threads, except in a forked child where numba's pool cannot run (`kernels.lose_cpu_pool`).
     if batch * length * hidden >= cpu_run._PARALLEL_FROM and not _cpu_pool["lost"]:

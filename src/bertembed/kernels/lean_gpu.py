@@ -17,22 +17,25 @@ from __future__ import annotations
 
 import torch
 
-from bertembed.kernels import _DTYPES, ID_CHECKS, module_tables
+from bertembed.kernels import _DTYPES, ID_CHECKS
 from bertembed.kernels import triton as triton_kernels
+from bertembed.kernels.submodules import short_path_tables
 from bertembed.validation import check_inputs, in_torch_func, norm_dtypes_fit, table_rows
 
 
-def _tables(layer) -> tuple[torch.Tensor, ...] | None:
-    """(word, segment, position, LayerNorm weight, bias) when all are contiguous CUDA tensors of one table dtype, with
-    a LayerNorm dtype torch's LayerNorm takes beside it (the general path raises for the others)."""
-    tables = module_tables(layer)
-    if tables is None:
+def _tables(layer, state: dict) -> tuple[tuple[torch.Tensor, ...], float] | None:
+    """((word, segment, position, LayerNorm weight, bias), LayerNorm eps) when all are contiguous CUDA tensors of one
+    table dtype, with a LayerNorm dtype torch's LayerNorm takes beside it (the general path raises for the others), and
+    the fused kernel may stand in for the submodules (`submodules.short_path_tables`)."""
+    found = short_path_tables(layer, state)
+    if found is None:
         return None
+    tables = found[0]
     dtype = tables[0].dtype
     if any(not t.is_cuda or not t.is_contiguous() or t.dtype != dtype for t in tables[:3]) \
             or any(not t.is_cuda for t in tables[3:]) or not norm_dtypes_fit(dtype, tables[3], tables[4]):
         return None
-    return tables
+    return found
 
 
 def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
@@ -45,17 +48,19 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
                                        or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()):
         return None
-    tables = _tables(layer)
-    checks = layer.__dict__.get("id_checks", "host")
-    if tables is None or checks not in ID_CHECKS or tables[0].device != input_ids.device \
-            or tables[0].dtype not in _DTYPES["triton"]:
+    state = layer.__dict__
+    found = _tables(layer, state)
+    checks = state.get("id_checks", "host")
+    if found is None or checks not in ID_CHECKS or found[0][0].device != input_ids.device \
+            or found[0][0].dtype not in _DTYPES["triton"]:
         return None
+    tables, eps = found
     batch, length = check_inputs(layer.config, input_ids, token_type_ids, None, None, past_key_values_length,
                                  check_ranges=checks == "host", rows=table_rows(tables))
     word, segment, position, weight, bias = tables
     out = torch.empty((batch, length, word.shape[1]), dtype=word.dtype, device=word.device)
     types = None if token_type_ids is None else token_type_ids.view(-1)
     triton_kernels.run_forward(input_ids.view(-1), types, None, word, segment, position, weight,
-                               bias, layer.config.layer_norm_eps, 0.0, 0, out=out, stats=False, length=length,
+                               bias, eps, 0.0, 0, out=out, stats=False, length=length,
                                past=past_key_values_length)
     return out

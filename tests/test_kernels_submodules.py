@@ -1,0 +1,204 @@
+"""The fused layer reads its submodules' tables and calls none of them, so it may stand in for them only while they are
+plain. Hooks (captum's layer attributions, activation capture, a global module hook), a subclass with its own forward,
+a wrapper (a LoRA adapter), an always-on dropout, and `max_norm` or a LayerNorm eps set after the first call all make
+it run the reference layer, which calls them: the outputs and gradients are then the reference's. Every case is first
+checked to change the output, so that agreeing with the reference means something."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
+
+from bertembed.kernels.submodules import short_path_tables  # noqa: E402
+from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, twins  # noqa: E402
+
+VOCAB = 1000
+
+
+class Doubled(nn.Embedding):
+    """A subclass with its own forward."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+class Adapter(nn.Module):
+    """A LoRA-style wrapper, as peft's: the table it wraps plus a low-rank update; `weight` reads the table's."""
+
+    def __init__(self, base: nn.Embedding) -> None:
+        super().__init__()
+        self.base_layer = base
+        gen = torch.Generator().manual_seed(3)
+        self.a = nn.Parameter(torch.randn(base.num_embeddings, 2, generator=gen))
+        self.b = nn.Parameter(torch.randn(2, base.embedding_dim, generator=gen) * 0.05)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, ids):
+        return self.base_layer(ids) + F.embedding(ids, self.a) @ self.b
+
+
+class ShiftedNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) + 0.5
+
+
+class AlwaysDropout(nn.Module):
+    """Monte Carlo dropout: on in eval mode too."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=True)
+
+
+def _subclass(layer):
+    table = Doubled(VOCAB, layer.config.hidden_size)
+    table.weight = layer.word_embeddings.weight  # the same parameter: the same storage, only the type differs
+    layer.word_embeddings = table
+
+
+CHANGES = {
+    "word forward hook": lambda layer: layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2),
+    "segment pre-hook": lambda layer: layer.token_type_embeddings.register_forward_pre_hook(
+        lambda m, args: (1 - args[0],)),
+    "position forward hook": lambda layer: layer.position_embeddings.register_forward_hook(
+        lambda m, args, out: out.flip(-2)),
+    "LayerNorm forward hook": lambda layer: layer.LayerNorm.register_forward_hook(lambda m, args, out: out + 0.5),
+    "dropout forward hook": lambda layer: layer.dropout.register_forward_hook(lambda m, args, out: out * 3),
+    "subclass with its own forward": _subclass,
+    "LoRA-style wrapper": lambda layer: setattr(layer, "word_embeddings", Adapter(layer.word_embeddings)),
+    "LayerNorm subclass": lambda layer: setattr(layer, "LayerNorm", _copied(ShiftedNorm, layer.LayerNorm)),
+    "always-on dropout": lambda layer: setattr(layer, "dropout", AlwaysDropout()),
+}
+
+
+def _copied(kind, norm: nn.LayerNorm) -> nn.LayerNorm:
+    new = kind(norm.normalized_shape, eps=norm.eps)
+    new.load_state_dict(norm.state_dict())
+    return new
+
+
+def _outputs(layers, ids, grad: bool):
+    """Each layer's output for `ids` from the same random state (dropout draws the same mask), and with `grad` the
+    backward of one random upstream gradient."""
+    outs = []
+    for layer in layers:
+        torch.manual_seed(5)
+        with torch.set_grad_enabled(grad):
+            out = layer(ids, token_type_ids=torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(4)))
+        if grad:
+            (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6))).sum().backward()
+        outs.append(out.detach())
+    return outs
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_submodule_runs_itself(change, grad):
+    """Inference takes the short path unless a submodule is changed, autograd the custom op: both must honour it."""
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    plain = copy.deepcopy(ref)
+    for layer in (ref, fused):
+        CHANGES[change](layer)
+    ids = awkward_ids(2, 7, VOCAB)
+    out_plain, out_ref, out = _outputs((plain, ref, fused), ids, grad)
+    assert (out_ref - out_plain).abs().max() > 1e-2  # the change changes the output
+    assert_output_close(out, out_ref)
+    if grad:
+        assert_grads_match(ref, fused)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # (the ids need no gradient: as meant)
+def test_a_backward_hook_on_a_table_runs():
+    """A full backward hook on the word table (how activation-gradient tools record) is called, with the
+    reference's gradient."""
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    seen = {}
+    for name, layer in (("ref", ref), ("fused", fused)):
+        layer.word_embeddings.register_full_backward_hook(lambda m, g_in, g_out, name=name: seen.update({name: g_out}))
+    _outputs((ref, fused), awkward_ids(2, 7, VOCAB), grad=True)
+    torch.testing.assert_close(seen["fused"][0], seen["ref"][0])
+
+
+def test_a_global_module_hook_runs():
+    """`register_module_forward_hook` applies to every module's call, the tables' included."""
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    ids = awkward_ids(2, 7, VOCAB)
+    with torch.no_grad():
+        out_plain = fused(ids)  # and the short path has looked at the submodules once
+    doubled = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: out * 2 if isinstance(m, nn.Embedding) and m.num_embeddings == VOCAB else None)
+    try:
+        with torch.no_grad():
+            out_ref, out = ref(ids), fused(ids)
+    finally:
+        doubled.remove()
+    assert (out_ref - out_plain).abs().max() > 1e-2
+    assert_output_close(out, out_ref)
+
+
+def test_changes_after_the_first_call_are_seen_and_undone():
+    """The short path keeps its verdict on the submodules between calls: a hook added, a table replaced by one that
+    shares its storage, `max_norm` or the LayerNorm's eps set after a call are all seen, and the fused kernel comes back
+    once the submodules are plain again."""
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    ids = awkward_ids(2, 7, VOCAB)
+    with torch.no_grad():
+        assert_output_close(fused(ids), ref(ids))
+        assert short_path_tables(fused, fused.__dict__) is not None
+        hooks = [layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2) for layer in (ref, fused)]
+        assert_output_close(fused(ids), ref(ids))
+        assert short_path_tables(fused, fused.__dict__) is None
+        for hook in hooks:
+            hook.remove()
+        assert short_path_tables(fused, fused.__dict__) is not None
+        plain = fused(ids)
+        for layer in (ref, fused):
+            _subclass(layer)
+        assert_output_close(fused(ids), ref(ids))
+        assert (fused(ids) - plain).abs().max() > 1e-2
+        for layer in (ref, fused):
+            layer.word_embeddings = nn.Embedding.from_pretrained(layer.word_embeddings.weight, freeze=False)
+        assert short_path_tables(fused, fused.__dict__) is not None
+        for layer in (ref, fused):
+            layer.LayerNorm.eps = 1e-3  # the rows' variance is about 1e-3: the eps changes the output
+        assert_output_close(fused(ids), ref(ids))
+        assert (fused(ids) - plain).abs().max() > 1e-2
+    out_ref, out = _outputs((ref, fused), ids, grad=True)  # the general path: it runs the reference for this eps
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+    with torch.no_grad():
+        for layer in (ref, fused):
+            layer.word_embeddings.max_norm = 0.05  # renormalises the rows it reads, in place
+        assert_output_close(fused(ids), ref(ids))
+        torch.testing.assert_close(fused.word_embeddings.weight, ref.word_embeddings.weight)
+
+
+def test_the_fallback_says_why(caplog, monkeypatch):
+    monkeypatch.setattr("bertembed.kernels._told", set())  # (each reason is logged once a process)
+    _, fused = twins(24, "cpu", vocab=VOCAB)
+    fused.LayerNorm.register_forward_hook(lambda m, args, out: out)
+    with caplog.at_level(logging.INFO, logger="bertembed.kernels"), torch.no_grad():
+        fused(awkward_ids(1, 5, VOCAB))
+    assert "LayerNorm has hooks" in caplog.text
+
+
+def test_copies_do_not_carry_the_verdict():
+    """A copy's submodules are new objects: the verdict, which names the original's, is not copied or pickled."""
+    _, fused = twins(24, "cpu", vocab=VOCAB)
+    ids = awkward_ids(2, 7, VOCAB)
+    with torch.no_grad():
+        expected = fused(ids)
+        for twin in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+            assert "_kernel_verdict" not in twin.__dict__
+            torch.testing.assert_close(twin(ids), expected, rtol=0, atol=0)
+            assert short_path_tables(twin, twin.__dict__) is not None
