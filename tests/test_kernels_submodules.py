@@ -78,7 +78,14 @@ CHANGES = {
     "LoRA-style wrapper": lambda layer: setattr(layer, "word_embeddings", Adapter(layer.word_embeddings)),
     "LayerNorm subclass": lambda layer: setattr(layer, "LayerNorm", _copied(ShiftedNorm, layer.LayerNorm)),
     "always-on dropout": lambda layer: setattr(layer, "dropout", AlwaysDropout()),
+    "forward set on the instance": lambda layer: setattr(layer.LayerNorm, "forward", _shifted(layer.LayerNorm)),
 }
+
+
+def _shifted(norm: nn.LayerNorm):
+    """A forward set on the module itself, as accelerate's `add_hook_to_module` sets one."""
+    own = norm.forward
+    return lambda x: own(x) - 0.5
 
 
 def _copied(kind, norm: nn.LayerNorm) -> nn.LayerNorm:
@@ -168,6 +175,13 @@ def test_changes_after_the_first_call_are_seen_and_undone():
         assert (fused(ids) - plain).abs().max() > 1e-2
         for layer in (ref, fused):
             layer.word_embeddings = nn.Embedding.from_pretrained(layer.word_embeddings.weight, freeze=False)
+        assert short_path_tables(fused, fused.__dict__) is not None
+        for layer in (ref, fused):
+            layer.dropout.forward = lambda x: x * 2  # set on the instance: no hook is registered
+        assert_output_close(fused(ids), ref(ids))
+        assert (fused(ids) - plain).abs().max() > 1e-2
+        for layer in (ref, fused):
+            del layer.dropout.forward
         assert short_path_tables(fused, fused.__dict__) is not None
         for layer in (ref, fused):
             layer.LayerNorm.eps = 1e-3  # the rows' variance is about 1e-3: the eps changes the output

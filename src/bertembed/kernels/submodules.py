@@ -39,6 +39,8 @@ def _own_forward_reason(layer) -> str | None:
             return f"{name} is a {kind.__module__}.{kind.__qualname__}, whose own forward the fused kernel does not " \
                    "compute"
         state = module.__dict__
+        if "forward" in state:
+            return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
         if state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"] \
                 or state["_backward_pre_hooks"]:
             return f"{name} has hooks, which run only when its own forward does"
@@ -84,19 +86,22 @@ def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | 
     about 50 ns, a dict read 15: so the modules are read through their dicts. Asking `submodule_reason` costs about
     1.5 us, a fifth of a sentence, so a "yes" is kept on the layer, with the submodules' dicts, while the submodules
     are the same objects and no hook has been registered anywhere since (`RemovableHandle.next_id` counts every
-    registration). `max_norm` and `eps` are read on every call."""
+    registration). `max_norm`, `eps` and a forward set on a submodule itself are looked up on every call."""
     modules = state["_modules"]
-    word, types, positions, norm = (modules["word_embeddings"], modules["token_type_embeddings"],
-                                     modules["position_embeddings"], modules["LayerNorm"])
-    key = (word, types, positions, norm, modules["dropout"], RemovableHandle.next_id)
+    word, types, positions, norm, dropout = (modules["word_embeddings"], modules["token_type_embeddings"],
+                                              modules["position_embeddings"], modules["LayerNorm"], modules["dropout"])
+    key = (word, types, positions, norm, dropout, RemovableHandle.next_id)
     verdict = state.get(SUBMODULE_VERDICT)
     if verdict is None or verdict[0] != key:  # (exact types: a parametrized weight is a property, not a parameter)
         if type(word) is not nn.Embedding or type(types) is not nn.Embedding or type(positions) is not nn.Embedding \
                 or type(norm) is not nn.LayerNorm or _own_forward_reason(layer) is not None:
             return None  # asked again next call: a hook's removal does not move `next_id`
-        verdict = state[SUBMODULE_VERDICT] = (key, word.__dict__, types.__dict__, positions.__dict__, norm.__dict__)
-    _, word, types, positions, norm = verdict
-    if word["max_norm"] is not None or types["max_norm"] is not None or positions["max_norm"] is not None:
+        verdict = state[SUBMODULE_VERDICT] = (key, word.__dict__, types.__dict__, positions.__dict__, norm.__dict__,
+                                              dropout.__dict__)
+    _, word, types, positions, norm, dropout = verdict
+    if word["max_norm"] is not None or types["max_norm"] is not None or positions["max_norm"] is not None \
+            or "forward" in word or "forward" in types or "forward" in positions or "forward" in norm \
+            or "forward" in dropout:  # (a forward set on the instance, as accelerate's hooks set it)
         return None
     weight = norm["_parameters"]
     return (word["_parameters"]["weight"], types["_parameters"]["weight"], positions["_parameters"]["weight"],
