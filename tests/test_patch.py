@@ -243,3 +243,13 @@ def test_a_hook_on_a_table_of_a_patched_model_runs():
         assert (outputs[0] - plain).abs().max() > 1e-2
         torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(first_output(patched(**inputs)), plain, rtol=0, atol=0)  # fused again, same bits
+
+
+def test_enable_input_require_grads_reaches_a_frozen_patched_model():
+    """transformers' `enable_input_require_grads` (which peft's k-bit preparation calls, for adapters trained with
+    gradient checkpointing) hooks the word table to make its output require grad. On a frozen patched model that
+    hook must run, or the checkpointed layers above see inputs without grad and the adapters get none."""
+    for model in (model_of(transformers.BertModel), bertembed.patch(model_of(transformers.BertModel), backend="cpu")):
+        model.requires_grad_(False)
+        model.enable_input_require_grads()
+        assert model.embeddings(input_ids=batch()["input_ids"]).requires_grad
