@@ -148,8 +148,8 @@ def test_a_sparse_word_table_gets_sparse_gradients(caplog):
 @pytest.mark.parametrize("option", [dict(max_norm=0.05), dict(scale_grad_by_freq=True)])
 def test_embedding_options_the_kernels_do_not_have_run_the_reference(option):
     """`max_norm` renormalises rows as F.embedding reads them (in place), `scale_grad_by_freq` scales the word
-    gradient: a layer whose tables ask for either gives the reference's outputs and gradients (set before the first
-    call: the short path asks when it builds its cache)."""
+    gradient: a layer whose tables ask for either gives the reference's outputs and gradients (set after the first
+    call: tests/test_kernels_submodules.py)."""
     ref, fused = twins(24, "cpu")
     for layer in (ref, fused):
         for key, value in option.items():

@@ -208,7 +208,7 @@ def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model():
     """peft's LoRA on `word_embeddings` wraps the table in its own module, whose forward adds the low-rank update:
     the fused layer runs that forward (the reference path) whether the model was patched before or after the adapter
     went in, so outputs and gradients, the adapter's included, are the unpatched adapted model's."""
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="peft (the dev extra) provides the LoRA adapter this test puts in")
     model = model_of(transformers.BertModel).train()
     config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False)  # a random update
     adapted = peft.get_peft_model(copy.deepcopy(model), config)
