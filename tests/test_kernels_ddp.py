@@ -77,8 +77,12 @@ def test_ddp_gradients_equal_single_process(tmp_path):
     single = model()
     ids, labels = global_batch()
     loss_of(single, ids, labels).backward()
+    largest = max(p.grad.abs().max().item() for p in single.parameters())
     for name, p in single.named_parameters():
-        scale = max(p.grad.abs().max().item(), 1e-30)
+        # The embedding tables' gradients (this test's point) against their own scale; the rest of the model against
+        # its largest gradient: the attention key bias's gradient is zero analytically (softmax ignores a shift shared
+        # by every key), so each run holds only rounding noise there (about 1e-14, from the order of its sums).
+        scale = p.grad.abs().max().item() if ".embeddings." in name else largest
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-5, atol=1e-5 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
     assert ddp_grads["bert.embeddings.word_embeddings.weight"].abs().sum() > 0
