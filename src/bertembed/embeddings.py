@@ -72,6 +72,13 @@ def checked_backend(backend: str) -> str:
     return backend if backend == "reference" else _kernels().check_backend(backend)
 
 
+def _summed(word: torch.Tensor, segment: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
+    """(word + segment) + position: the same operations in the same order as transformers, so float32 results match
+    bit for bit."""
+    total = word + segment
+    return total if position is None else total + position
+
+
 KERNEL_CACHE = "_kernel_cache"  # the attribute where the fused kernels keep what they derive from the tables
 SUBMODULE_VERDICT = "_kernel_verdict"  # and whether they may stand in for the submodules (`kernels.submodules`)
 
@@ -158,13 +165,8 @@ class BertEmbeddings(nn.Module):
                                               past_key_values_length)
             if fused is not None:
                 return fused
-        word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                              past_key_values_length)
-        # Same operations in the same order as transformers, so float32 results match bit for bit.
-        embeddings = word + segment
-        if position is not None:
-            embeddings = embeddings + position
-        return self.dropout(self.LayerNorm(embeddings))
+        parts = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length)
+        return self.dropout(self.LayerNorm(_summed(*parts)))
 
     def decompose(
         self,
@@ -181,9 +183,7 @@ class BertEmbeddings(nn.Module):
         """
         word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
                                               past_key_values_length)
-        total = word + segment
-        if position is not None:
-            total = total + position
+        total = _summed(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
         return Decomposition(
             word=word, position=torch.zeros_like(word) if position is None else position, segment=segment,
