@@ -216,3 +216,92 @@ def test_copies_do_not_carry_the_verdict():
             assert "_kernel_verdict" not in twin.__dict__
             torch.testing.assert_close(twin(ids), expected, rtol=0, atol=0)
             assert short_path_tables(twin, twin.__dict__) is not None
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_dropout_follows_its_own_flag(grad):
+    """The dropout module's own training flag decides, as in the reference: Monte Carlo dropout (layer in eval, its
+    dropout in train) drops, and a layer in training mode with its dropout switched to eval does not."""
+    p = 0.25
+    ref, fused = twins(256, "cpu", vocab=VOCAB, hidden_dropout_prob=p)
+    ids = awkward_ids(8, 64, VOCAB)
+    clean = ref(ids).detach()  # eval: no dropout
+    fused.dropout.train()  # Monte Carlo dropout
+    with torch.set_grad_enabled(grad):
+        out = fused(ids).detach()
+    kept = out != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.01
+    assert_output_close(out[kept], clean[kept] / (1 - p))
+    for layer in (ref, fused):
+        layer.train()
+        layer.dropout.eval()  # training without dropout
+    out_ref, out = _outputs((ref, fused), ids, grad)
+    assert_output_close(out, out_ref)  # (the reference's dropout is off: nothing dropped)
+    if grad:
+        assert_grads_match(ref, fused)
+
+
+class _Scaled(nn.Module):
+    def forward(self, weight):
+        return weight * 1.5
+
+
+@pytest.mark.parametrize("name", ["word_embeddings", "position_embeddings", "LayerNorm"])
+def test_a_parametrization_added_after_the_first_call(name):
+    """`torch.nn.utils.parametrize` moves a weight out of the module's parameters and changes its class, neither of
+    which a hook registration would show: the next call computes with the parametrized weight (it used to raise a
+    KeyError), in inference and under autograd, whose gradients reach the original weight."""
+    from torch.nn.utils import parametrize
+
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    ids = awkward_ids(2, 7, VOCAB)
+    with torch.no_grad():
+        plain = fused(ids)
+        for layer in (ref, fused):
+            parametrize.register_parametrization(getattr(layer, name), "weight", _Scaled())
+        out_ref, out = ref(ids), fused(ids)
+    assert (out_ref - plain).abs().max() > 1e-2
+    assert_output_close(out, out_ref)
+    out_ref, out = _outputs((ref, fused), ids, grad=True)
+    assert_output_close(out, out_ref)
+    originals = [getattr(layer, name).parametrizations.weight.original.grad for layer in (ref, fused)]
+    torch.testing.assert_close(originals[1], originals[0], rtol=1e-5, atol=1e-5 * originals[0].abs().max().item())
+
+
+def test_a_smaller_segment_table_at_the_same_address_is_seen():
+    """A segment table replaced by a view of its first row (same address, fewer rows) after a call: segment id 1 is
+    then out of range, in the fused layer as in the reference, instead of reading the old row."""
+    ref, fused = twins(24, "cpu", vocab=VOCAB)
+    ids = awkward_ids(1, 5, VOCAB)
+    with torch.no_grad():
+        fused(ids, token_type_ids=torch.ones_like(ids))
+        for layer in (ref, fused):
+            layer.token_type_embeddings.weight.data = layer.token_type_embeddings.weight.data[:1]
+        for layer in (ref, fused):
+            with pytest.raises(ValueError, match="token_type_ids holds 1"):
+                layer(ids, token_type_ids=torch.ones_like(ids))
+
+
+def test_moving_the_layer_drops_the_kernel_cache():
+    """`.half()`, `.to()` and the like replace the tables; the cache's views of the old ones go with them, so their
+    memory is freed at once (a float16 layer never takes the CPU short path that would replace the cache)."""
+    _, fused = twins(24, "cpu", vocab=VOCAB)
+    with torch.no_grad():
+        fused(awkward_ids(1, 5, VOCAB))
+        assert "_kernel_cache" in fused.__dict__
+        fused.half()
+    assert "_kernel_cache" not in fused.__dict__
+
+
+def test_reset_parameters_refills_the_default_ids():
+    """A layer built on the meta device and materialised by `to_empty()` (deferred initialisation, as FSDP does) holds
+    uninitialised buffers; `reset_parameters()` fills them as the constructor does."""
+    from bertembed import BertEmbeddings, EmbeddingConfig
+
+    config = EmbeddingConfig(vocab_size=VOCAB, hidden_size=24, max_position_embeddings=64)
+    with torch.device("meta"):
+        layer = BertEmbeddings(config, backend="cpu")
+    layer.to_empty(device="cpu").reset_parameters()
+    fresh = BertEmbeddings(config)
+    assert torch.equal(layer.position_ids, fresh.position_ids)
+    assert torch.equal(layer.token_type_ids, fresh.token_type_ids)

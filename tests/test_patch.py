@@ -253,3 +253,57 @@ def test_enable_input_require_grads_reaches_a_frozen_patched_model():
         model.requires_grad_(False)
         model.enable_input_require_grads()
         assert model.embeddings(input_ids=batch()["input_ids"]).requires_grad
+
+
+def test_hooks_on_the_embedding_layer_move_with_patch_and_unpatch():
+    """A hook on `model.embeddings` itself (an intervention, captum's layer attributions) registered before `patch`
+    runs on the fused layer, one registered while patched runs after `unpatch`, and their handles remove them."""
+    model = model_of(transformers.BertModel).eval()
+    reference = copy.deepcopy(model)
+    inputs = batch()
+    calls = []
+    zeroed = model.embeddings.register_forward_hook(lambda m, args, out: calls.append("before") or out * 0)
+    reference.embeddings.register_forward_hook(lambda m, args, out: out * 0)
+    expected = first_output(reference(**inputs))
+    bertembed.patch(model, backend="cpu")
+    torch.testing.assert_close(first_output(model(**inputs)), expected, rtol=0, atol=1e-5)
+    assert calls == ["before"]
+    later = model.embeddings.register_forward_pre_hook(lambda m, args: calls.append("while patched"))
+    bertembed.unpatch(model)
+    model(**inputs)
+    assert calls == ["before", "while patched", "before"]  # (the pre-hook runs first)
+    zeroed.remove(), later.remove()
+    model(**inputs)
+    assert len(calls) == 3
+
+
+def test_monte_carlo_dropout_in_a_patched_model():
+    """The dropout modules' own flags decide, as in transformers: a model in eval mode with its dropouts switched on
+    (Monte Carlo dropout) draws a new mask each call, also after `patch` (which keeps the dropouts' flags), and a
+    model in training mode with its dropouts off matches the unpatched one."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.hidden_dropout_prob = 0.3
+    model = transformers.BertModel(config).eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.train()
+    bertembed.patch(model, backend="cpu")
+    assert model.embeddings.dropout.training and not model.embeddings.training
+    ids = batch()["input_ids"]
+    with torch.no_grad():
+        out = model.embeddings(ids)
+        assert abs((out == 0).float().mean().item() - 0.3) < 0.03
+        assert not torch.equal(model.embeddings(ids), out)
+    bertembed.unpatch(model)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+    reference = copy.deepcopy(model)
+    bertembed.patch(model, backend="cpu")
+    inputs = batch()
+    out_ref, grads_ref = forward_backward(reference, inputs)
+    out, grads = forward_backward(model, inputs)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
+    assert_grads_close(grads, grads_ref)

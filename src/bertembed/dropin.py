@@ -6,7 +6,8 @@
 (The module is `dropin`, not `patch`: a submodule named `patch` would shadow the function `bertembed.patch`.)
 
 The new layer shares the old one's submodules (`word_embeddings`, `position_embeddings`, `token_type_embeddings`,
-`LayerNorm`, `dropout`), so parameters, tied weights, state-dict keys and optimizer state all stay as they were.
+`LayerNorm`, `dropout`), so parameters, tied weights, state-dict keys and optimizer state all stay as they were; and it
+takes the old layer's own hooks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 
 _SHARED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
 _BUFFERS = ("position_ids", "token_type_ids")
+# The layer's own hooks (captum's layer attributions, activation capture, interventions) move with it: the patched
+# layer takes the dicts themselves, so the hooks' handles still remove them, and `unpatch` hands them back.
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
 
 
 def _is_hf_bert_embeddings(module: nn.Module) -> bool:
@@ -63,9 +68,18 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
     for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
         setattr(layer, name, getattr(hf, name, default))  # older transformers may lack a buffer
-    layer.train(hf.training)
+    _move_state(hf, layer)
     object.__setattr__(layer, "_bertembed_original", hf)  # not a submodule: stays out of state_dict and .to()
     return layer
+
+
+def _move_state(old: nn.Module, new: nn.Module) -> None:
+    """Give `new` the layer's own state that lives outside its submodules: its hooks and its training flag (its own
+    alone: `train()` would also set the shared submodules, and a Monte Carlo dropout setup trains only the dropouts)."""
+    for name in _HOOKS:
+        if name in old.__dict__:
+            object.__setattr__(new, name, old.__dict__[name])
+    new.training = old.training
 
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
@@ -108,6 +122,6 @@ def unpatch(model: nn.Module) -> nn.Module:
             if original is not None:
                 for shared in _SHARED + _BUFFERS:  # .to() or assignment may have replaced them since patch
                     setattr(original, shared, getattr(child, shared))
-                original.train(child.training)
+                _move_state(child, original)
                 setattr(parent, name, original)
     return model

@@ -115,13 +115,24 @@ class BertEmbeddings(nn.Module):
         state.pop(SUBMODULE_VERDICT, None)
         return state
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `_apply` (behind `.to()`, `.half()`, `.cuda()`, `to_empty()`), which replaces the tables: the
+        kernels' cache is dropped first, as its numpy views would keep the old tables' memory alive until the next
+        fused CPU call (never, on a layer moved to float16 or a GPU)."""
+        self.__dict__.pop(KERNEL_CACHE, None)
+        return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
-        """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity."""
+        """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity; and the
+        default-id buffers refilled (0, 1, 2, ... and zeros), which a layer materialised from the meta device by
+        `to_empty()` holds as uninitialised memory."""
         for table in (self.word_embeddings, self.position_embeddings, self.token_type_embeddings):
             if isinstance(table, nn.Embedding):
                 nn.init.normal_(table.weight, std=self.config.initializer_range)
         with torch.no_grad():
             self.word_embeddings.weight[self.config.pad_token_id].zero_()
+            self.position_ids.copy_(torch.arange(self.position_ids.shape[-1])[None])
+            self.token_type_ids.zero_()
         self.LayerNorm.reset_parameters()
 
     def _parts(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):

@@ -312,7 +312,8 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
         if reason:
             _fall_back(reason)
         return None
-    p = layer.dropout.p if layer.training else 0.0
+    dropout = layer.dropout  # its own flag, not the layer's: Monte Carlo dropout trains only the dropouts
+    p = dropout.p if dropout.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
 

@@ -11,9 +11,9 @@ inputs run serially with positions computed in the kernel (all inputs do in a fo
 run); larger ones run `cpu.forward` on all threads, from one
 compiled call that also checks the ids, builds the position and segment ids, asks whether the output's memory is fresh
 and sets numba's thread count (`_infer_batch`; the output reaches it as an address too). Anything this
-path does not cover (training, autograd, explicit position ids, `inputs_embeds`, a bad id) returns None, and the
-general path takes over: it raises the reference layer's errors. A bfloat16 layer takes it too, with all five tables
-bfloat16 (as `layer.to(torch.bfloat16)` leaves them) or with a float32 LayerNorm beside bfloat16 tables.
+path does not cover (dropout in training mode, autograd, explicit position ids, `inputs_embeds`, a bad id) returns
+None, and the general path takes over: it raises the reference layer's errors. A bfloat16 layer takes it too, with all
+five tables bfloat16 (as `layer.to(torch.bfloat16)` leaves them) or with a float32 LayerNorm beside bfloat16 tables.
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -169,7 +169,7 @@ def _tables(layer, state: dict) -> tuple[_Tables, float] | None:
     # the ids bound (`nbytes` costs 70 ns, `shape` 120). A view at the same address with other sizes reads inside the
     # held storage; the kernel can never read outside it.
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.nbytes,
-           position.nbytes)
+           segment.nbytes, position.nbytes)
     cached = state.get(KERNEL_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1], eps
@@ -190,7 +190,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     """The output [B, L, H], or None when these inputs are not for the short path. (A sentence's latency is mostly
     this function: each tensor attribute read costs 60-120 ns, so each is read once.)"""
     state = layer.__dict__  # (each attribute read of an nn.Module costs 50 ns, a dict read 15)
-    if state["training"] or position_ids is not None or inputs_embeds is not None \
+    if position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or type(past_key_values_length) is not int \
             or past_key_values_length < 0 or torch.is_grad_enabled():
         return None  # (autograd needs the custom op)

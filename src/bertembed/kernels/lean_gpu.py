@@ -6,9 +6,9 @@ selection, input checks, flattening the ids, `nn.Module.__getattr__` for each ta
 machine's CPU. This path reads the tables through the module's dicts, checks only what the kernel needs, and lets the
 kernel take positions from the token's index (and segment 0 when no segment ids are given). With `layer.id_checks ==
 "host"` (the default) the ids are still checked before the kernel (`validation._check_ranges`: one wait for the device);
-with "device" there is no wait, and a token with a bad id gets a row of NaN. Anything else (training, autograd, explicit
-position ids, `inputs_embeds`, other dtypes or shapes) returns None, and the general path takes over with the reference
-layer's errors.
+with "device" there is no wait, and a token with a bad id gets a row of NaN. Anything else (dropout in training mode,
+autograd, explicit position ids, `inputs_embeds`, other dtypes or shapes) returns None, and the general path takes over
+with the reference layer's errors.
 
 Dimension letters: B batch, L length, H hidden.
 """
@@ -40,7 +40,7 @@ def _tables(layer, state: dict) -> tuple[tuple[torch.Tensor, ...], float] | None
 
 def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """The output [B, L, H], or None when these inputs are not for the short path."""
-    if layer.training or torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
+    if torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or not input_ids.is_cuda or input_ids.dtype != torch.int64 \
             or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int \
             or in_torch_func():

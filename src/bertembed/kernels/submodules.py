@@ -78,15 +78,18 @@ def submodule_reason(layer, autograd: bool) -> str | None:
 
 
 def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | None:
-    """((word, segment, position, LayerNorm weight, bias), LayerNorm eps) for the short paths (inference, no autograd),
-    or None when the fused kernel may not stand in for the submodules (`submodule_reason`) or the positions are not an
-    `nn.Embedding`. `state`: the layer's `__dict__`.
+    """((word, segment, position, LayerNorm weight, bias), LayerNorm eps) for the short paths (no autograd, no
+    dropout), or None when the fused kernel may not stand in for the submodules (`submodule_reason`), the positions
+    are not an `nn.Embedding`, or the dropout module is in training mode with p > 0 (its own flag, not the layer's:
+    Monte Carlo dropout switches on the dropouts alone). `state`: the layer's `__dict__`.
 
     A sentence's latency is mostly Python, and on an `nn.Module` (which has `__getattr__`) each attribute read costs
     about 50 ns, a dict read 15: so the modules are read through their dicts. Asking `submodule_reason` costs about
     1.5 us, a fifth of a sentence, so a "yes" is kept on the layer, with the submodules' dicts, while the submodules
     are the same objects and no hook has been registered anywhere since (`RemovableHandle.next_id` counts every
-    registration). `max_norm`, `eps` and a forward set on a submodule itself are looked up on every call."""
+    registration). `max_norm`, `eps`, the dropout's flag and p, and a forward set on a submodule itself are looked up on
+    every call, and a weight that left `_parameters` (`torch.nn.utils.parametrize` moves it, and changes the module's
+    class, which `next_id` does not see) sends the call on."""
     modules = state["_modules"]
     word, types, positions, norm, dropout = (modules["word_embeddings"], modules["token_type_embeddings"],
                                               modules["position_embeddings"], modules["LayerNorm"], modules["dropout"])
@@ -99,10 +102,14 @@ def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | 
         verdict = state[SUBMODULE_VERDICT] = (key, word.__dict__, types.__dict__, positions.__dict__, norm.__dict__,
                                               dropout.__dict__)
     _, word, types, positions, norm, dropout = verdict
+    # ("forward" in a module's dict: a forward set on the instance, as accelerate's hooks set it)
     if word["max_norm"] is not None or types["max_norm"] is not None or positions["max_norm"] is not None \
             or "forward" in word or "forward" in types or "forward" in positions or "forward" in norm \
-            or "forward" in dropout:  # (a forward set on the instance, as accelerate's hooks set it)
+            or "forward" in dropout or dropout["training"] and dropout["p"] > 0:
         return None
     weight = norm["_parameters"]
-    return (word["_parameters"]["weight"], types["_parameters"]["weight"], positions["_parameters"]["weight"],
-            weight["weight"], weight["bias"]), norm["eps"]
+    try:  # (free unless raised)
+        return (word["_parameters"]["weight"], types["_parameters"]["weight"], positions["_parameters"]["weight"],
+                weight["weight"], weight["bias"]), norm["eps"]
+    except KeyError:  # parametrized since the verdict: the general path reads the computed weight
+        return None
