@@ -296,12 +296,15 @@ def test_half_precision_gradients_are_closer_to_float64_than_torchs(dtype):
     check_low_precision_grads_beat_torchs(*on_device(*twins(48, "triton", dtype=dtype)))
 
 
-def test_dropout_keeps_the_right_fraction_and_scales():
+@pytest.mark.parametrize("switched", ["layer", "dropout alone"])
+def test_dropout_keeps_the_right_fraction_and_scales(switched):
+    """In training mode, and under Monte Carlo dropout (the layer in eval, its dropout module in train): the dropout
+    module's own flag decides, as in the reference."""
     p = 0.25
     ref, fused = on_device(*twins(64, "triton", hidden_dropout_prob=p))
     ids = awkward_ids(8, 32, ref.config.vocab_size).to(DEVICE)
     clean = ref(ids)
-    fused.train()
+    (fused if switched == "layer" else fused.dropout).train()
     torch.manual_seed(0)
     out = fused(ids)
     kept = out != 0
@@ -315,6 +318,17 @@ def test_dropout_keeps_the_right_fraction_and_scales():
     ref.train()
     (ref(ids) * kept / (1 - p) * upstream).sum().backward()
     assert_grads_match(ref, fused)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_training_with_the_dropout_switched_off_drops_nothing(grad):
+    ref, fused = on_device(*twins(64, "triton", hidden_dropout_prob=0.25))
+    ids = awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE)
+    for layer in (ref, fused):
+        layer.train()
+        layer.dropout.eval()
+    with torch.set_grad_enabled(grad):
+        assert_output_close(fused(ids), ref(ids))
 
 
 def test_bad_input_raises_reference_error_before_any_kernel(monkeypatch):
