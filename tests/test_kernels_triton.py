@@ -331,6 +331,26 @@ def test_training_with_the_dropout_switched_off_drops_nothing(grad):
         assert_output_close(fused(ids), ref(ids))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_segment_and_position_ids_that_broadcast(grad):
+    """Segment ids [1, L] and position ids [L], shared by the batch, as transformers takes them (on a GPU, the short
+    path leaves a [1, L] segment id to the general path)."""
+    ref, fused = on_device(*twins(32, "triton"))
+    ids = awkward_ids(3, 7, ref.config.vocab_size).to(DEVICE)
+    given = dict(token_type_ids=torch.tensor([[0, 0, 1, 1, 0, 1, 1]]).to(DEVICE),
+                 position_ids=torch.tensor([6, 5, 4, 3, 2, 1, 0]).to(DEVICE))
+    with torch.set_grad_enabled(grad):
+        out_ref, out = ref(ids, **given), fused(ids, **given)
+        assert_output_close(out, out_ref)
+        assert_output_close(fused(ids, token_type_ids=given["token_type_ids"]),
+                            ref(ids, token_type_ids=given["token_type_ids"]))
+    if grad:
+        upstream = torch.randn(out.shape).to(DEVICE)
+        (out_ref * upstream).sum().backward()
+        (out * upstream).sum().backward()
+        assert_grads_match(ref, fused)
+
+
 def test_bad_input_raises_reference_error_before_any_kernel(monkeypatch):
     ref, fused = on_device(*twins(16, "triton"))
     monkeypatch.setattr(triton_kernels, "run_forward", lambda *a, **k: pytest.fail("a kernel ran on bad input"))

@@ -38,6 +38,11 @@ def test_matches_transformers(hf_checkpoint, name):
             "with token types": ({"input_ids": ids, "token_type_ids": types}, {}),
             "position offset": ({"input_ids": ids[:, :5], "past_key_values_length": 7}, {}),
             "explicit positions": ({"input_ids": ids, "position_ids": torch.arange(17).flip(0)[None]}, {}),
+            # (transformers 5 takes [L] positions only beside segment ids: its default ones gather at the positions)
+            "positions [L]": ({"input_ids": ids, "token_type_ids": types, "position_ids": torch.arange(17).flip(0)},
+                              {}),
+            "token types [1, L]": ({"input_ids": ids, "token_type_ids": types[:1]}, {}),
+            "token types [L]": ({"input_ids": ids, "token_type_ids": types[0]}, {}),
             "inputs_embeds": ({"inputs_embeds": torch.randn(2, 9, ours.config.hidden_size)}, {}),
             "length 1": ({"input_ids": ids[:1, :1]}, {}),
         }

@@ -307,3 +307,24 @@ def test_monte_carlo_dropout_in_a_patched_model():
     out, grads = forward_backward(model, inputs)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
     assert_grads_close(grads, grads_ref)
+
+
+def test_a_patched_model_with_its_position_table_extended():
+    """Extending a patched model's positions for longer inputs (a longer table, buffers and config, as one extends
+    transformers' model) works in training as in transformers', where the fused layer used to keep the length it
+    was patched with."""
+    model = model_of(transformers.BertForSequenceClassification).train()
+    reference = copy.deepcopy(model)
+    bertembed.patch(model, backend="cpu")
+    longer = torch.randn(100, 48, generator=torch.Generator().manual_seed(4))
+    for net in (reference, model):
+        embeddings = net.bert.embeddings
+        embeddings.position_embeddings = torch.nn.Embedding.from_pretrained(longer.clone(), freeze=False)
+        embeddings.position_ids = torch.arange(100)[None]
+        embeddings.token_type_ids = torch.zeros(1, 100, dtype=torch.long)
+        net.config.max_position_embeddings = 100
+    ids = torch.randint(1, 300, (2, 70), generator=torch.Generator().manual_seed(5))
+    out_ref, grads_ref = forward_backward(reference, dict(input_ids=ids))
+    out, grads = forward_backward(model, dict(input_ids=ids))
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
+    assert_grads_close(grads, grads_ref)

@@ -145,13 +145,22 @@ class BertEmbeddings(nn.Module):
         check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:]),
                           norm.weight, norm.bias)
         if position_ids is None:
-            position_ids = self.position_ids[:, past_key_values_length:past_key_values_length + length]
-        if token_type_ids is None:
-            token_type_ids = self.token_type_ids[:, :length].expand(batch, length)
+            position_ids = self._default_ids("position_ids", past_key_values_length, length)
+        token_type_ids = (self._default_ids("token_type_ids", 0, length) if token_type_ids is None else
+                          token_type_ids).expand(batch, length)  # (any shape that broadcasts: [1, L], [L])
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         segment = self.token_type_embeddings(token_type_ids)
         position = None if self.position_embeddings is None else self.position_embeddings(position_ids)
         return word, segment, position
+
+    def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
+        """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
+        buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not)."""
+        buffer = getattr(self, name)
+        if start + length <= buffer.shape[-1]:
+            return buffer[:, start:start + length]
+        ids = torch.arange(start, start + length, device=buffer.device)[None]
+        return ids if name == "position_ids" else torch.zeros_like(ids)
 
     def forward(
         self,
@@ -165,8 +174,10 @@ class BertEmbeddings(nn.Module):
 
         Args:
             input_ids: [B, L] integer ids into the word table; or pass `inputs_embeds` [B, L, H] instead.
-            token_type_ids: [B, L] segment ids (0 for A, 1 for B); zeros when omitted.
-            position_ids: [B, L] or [1, L]; `arange(L) + past_key_values_length` when omitted.
+            token_type_ids: [B, L] segment ids (0 for A, 1 for B), or any shape that broadcasts to it ([1, L]: shared by
+                the batch); zeros when omitted.
+            position_ids: [B, L], or any shape that broadcasts to it ([1, L], [L]); `arange(L) +
+                past_key_values_length` when omitted, up to the position table's rows.
             past_key_values_length: offset of the first position, for decoding after a cache.
         Returns:
             [B, L, H]: LayerNorm of the summed rows, with dropout in training mode.
@@ -197,8 +208,9 @@ class BertEmbeddings(nn.Module):
         total = _summed(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
         return Decomposition(
-            word=word, position=torch.zeros_like(word) if position is None else position, segment=segment,
-            sum=total, mean=mean, std=torch.sqrt(var + self.config.layer_norm_eps), output=self.LayerNorm(total),
+            word=word, position=torch.zeros_like(word) if position is None else position.expand_as(word),
+            segment=segment, sum=total, mean=mean, std=torch.sqrt(var + self.config.layer_norm_eps),
+            output=self.LayerNorm(total),
         )
 
     @classmethod

@@ -119,6 +119,17 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
     return tuple(inputs_embeds.shape[:2])
 
 
+def _check_broadcasts(name: str, ids: torch.Tensor, shape: tuple[int, int], fix: str) -> None:
+    """A ValueError unless `ids` broadcasts to `shape` (transformers' layer adds the rows they pick, so any shape that
+    broadcasts to the input's gives the same result as the full [B, L])."""
+    try:
+        fits = torch.broadcast_shapes(tuple(ids.shape), shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has {shape}; {fix}")
+
+
 def _offset(past_key_values_length) -> int:
     """`past_key_values_length` as a non-negative int, or ValueError. A whole-number 0-d tensor is taken while a
     tracer records: `torch.onnx.export`'s TorchScript tracer passes the default that way."""
@@ -148,14 +159,14 @@ def check_inputs(
     and `torch.export` the values are not checked either: a check that reads them would break the graph; nor inside a
     torch.func transform (`vmap`, `grad`, ...), whose wrapped tensors cannot be read on the host. There, as in
     transformers' layer, a bad id fails in the lookup (torch's IndexError; the fused kernels skip it and raise),
-    never reading outside a table. `rows`: the rows of the
-    word, segment and position tables the ids will index (`table_rows`), which differ from the config's sizes where a
-    table was replaced through `.data`; the config's sizes when not given. (Positions stay within the config's
-    `max_position_embeddings` too: the default position ids are a buffer of that length.)"""
+    never reading outside a table. `rows`: the rows of the word, segment and position tables the ids will index
+    (`table_rows`), which differ from the config's sizes where a table was replaced (a position table extended for
+    longer inputs, a table replaced through `.data`); the config's sizes when not given. Segment and position ids
+    may be of any shape that broadcasts to [B, L] ([1, L] or [L]: shared by the batch), as in transformers."""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     past_key_values_length = _offset(past_key_values_length)
     vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
-    limit = config.max_position_embeddings if positions is None else min(positions, config.max_position_embeddings)
+    limit = config.max_position_embeddings if positions is None else positions
     if position_ids is None and past_key_values_length + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
@@ -167,16 +178,12 @@ def check_inputs(
                        "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
     if token_type_ids is not None:
         _check_int("token_type_ids", token_type_ids)
-        if tuple(token_type_ids.shape) != shape:
-            raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but the input has {shape}; "
-                             f"give one segment id per token")
+        _check_broadcasts("token_type_ids", token_type_ids, shape, "give one segment id per token")
         ranges.append(("token_type_ids", token_type_ids, segments, "segment",
                        "use 0 for the first segment and 1 for the second"))
     if position_ids is not None:
         _check_int("position_ids", position_ids)
-        if tuple(position_ids.shape) not in (shape, (1, length)):
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but the input has {shape}; "
-                             f"pass [B, L] or [1, L] (shared by the batch)")
+        _check_broadcasts("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
         ranges.append(("position_ids", position_ids, limit, "position",
                        f"positions count from 0 and stop at {limit - 1}; truncate the sequence"))
     if check_ranges and not torch.compiler.is_compiling() and not in_torch_func():

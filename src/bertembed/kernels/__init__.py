@@ -218,8 +218,9 @@ def fused_embeddings(
     """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H].
 
     Args:
-        input_ids: [B, L] integer ids; token_type_ids [B, L] (zeros when None); position_ids [B, L] or [1, L]
-            (`arange(L) + past_key_values_length` when None).
+        input_ids: [B, L] integer ids; token_type_ids [B, L] (zeros when None); position_ids [B, L] (`arange(L) +
+            past_key_values_length` when None); segment and position ids may be of any shape that broadcasts to
+            [B, L] ([1, L]: shared by the batch).
         word_embeddings [V, H], token_type_embeddings [T, H], position_embeddings [P, H] or None (no position row),
             layer_norm_weight [H], layer_norm_bias [H]: the tables, differentiable (autograd-aware custom op).
         eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training.

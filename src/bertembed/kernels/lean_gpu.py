@@ -46,7 +46,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             or in_torch_func():
         return None
     if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
-                                       or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()):
+                                       or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()
+                                       or token_type_ids.shape != input_ids.shape):  # ([1, L] broadcasts: not here)
         return None
     state = layer.__dict__
     found = _tables(layer, state)
