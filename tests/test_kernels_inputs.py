@@ -1,8 +1,11 @@
-"""Inputs that transformers' layer takes and the fused layer must take too, with the reference's numbers: segment and
-position ids that broadcast to [B, L], and a position table longer than the config says."""
+"""Inputs that transformers' layer takes and the fused layer must take too, with the reference's numbers (segment and
+position ids that broadcast to [B, L], a position table longer than the config says, no position table, an offset
+given as a numpy integer, ids on the meta device), and inputs that every backend must refuse alike before reading
+anything (an offset near 2**63, tables of another hidden size, an `out=` buffer that does not fit)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from torch import nn
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
+from bertembed.kernels import fused_embeddings  # noqa: E402
 from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, twins  # noqa: E402
 
 
@@ -59,3 +63,107 @@ def test_a_position_table_extended_past_the_config(mode):
     for layer in (ref, fused):
         with pytest.raises(ValueError, match="the position table has 40 rows"):
             layer(ids, past_key_values_length=11)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_no_position_table(grad):
+    """position_embedding_type="none" (no position module at all): the fused layer's inference used to raise a
+    KeyError looking for it."""
+    ref, fused = twins(24, "cpu", vocab=500, position_embedding_type="none")
+    ids = awkward_ids(2, 9, 500)
+    with torch.set_grad_enabled(grad):
+        assert_output_close(fused(ids), ref(ids))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("past", [2**31, 2**63 - 2, 2**63, 2**64 + 1])
+def test_a_huge_offset_is_refused(backend, past):
+    """An offset near 2**63 wrapped around in the short path's bound check, which then let the kernel read outside the
+    position table; past 2**64 the compiled code refused its type."""
+    layer = twins(24, backend, vocab=500)[1]
+    with torch.no_grad(), pytest.raises(ValueError, match="needs positions up to"):
+        layer(awkward_ids(1, 3, 500), past_key_values_length=past)
+
+
+@pytest.mark.parametrize("given", [np.int64(5), np.int32(5), torch.tensor(5)], ids=["np.int64", "np.int32", "0-d"])
+def test_an_offset_that_stands_for_an_int(given):
+    """transformers' layer slices with the offset, so it takes whatever has `__index__`; every backend takes it too."""
+    ref, fused = twins(24, "cpu", vocab=500)
+    ids = awkward_ids(2, 7, 500)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            expected = ref(ids, past_key_values_length=5)
+            for layer in (ref, fused):
+                assert_output_close(layer(ids, past_key_values_length=given), expected)
+    for bad in (True, 5.0, torch.tensor(5.0), torch.tensor([5])):
+        for layer in (ref, fused):
+            with pytest.raises(ValueError, match="non-negative int"):
+                layer(ids, past_key_values_length=bad)
+
+
+def _shrunk(name: str):
+    def change(layer):
+        module = getattr(layer, name.split(".")[0])
+        weight = getattr(module, name.split(".")[1])
+        weight.data = weight.data.flatten()[: weight.numel() // weight.shape[-1] * (weight.shape[-1] - 1)] \
+            .view(*weight.shape[:-1], weight.shape[-1] - 1)  # one column fewer, inside the old memory
+    return change
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("name", ["token_type_embeddings.weight", "position_embeddings.weight", "LayerNorm.weight",
+                                  "LayerNorm.bias"])
+def test_tables_of_another_hidden_size_are_refused(name, grad):
+    """A table or LayerNorm parameter replaced through `.data` with one column fewer than the word table: every
+    backend raises the same ValueError before reading anything (the kernels used to read each row's last entry
+    from outside the table)."""
+    ref, fused = twins(24, "cpu", vocab=500)
+    ids = awkward_ids(1, 5, 500)
+    if not name.startswith("LayerNorm"):  # the short path's cache is built, then must notice. (Its key holds the
+        with torch.no_grad():  # tables' sizes, not the LayerNorm's: a LayerNorm parameter cut through `.data` to a
+            fused(ids)  # view at the same address goes on reading the old values, inside the memory the cache holds.)
+    for layer in (ref, fused):
+        _shrunk(name)(layer)
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="must share one hidden size"):
+            layer(ids, position_ids=torch.arange(5)[None] if grad else None)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_functional_form_refuses_tables_of_another_hidden_size(backend):
+    gen = torch.Generator().manual_seed(0)
+    word, segment, position = (torch.randn(rows, 32, generator=gen) for rows in (100, 2, 512))
+    ids = torch.tensor([[5, 6]])
+    with pytest.raises(ValueError, match="position table has shape \\(512, 16\\)"):
+        fused_embeddings(ids, word, segment, position[:, :16], torch.ones(32), torch.zeros(32), backend=backend)
+    with pytest.raises(ValueError, match="LayerNorm bias has shape \\(31,\\)"):
+        fused_embeddings(ids, word, segment, position, torch.ones(32), torch.zeros(31), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_out_buffers_are_checked_alike(backend):
+    """`out=` takes the same buffers on every backend, the reference included (it used to copy into any buffer that
+    broadcast, of any dtype)."""
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randn(rows, 16, generator=gen) for rows in (100, 2, 64)] + [torch.ones(16), torch.zeros(16)]
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = fused_embeddings(ids, *tables, backend="reference")
+        out = torch.empty(1, 3, 16)
+        assert fused_embeddings(ids, *tables, backend=backend, out=out) is out
+        assert_output_close(out, expected)
+        for bad in (torch.empty(1, 3, 16, dtype=torch.float64), torch.empty(1, 16, 3).transpose(1, 2),
+                    torch.empty(3, 16)):
+            with pytest.raises(ValueError, match="out= must be"):
+                fused_embeddings(ids, *tables, backend=backend, out=bad)
+    tables[0].requires_grad_(True)
+    with pytest.raises(ValueError, match="out= is for inference"):
+        fused_embeddings(ids, *tables, backend=backend, out=out)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "auto"])
+def test_ids_on_the_meta_device(backend):
+    """A layer run on the meta device for its output's shape (as transformers' runs there): no values to check."""
+    layer = twins(24, backend, vocab=500)[1].to("meta")
+    out = layer(torch.ones(2, 7, dtype=torch.long, device="meta"), token_type_ids=torch.ones(2, 7, dtype=torch.long,
+                                                                                           device="meta"))
+    assert out.shape == (2, 7, 24) and out.device.type == "meta"

@@ -351,6 +351,18 @@ def test_segment_and_position_ids_that_broadcast(grad):
         assert_grads_match(ref, fused)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_a_table_of_another_hidden_size_is_refused(grad):
+    """A position table cut to H - 1 columns through `.data`: the same ValueError as the reference's, before the
+    kernel would read each row's last entry from outside the table."""
+    ref, fused = on_device(*twins(32, "triton"))
+    ids = awkward_ids(1, 5, ref.config.vocab_size).to(DEVICE)
+    for layer in (ref, fused):
+        layer.position_embeddings.weight.data = layer.position_embeddings.weight.data[:, :31].contiguous()
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="must share one hidden size"):
+            layer(ids)
+
+
 def test_bad_input_raises_reference_error_before_any_kernel(monkeypatch):
     ref, fused = on_device(*twins(16, "triton"))
     monkeypatch.setattr(triton_kernels, "run_forward", lambda *a, **k: pytest.fail("a kernel ran on bad input"))

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertembed.config import EmbeddingConfig
-from bertembed.validation import check_inputs, check_norm_dtypes, summed_dtype, table_rows
+from bertembed.validation import (
+    check_inputs,
+    check_norm_dtypes,
+    check_table_shapes,
+    offset,
+    summed_dtype,
+    table_rows,
+)
 
 
 def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
@@ -137,12 +144,14 @@ class BertEmbeddings(nn.Module):
 
     def _parts(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
         positions = self.position_embeddings
+        norm = self.LayerNorm
         tables = (self.word_embeddings.weight, self.token_type_embeddings.weight,
-                  None if positions is None else positions.weight)
+                  None if positions is None else positions.weight, norm.weight, norm.bias)
+        check_table_shapes(tables)
         batch, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
                                      past_key_values_length, rows=table_rows(tables))
-        norm = self.LayerNorm
-        check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:]),
+        past_key_values_length = offset(past_key_values_length)
+        check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
                           norm.weight, norm.bias)
         if position_ids is None:
             position_ids = self._default_ids("position_ids", past_key_values_length, length)

@@ -6,7 +6,9 @@ Dimension letters: B batch, L length, H hidden.
 from __future__ import annotations
 
 import functools
+import operator
 
+import numpy as np
 import torch
 
 from bertembed.config import EmbeddingConfig
@@ -31,8 +33,9 @@ def in_torch_func() -> bool:
 
 def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None:
     """Each (name, ids, limit, table, fix): every id in [0, limit), or a ValueError naming the first bad one. The
-    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call."""
-    checks = [c for c in checks if c[1].numel()]
+    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call. Ids on
+    the meta device have no values to check (a model run there for its shapes, as transformers' runs)."""
+    checks = [c for c in checks if c[1].numel() and c[1].device.type != "meta"]
     if not checks:
         return
     bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
@@ -93,6 +96,29 @@ def skipped_ids_error(count: int, where: str) -> RuntimeError:
                         f"inside a torch.compile or torch.export graph; reaching here otherwise is a bug")
 
 
+def table_shape_problem(tables) -> str | None:
+    """What is wrong with the shapes of (word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H],
+    bias [H] or None), or None: the fused kernels read H columns of every row and H entries of the weight and bias, so
+    any other shape would have them read outside a table."""
+    word = tables[0]
+    if word.dim() != 2:
+        return f"the word table has shape {tuple(word.shape)}, not [V, H]"
+    hidden = word.shape[1]
+    for name, table, want in zip(("segment table", "position table", "LayerNorm weight", "LayerNorm bias"),
+                                 tables[1:5], ("[T, H]", "[P, H]", "[H]", "[H]"), strict=True):
+        if table is not None and tuple(table.shape[1 if want != "[H]" else 0:]) != (hidden,):
+            return f"the {name} has shape {tuple(table.shape)}, not {want} with H={hidden} as the word table's"
+    return None
+
+
+def check_table_shapes(tables) -> None:
+    """A ValueError, before any table is read, for tables whose shapes do not fit together (`table_shape_problem`):
+    every backend raises it, where torch's ops would raise their own errors and the kernels would read too far."""
+    if problem := table_shape_problem(tables):
+        raise ValueError(f"{problem}; the tables and the LayerNorm must share one hidden size (was a table's .data "
+                         f"replaced?)")
+
+
 def table_rows(tables) -> tuple[int, int, int | None]:
     """(word, segment, position) rows of (word, segment, position or None, ...) tables, for `check_inputs`."""
     word, segment, position = tables[:3]
@@ -130,16 +156,21 @@ def _check_broadcasts(name: str, ids: torch.Tensor, shape: tuple[int, int], fix:
         raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has {shape}; {fix}")
 
 
-def _offset(past_key_values_length) -> int:
-    """`past_key_values_length` as a non-negative int, or ValueError. A whole-number 0-d tensor is taken while a
-    tracer records: `torch.onnx.export`'s TorchScript tracer passes the default that way."""
-    if isinstance(past_key_values_length, torch.Tensor) and torch._C._is_tracing() \
-            and past_key_values_length.dim() == 0 and not past_key_values_length.is_floating_point():
-        past_key_values_length = int(past_key_values_length)
-    if isinstance(past_key_values_length, bool) or not isinstance(past_key_values_length, int) \
-            or past_key_values_length < 0:
+def offset(past_key_values_length) -> int:
+    """`past_key_values_length` as a non-negative Python int, or ValueError. Whatever stands for an integer exactly is
+    taken, as transformers' layer takes it (its slicing asks `__index__`): a numpy integer, a 0-d integer tensor
+    (`torch.onnx.export`'s TorchScript tracer passes the default that way); not a bool or a float."""
+    value = past_key_values_length
+    if type(value) is not int and not isinstance(value, (bool, np.bool_)):
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+                    and value.dtype is not torch.bool:
+                value = int(value)
+        elif hasattr(type(value), "__index__"):
+            value = operator.index(value)
+    if type(value) is not int or value < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
-    return past_key_values_length
+    return value
 
 
 def check_inputs(
@@ -164,7 +195,7 @@ def check_inputs(
     longer inputs, a table replaced through `.data`); the config's sizes when not given. Segment and position ids
     may be of any shape that broadcasts to [B, L] ([1, L] or [L]: shared by the batch), as in transformers."""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
-    past_key_values_length = _offset(past_key_values_length)
+    past_key_values_length = offset(past_key_values_length)
     vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
     limit = config.max_position_embeddings if positions is None else positions
     if position_ids is None and past_key_values_length + length > limit:

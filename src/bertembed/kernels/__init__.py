@@ -27,7 +27,15 @@ from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
 from bertembed.kernels.submodules import submodule_reason
-from bertembed.validation import check_inputs, check_norm_dtypes, in_torch_func, summed_dtype, table_rows
+from bertembed.validation import (
+    check_inputs,
+    check_norm_dtypes,
+    check_table_shapes,
+    in_torch_func,
+    offset,
+    summed_dtype,
+    table_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +148,10 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
     """Validate (same errors as the reference, before any kernel), run the op. Missing segment and position ids stay
     None down to the kernels (`function.flat_ids`): the GPU kernel computes them from the token's index."""
     device_checks = options.id_checks == "device" and backend == "triton" and input_ids.device.type == "cuda"
+    check_table_shapes(tables)
     check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
                  check_ranges=not device_checks, rows=table_rows(tables))
+    past_key_values_length = offset(past_key_values_length)  # (a numpy integer or 0-d tensor: a Python int now)
     word, segment, position, weight, bias = tables
     check_norm_dtypes(word.dtype, weight, bias)  # (the three tables share a dtype here: `_mixed_tables`)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
@@ -163,20 +173,27 @@ def _needs_autograd(tables) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tables)
 
 
-def _run_into(out, backend, input_ids, token_type_ids, position_ids, past, tables, eps, p, seed) -> Tensor:
-    """The forward kernel alone, into a caller's buffer (`out`) or a new one: inference only (no autograd node).
-    The GPU kernel computes default positions itself; the CPU one takes an id per token."""
+def _check_out(out: Tensor, ids_shape, tables) -> None:
+    """A ValueError unless `out` can take the output: inference only, contiguous, of the word table's dtype and
+    device, [B, L, H]. Every backend asks it, the reference included, so `out=` works or fails alike on all."""
     if _needs_autograd(tables):
         raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
                          "or drop out= to get a tensor autograd can differentiate")
-    word, segment, position, weight, bias = tables
-    batch, length = input_ids.shape
-    shape = (batch, length, word.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=word.dtype, device=word.device)
-    elif tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
+    word = tables[0]
+    shape = (*ids_shape, word.shape[1])
+    if tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
         raise ValueError(f"out= must be a contiguous {word.dtype} tensor of shape {list(shape)} on {word.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
+
+
+def _run_into(out, backend, input_ids, token_type_ids, position_ids, past, tables, eps, p, seed) -> Tensor:
+    """The forward kernel alone, into a caller's buffer (`out`) or a new one: inference only (no autograd node).
+    The GPU kernel computes default positions itself; the CPU one takes an id per token."""
+    word, segment, position, weight, bias = tables
+    if out is None:
+        out = torch.empty((*input_ids.shape, word.shape[1]), dtype=word.dtype, device=word.device)
+    else:
+        _check_out(out, input_ids.shape, tables)
     from bertembed.kernels.function import _backend_module, flat_ids
 
     ids, extra = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
@@ -254,10 +271,14 @@ def _reference(config, input_ids, token_type_ids, position_ids, past_key_values_
     """The same computation with plain PyTorch ops, in the reference layer's order."""
     import torch.nn.functional as F
 
+    check_table_shapes(tables)
     batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past_key_values_length,
                                  rows=table_rows(tables))
+    past_key_values_length = offset(past_key_values_length)
     word, segment, position, weight, bias = tables
     check_norm_dtypes(summed_dtype(word, segment, position), weight, bias)
+    if out is not None:
+        _check_out(out, (batch, length), tables)
     if token_type_ids is None:
         token_type_ids = torch.zeros((batch, length), dtype=torch.int64, device=word.device)
     if position_ids is None:

@@ -39,7 +39,7 @@ _HIDDEN, _NORM_BFLOAT16 = 8, 9  # in `_Tables.addresses`: H, and whether the Lay
 def _ids_fit(ids, tts, has_tts, past, vocab, segments, positions):
     """Whether every id, segment id (when given) and position past + l lies inside its table."""
     batch, length = ids.shape
-    if past + length > positions:
+    if past > positions - length:  # (not past + length: a past near 2**63 would wrap around)
         return False
     for r in range(batch):
         for c in range(length):
@@ -192,7 +192,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     state = layer.__dict__  # (each attribute read of an nn.Module costs 50 ns, a dict read 15)
     if position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or type(past_key_values_length) is not int \
-            or past_key_values_length < 0 or torch.is_grad_enabled():
+            or not 0 <= past_key_values_length < 1 << 31 or torch.is_grad_enabled():
         return None  # (autograd needs the custom op)
     shape = input_ids.shape
     if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():

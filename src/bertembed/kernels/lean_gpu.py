@@ -20,7 +20,7 @@ import torch
 from bertembed.kernels import _DTYPES, ID_CHECKS
 from bertembed.kernels import triton as triton_kernels
 from bertembed.kernels.submodules import short_path_tables
-from bertembed.validation import check_inputs, in_torch_func, norm_dtypes_fit, table_rows
+from bertembed.validation import check_inputs, in_torch_func, norm_dtypes_fit, table_rows, table_shape_problem
 
 
 def _tables(layer, state: dict) -> tuple[tuple[torch.Tensor, ...], float] | None:
@@ -33,7 +33,8 @@ def _tables(layer, state: dict) -> tuple[tuple[torch.Tensor, ...], float] | None
     tables = found[0]
     dtype = tables[0].dtype
     if any(not t.is_cuda or not t.is_contiguous() or t.dtype != dtype for t in tables[:3]) \
-            or any(not t.is_cuda for t in tables[3:]) or not norm_dtypes_fit(dtype, tables[3], tables[4]):
+            or any(not t.is_cuda for t in tables[3:]) or not norm_dtypes_fit(dtype, tables[3], tables[4]) \
+            or table_shape_problem(tables):  # (the general path raises for it)
         return None
     return found
 

@@ -92,7 +92,8 @@ def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | 
     class, which `next_id` does not see) sends the call on."""
     modules = state["_modules"]
     word, types, positions, norm, dropout = (modules["word_embeddings"], modules["token_type_embeddings"],
-                                              modules["position_embeddings"], modules["LayerNorm"], modules["dropout"])
+                                              modules.get("position_embeddings"), modules["LayerNorm"],
+                                              modules["dropout"])  # (position_embedding_type="none": no module)
     key = (word, types, positions, norm, dropout, RemovableHandle.next_id)
     verdict = state.get(SUBMODULE_VERDICT)
     if verdict is None or verdict[0] != key:  # (exact types: a parametrized weight is a property, not a parameter)
