@@ -362,3 +362,38 @@ def test_badly_conditioned_rows_are_about_as_close_to_float64_as_torchs(case):
     torch_error, fused_error = (out_ref - exact).abs().max().item(), (out - exact).abs().max().item()
     assert torch_error > 5e-6  # badly conditioned indeed: torch itself is far from float64
     assert fused_error <= 1.5 * torch_error, (fused_error, torch_error)
+
+
+_OTHER_PREFETCH = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from bertembed.kernels import cpu_rows
+cpu_rows.WHOLE_ROWS = not cpu_rows.WHOLE_ROWS  # before any kernel is compiled (this child's numba cache is empty)
+from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins
+ref, fused = twins(384, "cpu", vocab=5000)
+for layer in (ref, fused):
+    layer.train()
+    layer.dropout.p = 0.0
+out_ref, out = run_both(ref, fused, input_ids=awkward_ids(8, 64, 5000))  # 196608 elements: the parallel kernels
+assert_output_close(out, out_ref)
+assert_grads_match(ref, fused)
+print("whole rows:", cpu_rows.WHOLE_ROWS)
+"""
+
+
+def test_the_other_prefetch_compiles_and_matches(tmp_path):
+    """`prefetch_row` asks for a row's first cache line, or on AMD's Zen cores every line (`cpu_rows.WHOLE_ROWS`, fixed
+    when the kernels compile). This machine runs one; the other is compiled in a child with a numba cache of its own,
+    and its forward and backward must match the reference there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bertembed.kernels import cpu_rows
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _OTHER_PREFETCH, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"whole rows: {not cpu_rows.WHOLE_ROWS}" in done.stdout

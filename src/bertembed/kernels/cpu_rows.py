@@ -14,30 +14,53 @@ from numba.extending import intrinsic, overload
 _LINE = 64  # bytes in a cache line
 
 
-def _prefetch_first_line(context, builder, signature, args, write: int):
+def _whole_rows(cpu_name: str) -> bool:
+    """Whether `prefetch_row` asks for every line of a row, not its first alone: on AMD's Zen cores. Measured on two
+    2-vCPU VMs (BENCHMARKS.md, the seventh and fifteenth rounds): on an Intel Xeon the first line alone was 1.12-1.15x
+    faster at (32, 128), the hardware's prefetcher following the row; on an AMD EPYC (Zen 3) prefetching every line
+    was 1.2-1.3x faster, its prefetcher leaving the rest of a random row to be missed. Other CPUs keep the first line.
+    `cpu_name`: the CPU numba compiles for, which is part of the key of numba's on-disk cache, so code compiled with
+    one answer is never loaded where the answer differs."""
+    return cpu_name.startswith("znver")
+
+
+WHOLE_ROWS = _whole_rows(config.CPU_NAME or binding.get_host_cpu_name())
+
+
+def _prefetch(context, builder, signature, args, write: int, whole: bool):
+    """llvm.prefetch of table[row, 0]'s cache line (args: table, row), or with `whole` of each line of the row."""
     array_type = signature.args[0]
     array = context.make_array(array_type)(context, builder, args[0])
     int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
     prefetch = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
-    address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1], ir.Constant(int64, 0)])
+    first = builder.bitcast(cgutils.get_item_pointer(context, builder, array_type, array,
+                                                     [args[1], ir.Constant(int64, 0)]), byte_ptr)
     # llvm.prefetch(address, read 0 / write 1, keep in all cache levels, data)
-    builder.call(prefetch, [builder.bitcast(address, byte_ptr), ir.Constant(int32, write), ir.Constant(int32, 3),
-                            ir.Constant(int32, 1)])
+    hints = [ir.Constant(int32, write), ir.Constant(int32, 3), ir.Constant(int32, 1)]
+    if not whole:
+        builder.call(prefetch, [first, *hints])
+        return context.get_dummy_value()
+    size = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+    nbytes = builder.mul(builder.extract_value(array.shape, 1), ir.Constant(int64, size))
+    with cgutils.for_range_slice(builder, ir.Constant(int64, 0), nbytes, ir.Constant(int64, _LINE),
+                                 intp=int64) as (offset, _):
+        builder.call(prefetch, [builder.gep(first, [offset]), *hints])
     return context.get_dummy_value()
 
 
 @intrinsic
 def prefetch_row(typingctx, table, row):
-    """Start loading table[row, :] into the caches: one prefetch, of the row's first cache line, and return at once.
-    The hardware's prefetcher follows the row once it is read (and the page's address translation is presumably warm
-    by then). One prefetch a line of the row was slower, presumably because 48 of them (a float32 row at hidden 768)
-    crowd the core's few outstanding misses (BENCHMARKS.md, the seventh round).
+    """Start loading table[row, :] into the caches and return at once: one prefetch, of the row's first cache line,
+    where the hardware's prefetcher follows the row once it is read (and the page's address translation is presumably
+    warm by then); there, one prefetch a line of the row was slower, presumably because 48 of them (a float32 row at
+    hidden 768) crowd the core's few outstanding misses (BENCHMARKS.md, the seventh round). On AMD's Zen cores, where
+    it was the other way round, one prefetch a line (`WHOLE_ROWS`).
 
     A prefetch is a hint: it reads nothing the program sees and cannot fault, so the kernels run it for the next
     tokens' rows while they compute this one's. The caller still passes only rows inside the table."""
     def codegen(context, builder, signature, args):
-        return _prefetch_first_line(context, builder, signature, args, 0)
+        return _prefetch(context, builder, signature, args, 0, WHOLE_ROWS)
 
     return types.void(table, row), codegen
 
@@ -46,7 +69,7 @@ def prefetch_row(typingctx, table, row):
 def prefetch_row_for_write(typingctx, table, row):
     """`prefetch_row` for a row about to be written (`prefetchw`: the line comes ready to be changed)."""
     def codegen(context, builder, signature, args):
-        return _prefetch_first_line(context, builder, signature, args, 1)
+        return _prefetch(context, builder, signature, args, 1, False)
 
     return types.void(table, row), codegen
 
