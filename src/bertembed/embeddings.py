@@ -189,7 +189,7 @@ class BertEmbeddings(nn.Module):
                 past_key_values_length` when omitted, up to the position table's rows.
             past_key_values_length: offset of the first position, for decoding after a cache.
         Returns:
-            [B, L, H]: LayerNorm of the summed rows, with dropout in training mode.
+            [B, L, H]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode.
         """
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             fused = _kernels().module_forward(self, input_ids, token_type_ids, position_ids, inputs_embeds,
