@@ -100,7 +100,11 @@ def table_shape_problem(tables) -> str | None:
     """What is wrong with the shapes of (word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H],
     bias [H] or None), or None: the fused kernels read H columns of every row and H entries of the weight and bias, so
     any other shape would have them read outside a table."""
-    word = tables[0]
+    word, segment, position, weight, bias = tables[:5]
+    hidden = (word.shape[-1],)
+    if word.dim() == 2 and segment.shape[1:] == hidden and (position is None or position.shape[1:] == hidden) \
+            and (weight is None or weight.shape == hidden) and (bias is None or bias.shape == hidden):
+        return None  # (the common case first: the GPU short path asks on every call)
     if word.dim() != 2:
         return f"the word table has shape {tuple(word.shape)}, not [V, H]"
     hidden = word.shape[1]
