@@ -27,18 +27,16 @@ from bertembed.kernels.cpu_elements import (
     hold,
     ids_ok,
     keep,
-    narrow,
     token_rows,
     wide_vectors,
     widen,
 )
 from bertembed.kernels.cpu_rows import (
-    converts,
+    finished_in_rows,
     prefetch_row,
     prefetch_row_for_write,
     store_fence,
     stream_zeros,
-    streams,
     write_row,
 )
 
@@ -109,24 +107,24 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
     """Two passes over the row: the sum with its moments, then LayerNorm and dropout into out[i]. Inlined: as a call
     it passed ten arrays by value (600 bytes) per token. `wide`: True for 512-bit vectors (many tokens a thread),
     None for LLVM's default (one sentence): see `wide_vectors`. `stream`: the row is finished in x, then written out by
-    non-temporal stores (`write_row`: for outputs too large to stay in cache). bfloat16 rows are finished in x wherever
-    the CPU converts rows (`converts`): the conversion is one instruction for 16 elements."""
+    non-temporal stores (`write_row`: for outputs too large to stay in cache). bfloat16 rows are always finished in x
+    and rounded a line at a time by `write_row` (`finished_in_rows`)."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     # The statistics round to float32: from there on the same float32 operations in the same order as torch's
     # LayerNorm, ((x - mean) * rstd) * weight + bias, the last two fused where the caller allows (`_forward_chunk`).
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
-    if (stream and streams(out)) or converts(out):
+    if stream or finished_in_rows(out):
         for j in range(h):
             x[j] = _dropped(_normed(x, j, m32, r32, gamma, beta), seed, i * h + j, threshold, scale)
-        write_row(x, out, i, stream and streams(out))
-    elif threshold == 0:
+        write_row(x, out, i, stream)
+    elif threshold == 0:  # a float32 out from here on: bfloat16 rows are finished above
         for j in range(h):
-            out[i, j] = narrow(out, _normed(x, j, m32, r32, gamma, beta))
+            out[i, j] = _normed(x, j, m32, r32, gamma, beta)
     else:
         for j in range(h):
-            out[i, j] = narrow(out, _dropped(_normed(x, j, m32, r32, gamma, beta), seed, i * h + j, threshold, scale))
+            out[i, j] = _dropped(_normed(x, j, m32, r32, gamma, beta), seed, i * h + j, threshold, scale)
 
 
 @njit(cache=True, inline="always")
@@ -177,7 +175,7 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
         else:
             bad += 1
     hold(scratch)
-    if stream and streams(out):
+    if stream:
         store_fence()
     return bad
 
@@ -188,8 +186,7 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread). stream: rows go out by non-temporal stores (`write_row`), for a large out (bfloat16 rows
-    only where the CPU converts them: `streams`).
+    tokens (a few per thread). stream: rows go out by non-temporal stores (`write_row`), for a large out.
     """
     n = out.shape[0]
     bad = 0

@@ -4,7 +4,7 @@ token's table rows, arrays without reference counts, and a guard against stale o
 between memory and the core).
 
 numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern: widened to float32 by a shift, rounded back to
-nearest-even by integer arithmetic (an output row, by the CPU's own instruction where it has one: `cpu_rows`).
+nearest-even by integer arithmetic (an output row: `cpu_rows`, by the CPU's own instruction where it has one).
 Helpers that dispatch on dtype are `overload`s, resolved when a kernel compiles.
 
 numba's on-disk cache (`cache=True`) is keyed on the file of the function it compiled, not on the helpers it inlined:
@@ -78,28 +78,15 @@ def _widen_impl(v):
     return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
 
 
-def bf16_bits(x):
-    """float32 -> bfloat16 bits (uint32 holding 16 bits), round to nearest even, NaN stays NaN."""
-
-
-@overload(bf16_bits)
-def _bf16_bits_impl(x):
-    def impl(x):
-        u = np.float32(x).view(np.uint32)
-        rounded = np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        return np.uint32(0x7FC0) if nan else rounded  # a select, not a branch: the loop stays vectorised
-    return impl
-
-
 def round_like(table, x):
     """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add in the
     table's dtype.
 
-    For bfloat16: to nearest-even by integer arithmetic, kept as float32 (five vector operations; `bf16_bits` takes
-    eight, for any NaN). Here a NaN needs no test of its own: the sum of two bfloat16 values is a NaN only as one of
-    them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000 to such bits carries nowhere.
-    Checked against torch's bfloat16 adds for every NaN and infinity (tests/test_kernels_cpu_bfloat16.py)."""
+    For bfloat16: to nearest-even by integer arithmetic, kept as float32 (five vector operations; rounding an output
+    row, `cpu_rows._rounded_bits`, takes eight, for any NaN). Here a NaN needs no test of its own: the sum of two
+    bfloat16 values is a NaN only as one of them (its low 16 bits zero) or as the CPU's default NaN, and adding at
+    most 0x8000 to such bits carries nowhere. Checked against torch's bfloat16 adds for every NaN and infinity
+    (tests/test_kernels_cpu_bfloat16.py)."""
 
 
 @overload(round_like, inline="always")
@@ -128,17 +115,6 @@ def _as_float32_impl(row, into):
             into[j] = widen(row[j])
         return into
     return impl
-
-
-def narrow(out, y):
-    """A float32 value as an element of `out` (identity for float32, rounded bits for bfloat16)."""
-
-
-@overload(narrow, inline="always")
-def _narrow_impl(out, y):
-    if isinstance(out.dtype, types.Float):
-        return lambda out, y: y
-    return lambda out, y: np.uint16(bf16_bits(y))
 
 
 @njit(cache=True)

@@ -187,70 +187,83 @@ def _has_bf16_conversion() -> bool:
 BF16_CONVERSION = _has_bf16_conversion()
 
 
+def _rounded_bits(builder, value):
+    """float32 (a scalar or a vector) -> bfloat16 bits of the same shape (i16), round to nearest-even, a NaN stays
+    a NaN (0x7FC0): in integer arithmetic, for CPUs without a conversion instruction."""
+    lanes = value.type.count if isinstance(value.type, ir.VectorType) else None
+
+    def of(bits: int, constant: int):
+        kind = ir.IntType(bits)
+        return ir.Constant(ir.VectorType(kind, lanes), [constant] * lanes) if lanes else ir.Constant(kind, constant)
+
+    u = builder.bitcast(value, ir.VectorType(ir.IntType(32), lanes) if lanes else ir.IntType(32))
+    odd = builder.and_(builder.lshr(u, of(32, 16)), of(32, 1))
+    rounded = builder.lshr(builder.add(builder.add(u, of(32, 0x7FFF)), odd), of(32, 16))
+    nan = builder.icmp_unsigned(">", builder.and_(u, of(32, 0x7FFFFFFF)), of(32, 0x7F800000))
+    bits = builder.select(nan, of(32, 0x7FC0), rounded)
+    return builder.trunc(bits, ir.VectorType(ir.IntType(16), lanes) if lanes else ir.IntType(16))
+
+
 @intrinsic
 def _bfloat16_row(typingctx, y, out, i, nontemporal):
-    """out[i, :] = y rounded to bfloat16, for a float32 row y and a C-contiguous 2-D uint16 out: by LLVM's
-    `fptrunc ... to bfloat`, which is `vcvtneps2bf16` where `BF16_CONVERSION` (compile this nowhere else). Whole
-    64-byte lines by vector stores (non-temporal with `nontemporal` a literal True: see `stream_zeros`), the unaligned
-    head and tail one element at a time.
+    """out[i, :] = y rounded to bfloat16, for a float32 row y and a C-contiguous 2-D uint16 out: to nearest-even as
+    torch rounds, NaN stays NaN. Where `BF16_CONVERSION`, by LLVM's `fptrunc ... to bfloat`, which is
+    `vcvtneps2bf16` (compile it nowhere else); elsewhere by integer arithmetic (`_rounded_bits`). Whole 64-byte lines
+    by vector stores (non-temporal with `nontemporal` a literal True: see `stream_zeros`), the unaligned head and
+    tail one element at a time.
 
-    Rounds to nearest-even as torch does, NaN stays NaN, except that the instruction makes a result below bfloat16's
-    smallest normal (1.2e-38) a zero of the same sign (tests/test_kernels_cpu_bfloat16.py)."""
+    The instruction makes a result below bfloat16's smallest normal (1.2e-38) a zero of the same sign; the integer
+    rounding keeps it (tests/test_kernels_cpu_bfloat16.py)."""
     if not (_is_row_pair(y, out, types.uint16) and isinstance(nontemporal, types.BooleanLiteral)):
         return None
-    streamed = nontemporal.literal_value
-    lanes, bfloat, int16 = _LINE // 2, _BFloat(), ir.IntType(16)
+    streamed, instruction = nontemporal.literal_value, BF16_CONVERSION
+    lanes, int16 = _LINE // 2, ir.IntType(16)
     floats, line = ir.VectorType(ir.FloatType(), lanes), ir.VectorType(ir.IntType(64), _LINE // 8)
+
+    def rounded(builder, value):  # a float or a line of them -> i16 bits of the same shape
+        if not instruction:
+            return _rounded_bits(builder, value)
+        if isinstance(value.type, ir.VectorType):
+            return builder.bitcast(builder.fptrunc(value, ir.VectorType(_BFloat(), lanes)), ir.VectorType(int16, lanes))
+        return builder.bitcast(builder.fptrunc(value, _BFloat()), int16)
 
     def store_line(builder, src, dst, j):
         value = builder.load(builder.bitcast(builder.gep(src, [j]), floats.as_pointer()), align=4)
-        value = builder.bitcast(builder.fptrunc(value, ir.VectorType(bfloat, lanes)), line)
+        value = builder.bitcast(rounded(builder, value), line)
         address = builder.gep(dst, [j])
-        if streamed:
+        if streamed and instruction:
             # LLVM writes a bfloat vector tagged !nontemporal with an ordinary store (folding any bitcast away), so
             # the non-temporal store is spelt out.
             builder.asm(ir.FunctionType(ir.VoidType(), [line, address.type]), "vmovntdq $0, ($1)", "v,r,~{memory}",
                         [value, address], side_effect=True)
-        else:
-            builder.store(value, builder.bitcast(address, line.as_pointer()), align=_LINE)
+            return
+        store = builder.store(value, builder.bitcast(address, line.as_pointer()), align=_LINE)
+        if streamed:
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
 
     def codegen(context, builder, signature, args):
-        return _row_in_lines(context, builder, signature, args,
-                             lambda value: builder.bitcast(builder.fptrunc(value, bfloat), int16), store_line)
+        return _row_in_lines(context, builder, signature, args, lambda value: rounded(builder, value), store_line)
 
     return types.void(y, out, i, nontemporal), codegen
 
 
-def streams(out):
-    """Whether rows of `out` can be streamed (`write_row` with stream True): a constant, True for float32, and for
-    bfloat16 where the CPU converts rows (`BF16_CONVERSION`). (With the integer rounding, streaming bfloat16 gained
-    nothing, see BENCHMARKS.md, and the branch alone cost its forward 2-3%.)"""
+def finished_in_rows(out):
+    """Whether the kernels finish each row of `out` in a float32 row and write it with `write_row` (a constant):
+    True for bfloat16 outputs, rounded a 64-byte line at a time (`_bfloat16_row`); float32 outputs are stored element
+    by element as they are computed, unless they are streamed. One pass that rounds whole lines, after the row is
+    finished, beat rounding each element in the loop that computes it on an AVX2 CPU (BENCHMARKS.md, the sixteenth
+    round): there the rounding and its NaN test made that loop 8 elements wide where this one packs 32."""
 
 
-@overload(streams, inline="always")
-def _streams_impl(out):
-    able = out.dtype == types.float32 or _cpu_converts(out)
-    return lambda out: able
-
-
-def converts(out):
-    """Whether rows of `out` are always finished in float32 and written by `write_row`: a constant, True for bfloat16
-    where the CPU converts rows (`BF16_CONVERSION`); elsewhere the kernels store each element as they compute it."""
-
-
-def _cpu_converts(out) -> bool:
-    return out.dtype == types.uint16 and BF16_CONVERSION
-
-
-@overload(converts, inline="always")
-def _converts_impl(out):
-    able = _cpu_converts(out)
+@overload(finished_in_rows, inline="always")
+def _finished_in_rows_impl(out):
+    able = out.dtype == types.uint16
     return lambda out: able
 
 
 def write_row(y, out, i, stream):
-    """out[i, :] = y (float32 [H]) where `streams(out)` or `converts(out)`; `stream`: by non-temporal stores (call
-    `store_fence` before others read out). Nothing elsewhere (a branch that those two rule out)."""
+    """out[i, :] = y (float32 [H]) for a float32 or bfloat16 (uint16) `out`; `stream`: by non-temporal stores (call
+    `store_fence` before others read out)."""
 
 
 @overload(write_row, inline="always")
@@ -262,14 +275,13 @@ def _write_row_impl(y, out, i, stream):
             else:
                 out[i] = y
         return impl
-    if _cpu_converts(out):
-        def impl(y, out, i, stream):
-            if stream:
-                _bfloat16_row(y, out, i, True)
-            else:
-                _bfloat16_row(y, out, i, False)
-        return impl
-    return lambda y, out, i, stream: None
+
+    def impl(y, out, i, stream):
+        if stream:
+            _bfloat16_row(y, out, i, True)
+        else:
+            _bfloat16_row(y, out, i, False)
+    return impl
 
 
 @intrinsic

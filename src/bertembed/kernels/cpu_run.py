@@ -15,7 +15,7 @@ import torch
 from numba import njit
 
 from bertembed import kernels
-from bertembed.kernels import cpu, cpu_rows, pages
+from bertembed.kernels import cpu, pages
 from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
 from bertembed.validation import skipped_ids_error
 
@@ -84,14 +84,15 @@ _STREAM_FROM = 16 << 20  # bytes
 # Forward outputs this large (float32) are written by non-temporal stores: at this size they leave the cache before
 # anyone reads them, and streaming skips reading each line before writing it. Forward, H 768, 2 threads, this VM,
 # ordinary -> streamed, alternating in one process: 12 MiB (32, 128) 0.87 -> 0.93 ms, 24 MiB 1.90 -> 1.92,
-# 48 MiB 4.33 -> 3.83, 96 MiB (64, 512) 10.45 -> 8.03 ms. bfloat16 outputs are streamed only where the CPU rounds
-# rows to bfloat16 itself (`cpu_rows.streams`): with the integer rounding they gained nothing (1.00-1.02x); with the
-# CPU's, (64, 512) 1.25-1.30x over the unstreamed integer rounding (BENCHMARKS.md, the tenth round).
+# 48 MiB 4.33 -> 3.83, 96 MiB (64, 512) 10.45 -> 8.03 ms. bfloat16 outputs too: where the CPU rounds rows itself,
+# (64, 512) 1.25-1.30x over the unstreamed integer rounding (BENCHMARKS.md, the tenth round); with the integer
+# rounding of whole lines (an AMD EPYC, the sixteenth round), 1.00-1.01x. Smaller outputs are not streamed on any CPU:
+# on that EPYC streaming sped up the forward alone at 3-12 MiB (1.13-1.24x), but a forward followed by a read of its
+# output (as the next layer reads it) lost (0.72-0.96x): the lines had gone to memory instead of the cache.
 # Nor is memory fresh from the kernel (`kernels/pages.py`), as for the word gradient's zeros: under glibc's default
 # settings, where a new output is a new mapping each call, streaming took 9.82 against 8.72 ms at 48 MiB and 18.86
 # against 16.57 ms at 96 MiB.
 _STREAM_OUT_FROM = 32 << 20  # bytes
-_STREAMED = (torch.float32, torch.bfloat16) if cpu_rows.BF16_CONVERSION else (torch.float32,)
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 
 
@@ -112,10 +113,10 @@ def forward_chunks(tokens: int) -> int:
 
 
 def stream_output(out: torch.Tensor, fresh: bool | None = None) -> bool:
-    """Whether the forward kernel writes `out` by non-temporal stores: float32, and bfloat16 where the CPU rounds rows
-    itself (`cpu_rows.BF16_CONVERSION`), from `_STREAM_OUT_FROM` bytes, and not fresh memory (`fresh`: what
-    `pages.advise_if_fresh` said of a new `out`; None: ask `pages.is_fresh`)."""
-    if out.dtype not in _STREAMED or out.nbytes < _STREAM_OUT_FROM:
+    """Whether the forward kernel writes `out` (float32 or bfloat16) by non-temporal stores: from `_STREAM_OUT_FROM`
+    bytes, and not fresh memory (`fresh`: what `pages.advise_if_fresh` said of a new `out`; None: ask
+    `pages.is_fresh`)."""
+    if out.nbytes < _STREAM_OUT_FROM:
         return False
     return not (pages.is_fresh(out) if fresh is None else fresh)
 
