@@ -5,7 +5,9 @@ memory speed drifts between periods, which makes separate runs incomparable).
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/ab_cpu_kernels.py --against 321d5bc
 
 Cases: the kernels' torch glue (`run_forward`, `run_forward` + `run_backward` with dropout 0.1), hidden 768,
-random BERT-sized tables, 2 threads. Prints the median of several alternating blocks per side.
+random BERT-sized tables shared by both sides, 2 threads. Calls alternate one by one, and each pair's ratio is kept:
+prints the median ratio and its interquartile range. (Until the sixteenth round it alternated blocks of calls on
+tables of each side's own; against its own revision that read up to 1.13x, where this reads 0.99-1.02x.)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ CASES = [  # name, batch, length, dtype, mode
     ("forward float32 (32, 128)", 32, 128, torch.float32, "fwd"),
     ("forward float32 (64, 512)", 64, 512, torch.float32, "fwd"),
     ("forward bfloat16 (64, 512)", 64, 512, torch.bfloat16, "fwd"),
+    ("forward bfloat16 (8, 128)", 8, 128, torch.bfloat16, "fwd"),
     ("fwd+bwd float32 (32, 128)", 32, 128, torch.float32, "fwdbwd"),
     ("fwd+bwd float32 (1, 11)", 1, 11, torch.float32, "fwdbwd"),
 ]
@@ -80,53 +83,61 @@ def load_revision(rev: str):
     return load("cpu_run", renamed(glue))
 
 
-def make_step(kernels, batch: int, length: int, dtype: torch.dtype, mode: str, hidden: int = 768):
+def make_inputs(batch: int, length: int, dtype: torch.dtype, hidden: int = 768) -> dict:
+    """Random BERT-sized tables, ids and an output gradient: one set, shared by both sides of a case (separate
+    tables per side put each side's rows on other pages, which alone moved a case by up to 13% here)."""
     gen = torch.Generator().manual_seed(0)
     word, seg, pos = (torch.randn(rows, hidden, generator=gen).mul(0.05).to(dtype) for rows in (30522, 2, 512))
-    gamma, beta = torch.rand(hidden, generator=gen) + 0.5, torch.randn(hidden, generator=gen) * 0.1
     n = batch * length
-    ids, tts = torch.randint(0, 30522, (n,), generator=gen), torch.randint(0, 2, (n,), generator=gen)
-    pids = torch.arange(length).repeat(batch)
-    grad = torch.randn(n, hidden, generator=gen).to(dtype)
-    tables = (word, seg, pos)
+    return {"tables": (word, seg, pos), "gamma": torch.rand(hidden, generator=gen) + 0.5,
+            "beta": torch.randn(hidden, generator=gen) * 0.1, "ids": torch.randint(0, 30522, (n,), generator=gen),
+            "tts": torch.randint(0, 2, (n,), generator=gen), "pids": torch.arange(length).repeat(batch),
+            "grad": torch.randn(n, hidden, generator=gen).to(dtype)}
+
+
+def make_step(kernels, inputs: dict, mode: str):
+    ids, tts, pids, tables = inputs["ids"], inputs["tts"], inputs["pids"], inputs["tables"]
+    gamma, beta = inputs["gamma"], inputs["beta"]
     if mode == "fwd":
         return lambda: kernels.run_forward(ids, tts, pids, *tables, gamma, beta, 1e-12, 0.0, 0)
 
     def step():
         _, mean, rstd = kernels.run_forward(ids, tts, pids, *tables, gamma, beta, 1e-12, 0.1, 7)
-        return kernels.run_backward(grad, ids, tts, pids, *tables, gamma, mean, rstd, 0.1, 7, 0)
+        return kernels.run_backward(inputs["grad"], ids, tts, pids, *tables, gamma, mean, rstd, 0.1, 7, 0)
     return step
 
 
-def block_ms(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+def interleaved(steps, pairs: int) -> tuple[float, float, np.ndarray]:
+    """Median ms of each side and the before/after ratio of each pair of calls, the two calls of a pair back to back
+    and their order swapped every pair (so neither side always runs first, after the other has filled the caches)."""
+    times = np.empty((pairs, 2))
+    for k in range(pairs):
+        for side in ((0, 1) if k % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            steps[side]()
+            times[k, side] = time.perf_counter() - start
+    return float(np.median(times[:, 0])) * 1e3, float(np.median(times[:, 1])) * 1e3, times[:, 0] / times[:, 1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, help="git revision whose kernels/cpu.py is the 'before'")
-    parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per side")
+    parser.add_argument("--pairs", type=int, default=40, help="pairs of calls per case (more for small cases)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     before = load_revision(args.against)
     before.threads(), current.threads()
     print(f"before = {args.against}, after = working tree; torch threads {torch.get_num_threads()}")
     for name, batch, length, dtype, mode in CASES:
-        steps = [make_step(k, batch, length, dtype, mode) for k in (before, current)]
+        inputs = make_inputs(batch, length, dtype)
+        steps = [make_step(k, inputs, mode) for k in (before, current)]
         for step in steps:  # compile and settle
             step(), step()
-        calls = 30 if batch * length <= 4096 else 8
-        blocks = [[], []]
-        for _ in range(args.blocks):
-            for side, step in enumerate(steps):
-                blocks[side].append(block_ms(step, calls))
-        old, new = (float(np.median(b)) for b in blocks)
-        print(f"{name:28s} before {old:8.3f} ms  after {new:8.3f} ms  before/after {old / new:5.2f}x", flush=True)
+        pairs = args.pairs * (8 if batch * length <= 4096 else 1)
+        old, new, ratios = interleaved(steps, pairs)
+        low, mid, high = np.percentile(ratios, [25, 50, 75])
+        print(f"{name:28s} before {old:8.3f} ms  after {new:8.3f} ms  before/after {mid:5.2f}x "
+              f"(IQR {low:.2f}-{high:.2f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -199,9 +199,10 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 @njit(cache=True)
 def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks,
                    stream):
-    """`forward` on the calling thread: for a few tokens, starting the thread pool costs more than the work."""
-    return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
-                          out, mean, rstd, stream)
+    """`forward` on the calling thread: for a few tokens, starting the thread pool costs more than the work. (An int64
+    0, not a literal one, so `forward`'s compiled `_forward_chunk` serves: one compile, not two.)"""
+    return _forward_chunk(np.int64(0), out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold,
+                          scale, seed, out, mean, rstd, stream)
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -257,9 +258,9 @@ def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma,
     not wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 per-chunk partials.
     """
     bad = 0
-    for c in prange(bounds.size - 1):
-        bad += _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout,
-                               threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta, stream)
+    for c in prange(bounds.size - 1):  # (c is unsigned here: as int64, `backward_serial`'s compiled chunk serves)
+        bad += _backward_chunk(np.int64(c), order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
+                               rstd, gout, threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta, stream)
     return bad
 
 
@@ -327,7 +328,8 @@ def _word_row(dword, w, pad, dx, zeroed, end, stream):
     if w == pad:
         dword[w] = 0.0
     else:
-        dword[w] = dx
+        for j in range(dx.size):  # (as `write_row`: no array assignment, whose error message is slow to compile)
+            dword[w, j] = dx[j]
     return w + 1
 
 

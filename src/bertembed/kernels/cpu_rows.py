@@ -273,7 +273,8 @@ def _write_row_impl(y, out, i, stream):
             if stream:
                 _stream_float_row(y, out, i)
             else:
-                out[i] = y
+                for j in range(y.size):  # (not `out[i] = y`: its shape-mismatch message costs seconds of compiling)
+                    out[i, j] = y[j]
         return impl
 
     def impl(y, out, i, stream):

@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import carray, njit
+from numba import carray, njit, types
+from numba.extending import overload
 
 from bertembed.embeddings import KERNEL_CACHE
 from bertembed.kernels import _cpu_pool, cpu, cpu_run, pages
@@ -97,14 +98,30 @@ def _infer(ids_at, tts_at, has_tts, past, tables, eps, out):
     for r in range(batch):
         for c in range(length):
             s = tts[r, c] if has_tts else 0
-            if out.itemsize == 2:  # bfloat16: wide vectors pay (4.8 -> 4.3 us a sentence), unlike for float32
-                cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                                   _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, True, False)
-            else:
-                cpu._forward_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, True, gamma, beta, eps,
-                                   _NO_DROPOUT, _SCALE, _SEED, x, out, mean, rstd, None, False)
+            _sentence_token(r * length + c, ids[r, c], s, past + c, word, seg, pos, gamma, beta, eps, x, out, mean,
+                            rstd)
     hold(scratch)
     return True
+
+
+def _sentence_token(i, w, s, q, word, seg, pos, gamma, beta, eps, x, out, mean, rstd):
+    """`cpu._forward_token` for `_infer`, without dropout or streaming: with wide vectors for bfloat16 (4.8 -> 4.3 us
+    a sentence), LLVM's default for float32. Chosen as it compiles (a branch on the dtype in `_infer` compiled both
+    ways for each dtype: seconds more compiling, for code that never ran)."""
+
+
+@overload(_sentence_token, inline="always")
+def _sentence_token_impl(i, w, s, q, word, seg, pos, gamma, beta, eps, x, out, mean, rstd):
+    if out.dtype == types.uint16:
+        def impl(i, w, s, q, word, seg, pos, gamma, beta, eps, x, out, mean, rstd):
+            cpu._forward_token(i, w, s, q, word, seg, pos, True, gamma, beta, eps, _NO_DROPOUT, _SCALE, _SEED, x, out,
+                               mean, rstd, True, False)
+        return impl
+
+    def impl(i, w, s, q, word, seg, pos, gamma, beta, eps, x, out, mean, rstd):
+        cpu._forward_token(i, w, s, q, word, seg, pos, True, gamma, beta, eps, _NO_DROPOUT, _SCALE, _SEED, x, out,
+                           mean, rstd, None, False)
+    return impl
 
 
 _FLOAT32, _BFLOAT16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `_infer_batch`'s `like`
