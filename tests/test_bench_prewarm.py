@@ -1,5 +1,6 @@
 """`bertembed bench` compiles the fused kernels in the background while torch.compile compiles, and times nothing
-until that is done; `--quick` runs the steady allocator only unless asked for both."""
+until that is done (`--quick` builds every torch.compile candidate then, before timing any candidate); `--quick` runs
+the steady allocator only unless asked for both."""
 
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ class _Events(list):
         return Fake()
 
 
-def _run(monkeypatch, candidates, prewarm_kernels):
+def _run(monkeypatch, candidates, prewarm_kernels, compile_ahead=False, refuse=()):
     events = _Events()
     monkeypatch.setattr(worker, "Prewarm", events.prewarm)
 
-    def build(name, work):
+    def build(name, work, **kwargs):
         events.append(("built", name, work.case.mode))
+        if (name, work.case.mode) in refuse:
+            raise cands.NotAvailable("refused")
         return cands.Candidate(name, lambda: cands.reference_output(work))
 
     real_time_call = worker.time_call
@@ -62,10 +65,12 @@ def _run(monkeypatch, candidates, prewarm_kernels):
     monkeypatch.setattr(cands, "build", build)
     monkeypatch.setattr(worker, "time_call", time_call)
     spec = {"condition": "steady", "threads": 1, "min_run_time": 0.01, "warmup": 1, "vocab_size": 50,
-            "candidates": list(candidates), "prewarm_kernels": prewarm_kernels,
+            "candidates": list(candidates), "prewarm_kernels": prewarm_kernels, "compile_ahead": compile_ahead,
             "cases": [Case(16, 1, 3).to_dict(), Case(16, 2, 4, "fwdbwd").to_dict()]}
     records = list(worker.run_cases(spec, {"cpu": 1e10}))
-    assert all(r["status"] == "ok" for r in records)
+    assert [(r["candidate"], r["case"]["mode"]) for r in records] == [
+        (name, mode) for name in candidates for mode in ("fwd", "fwdbwd")]
+    assert [(r["candidate"], r["case"]["mode"]) for r in records if r["status"] != "ok"] == list(refuse)
     return events
 
 
@@ -76,6 +81,22 @@ def test_the_worker_waits_for_the_prewarm_before_timing_the_first_compiled_case(
     assert events[start + 1] == ("built", "hf-compile", "fwd")  # the compile overlaps the prewarm
     assert events[start + 2] == "prewarm waited" and events[start + 3] == "timed"  # nothing timed before it is done
     assert events.count(("prewarm started", 2)) == 1
+
+
+def test_quick_builds_every_compiled_case_while_the_kernels_compile_and_times_nothing_before(monkeypatch):
+    events = _run(monkeypatch, ("hf-eager", "hf-compile", "bertembed-fused"), True, compile_ahead=True)
+    assert events[:4] == [("prewarm started", 2), ("built", "hf-compile", "fwd"), ("built", "hf-compile", "fwdbwd"),
+                          "prewarm waited"]
+    assert "timed" not in events[:4] and events[4] == ("built", "hf-eager", "fwd")  # eager is still timed first
+    assert events.count(("built", "hf-compile", "fwd")) == 1  # timed in its turn, not built again
+    assert events.count("timed") == 6
+
+
+def test_a_compiled_case_that_fails_ahead_is_reported_in_its_turn(monkeypatch):
+    events = _run(monkeypatch, ("hf-eager", "hf-compile"), False, compile_ahead=True,
+                  refuse=(("hf-compile", "fwdbwd"),))
+    assert events[:2] == [("built", "hf-compile", "fwd"), ("built", "hf-compile", "fwdbwd")]
+    assert events.count("timed") == 3
 
 
 def test_no_prewarm_without_a_compiled_candidate_or_when_not_asked(monkeypatch):

@@ -12,9 +12,10 @@ Dimension letters: B batch, L length, H hidden.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,22 @@ def _initial_state(seed: int, config: EmbeddingConfig) -> dict[str, torch.Tensor
     return {k: v.detach().clone() for k, v in BertEmbeddings(config).state_dict().items()}
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """`torch.nn.init`'s random fills as no-ops, while a module is built whose weights `load_state_dict` replaces
+    next: drawing a 30522 x H table took 0.3 s a module on a 2-vCPU VM, about 5 s of a `--quick` run. The tables are
+    left uninitialised (`torch.empty`) until then; `load_state_dict` is strict, so none stays so."""
+    names = ("normal_", "uniform_", "trunc_normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(nn.init, name, fill)
+
+
 def _hf_module(work: Workload) -> nn.Module:
     try:
         from transformers import BertConfig
@@ -93,7 +110,8 @@ def _hf_module(work: Workload) -> nn.Module:
                            max_position_embeddings=c.max_position_embeddings, type_vocab_size=c.type_vocab_size,
                            layer_norm_eps=c.layer_norm_eps, hidden_dropout_prob=c.hidden_dropout_prob,
                            pad_token_id=c.pad_token_id)
-    module = HFBertEmbeddings(hf_config)
+    with _no_random_init():
+        module = HFBertEmbeddings(hf_config)
     module.load_state_dict(work.state_dict)
     return module
 
@@ -107,7 +125,8 @@ def _fused_module(work: Workload, id_checks: str = "host") -> nn.Module:
     from bertembed.embeddings import BertEmbeddings
 
     try:
-        module = BertEmbeddings(work.config, backend=backend)
+        with _no_random_init():
+            module = BertEmbeddings(work.config, backend=backend)
     except TypeError as err:
         raise NotAvailable(f"BertEmbeddings has no backend= argument yet ({err})") from err
     except (ImportError, ValueError, RuntimeError) as err:
@@ -133,7 +152,8 @@ def _check_no_fallback(backend: str, work: Workload) -> None:
 def _reference_module(work: Workload) -> nn.Module:
     from bertembed.embeddings import BertEmbeddings
 
-    module = BertEmbeddings(work.config)
+    with _no_random_init():
+        module = BertEmbeddings(work.config)
     module.load_state_dict(work.state_dict)
     return module
 
@@ -164,10 +184,12 @@ def _torch_call(module: nn.Module, work: Workload) -> Callable[[], Any]:
     return step
 
 
-def _compiled(work: Workload) -> Callable[[], Any]:
-    """`torch.compile` of transformers' layer. Dynamo's caches are reset first, so every case compiles afresh with
-    static shapes (no recompile limit, no automatic dynamic shapes carried over from earlier cases)."""
-    torch._dynamo.reset()
+def _compiled(work: Workload, reset: bool = True) -> Callable[[], Any]:
+    """`torch.compile` of transformers' layer. Dynamo's caches are reset first (unless not `reset`), so every case
+    compiles afresh with static shapes (no recompile limit, no automatic dynamic shapes carried over from earlier
+    cases)."""
+    if reset:
+        torch._dynamo.reset()
     module = _hf_module(work).to(torch.device(work.case.device), _DTYPES[work.case.dtype])
     compiled = torch.compile(module, dynamic=False)
     call = _torch_call(compiled, work)
@@ -195,12 +217,13 @@ def _ort(work: Workload) -> Callable[[], Any]:
     return ort_forward(session, work.input_ids, work.token_type_ids)
 
 
-def build(name: str, work: Workload) -> Candidate:
-    """Candidate `name` for `work`'s case; raises NotAvailable with the reason when it cannot run here."""
+def build(name: str, work: Workload, reset: bool = True) -> Candidate:
+    """Candidate `name` for `work`'s case; raises NotAvailable with the reason when it cannot run here. `reset`:
+    whether `hf-compile` resets dynamo's caches first (see `_compiled`)."""
     if name == "hf-eager":
         return Candidate(name, _torch_call(_hf_module(work), work))
     if name == "hf-compile":
-        return Candidate(name, _compiled(work))
+        return Candidate(name, _compiled(work, reset))
     if name == "ort-fused":
         return Candidate(name, _ort(work), torch_memory=False)
     if name == "bertembed-reference":

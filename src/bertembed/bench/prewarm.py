@@ -1,11 +1,13 @@
 """Compiles bertembed's CPU kernels in a background process while `torch.compile` compiles transformers' layer.
 
 numba compiles a kernel on its first call and keeps it in its on-disk cache. On a fresh install the four float32
-kernels the quick sweep calls (forward and backward, one thread and all threads) take about 12 s to compile on the
-2-core VM, and inductor's first graphs about 20 s: one after the other they made a first `bertembed bench --quick`
-take over a minute. The worker starts this process just before building the first `torch.compile` candidate, whose
-compile leaves a core idle, and waits for it before timing anything (`Prewarm.wait`), so no timing shares the
-machine with it. When the caches are already warm it finishes in a few seconds, also within the compile.
+kernels the quick sweep calls (forward and backward, one thread and all threads) took about 12 s to compile on an
+Intel 2-vCPU VM and 33 s on an AMD one, and inductor's first graphs 20 s and 28 s: one after the other they made a
+first `bertembed bench --quick` take over a minute. The worker starts this process just before building the first
+`torch.compile` candidate (with `--quick`, before timing anything: it then builds all of them,
+`worker.compile_ahead`), whose compile leaves a core idle, and waits for it before timing anything more
+(`Prewarm.wait`), so no timing shares the machine with it. When the caches are already warm it finishes in a few
+seconds, also within the compile.
 
     python -m bertembed.bench.prewarm CASES_JSON
 """

@@ -99,6 +99,7 @@ def worker_spec(options: BenchOptions, condition: str, cases: list[Case]) -> dic
         "bandwidth_bytes": options.bandwidth_bytes, "bandwidth_min_run_time": 0.2 if options.quick else 1.0,
         "vocab_size": options.vocab_size, "warmup": options.warmup,
         "prewarm_kernels": "bertembed-fused" in options.candidates,
+        "compile_ahead": options.quick,  # `worker.compile_ahead`: its few graphs, while the kernels compile
     }
 
 
