@@ -93,6 +93,7 @@ _STREAM_FROM = 16 << 20  # bytes
 # settings, where a new output is a new mapping each call, streaming took 9.82 against 8.72 ms at 48 MiB and 18.86
 # against 16.57 ms at 96 MiB.
 _STREAM_OUT_FROM = 32 << 20  # bytes
+_STREAMED = (torch.float32, torch.bfloat16)
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 
 
@@ -116,7 +117,7 @@ def stream_output(out: torch.Tensor, fresh: bool | None = None) -> bool:
     """Whether the forward kernel writes `out` (float32 or bfloat16) by non-temporal stores: from `_STREAM_OUT_FROM`
     bytes, and not fresh memory (`fresh`: what `pages.advise_if_fresh` said of a new `out`; None: ask
     `pages.is_fresh`)."""
-    if out.nbytes < _STREAM_OUT_FROM:
+    if out.dtype not in _STREAMED or out.nbytes < _STREAM_OUT_FROM:
         return False
     return not (pages.is_fresh(out) if fresh is None else fresh)
 
