@@ -75,6 +75,14 @@ def test_only_large_outputs_in_kept_memory_are_streamed(monkeypatch):
     region.close()
 
 
+def test_outputs_stream_from_12_mib_on_zen_cores_and_32_elsewhere():
+    from bertembed.kernels import cpu_rows, cpu_run
+
+    assert cpu_run._stream_out_from("znver3") == cpu_run._stream_out_from("znver4") == 12 << 20
+    assert cpu_run._stream_out_from("sapphirerapids") == cpu_run._stream_out_from("generic") == 32 << 20
+    assert cpu_run._STREAM_OUT_FROM == cpu_run._stream_out_from(cpu_rows.CPU_NAME)
+
+
 @linux
 def test_tables_are_collapsed_once_and_keep_their_values(monkeypatch):
     monkeypatch.setattr(pages, "_COLLAPSE_FROM", 4 << 20)

@@ -24,7 +24,8 @@ def _whole_rows(cpu_name: str) -> bool:
     return cpu_name.startswith("znver")
 
 
-WHOLE_ROWS = _whole_rows(config.CPU_NAME or binding.get_host_cpu_name())
+CPU_NAME = config.CPU_NAME or binding.get_host_cpu_name()  # what numba compiles for
+WHOLE_ROWS = _whole_rows(CPU_NAME)
 
 
 def _prefetch(context, builder, signature, args, write: int, whole: bool):

@@ -15,7 +15,7 @@ import torch
 from numba import njit
 
 from bertembed import kernels
-from bertembed.kernels import cpu, pages
+from bertembed.kernels import cpu, cpu_rows, pages
 from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
 from bertembed.validation import skipped_ids_error
 
@@ -81,18 +81,27 @@ def threads() -> int:
 # on all threads, against torch.zeros: 16 MB 0.30 -> 0.35 / 1.15 -> 0.52 ms, 47 MB 0.94 -> 1.00 / 2.90 -> 1.22,
 # 94 MB 2.08 -> 2.00 / 5.71 -> 2.20.
 _STREAM_FROM = 16 << 20  # bytes
-# Forward outputs this large (float32) are written by non-temporal stores: at this size they leave the cache before
-# anyone reads them, and streaming skips reading each line before writing it. Forward, H 768, 2 threads, this VM,
-# ordinary -> streamed, alternating in one process: 12 MiB (32, 128) 0.87 -> 0.93 ms, 24 MiB 1.90 -> 1.92,
-# 48 MiB 4.33 -> 3.83, 96 MiB (64, 512) 10.45 -> 8.03 ms. bfloat16 outputs too: where the CPU rounds rows itself,
-# (64, 512) 1.25-1.30x over the unstreamed integer rounding (BENCHMARKS.md, the tenth round); with the integer
-# rounding of whole lines (an AMD EPYC, the sixteenth round), 1.00-1.01x. Smaller outputs are not streamed on any CPU:
-# on that EPYC streaming sped up the forward alone at 3-12 MiB (1.13-1.24x), but a forward followed by a read of its
-# output (as the next layer reads it) lost (0.72-0.96x): the lines had gone to memory instead of the cache.
+# Forward outputs this large are written by non-temporal stores: at this size they leave the cache before anyone reads
+# them, and streaming skips reading each line before writing it. Forward, H 768, 2 threads, the Intel VM, ordinary ->
+# streamed, alternating in one process: 12 MiB (32, 128) 0.87 -> 0.93 ms, 24 MiB 1.90 -> 1.92, 48 MiB 4.33 -> 3.83,
+# 96 MiB (64, 512) 10.45 -> 8.03 ms. bfloat16 outputs too: where the CPU rounds rows itself, (64, 512) 1.25-1.30x over
+# the unstreamed integer rounding (BENCHMARKS.md, the tenth round); with the integer rounding of whole lines (an AMD
+# EPYC, the sixteenth round), 1.00-1.01x. On AMD's Zen cores (that EPYC: a 32 MiB L3 shared with other tenants) from
+# 12 MiB: there, at 12 MiB, streaming made the forward 1.22-1.53x faster, and a forward followed by a read of its
+# output (as the next layer reads it) 1.06-1.13x in four runs of five (0.96-1.01x in one); at 3-6 MiB the forward with
+# the read lost (0.65-0.92x), the lines having gone to memory instead of the cache (`benchmarks/stream_threshold.py`).
 # Nor is memory fresh from the kernel (`kernels/pages.py`), as for the word gradient's zeros: under glibc's default
 # settings, where a new output is a new mapping each call, streaming took 9.82 against 8.72 ms at 48 MiB and 18.86
 # against 16.57 ms at 96 MiB.
-_STREAM_OUT_FROM = 32 << 20  # bytes
+
+
+def _stream_out_from(cpu_name: str) -> int:
+    """Bytes from which forward outputs are streamed on the CPU numba compiles for (above): 12 MiB on AMD's Zen cores,
+    32 MiB elsewhere."""
+    return (12 << 20) if cpu_name.startswith("znver") else (32 << 20)
+
+
+_STREAM_OUT_FROM = _stream_out_from(cpu_rows.CPU_NAME)
 _STREAMED = (torch.float32, torch.bfloat16)
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 
