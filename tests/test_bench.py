@@ -295,6 +295,21 @@ def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch):
     assert "OUTPUT DIFFERS" in record["note"]
 
 
+def test_modules_are_built_without_drawing_weights_and_init_comes_back():
+    """The bench skips the random fill of tables `load_state_dict` replaces; every weight is the workload's, and
+    `torch.nn.init` is whole again afterwards, also after a failure inside."""
+    fills = (torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.trunc_normal_)
+    work = cands.make_workload(Case(16, 1, 3), vocab_size=50)
+    module = cands._reference_module(work)
+    for name, value in module.state_dict().items():
+        if name in work.state_dict:
+            assert torch.equal(value, work.state_dict[name]), name
+    with pytest.raises(RuntimeError), cands._no_random_init():
+        assert torch.nn.init.normal_(torch.zeros(3)).eq(0).all()  # a no-op inside
+        raise RuntimeError
+    assert (torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.trunc_normal_) == fills
+
+
 def test_a_run_warns_of_what_disturbs_its_timings():
     from bertembed.cli.bench import disturbances
 
