@@ -186,9 +186,12 @@ def markdown(report: dict[str, Any], title: str = "bertembed bench") -> str:
         what = f"glibc malloc held steady ({env}, and mallopt in-process)" if name == "steady" else "glibc defaults"
         bw = ", ".join(f"{d} {b / 1e9:.1f} GB/s" for d, b in meta.get("bandwidth_bytes_per_s", {}).items())
         how = "one process per candidate" if condition.get("isolated") else "all candidates in one process"
+        rounds = condition.get("rounds", 1)
+        rounds_text = (f"; {rounds} rounds, the order rotated each round: each median is the median round's, each "
+                       f"IQR that of the rounds' medians" if rounds > 1 else "")
         load = "/".join(f"{x:.2f}" for x in meta.get("load_average", ()))
         lines += ["", f"### Allocator: {name} ({what})", "",
-                  f"Measured copy bandwidth, 1 GiB buffers: {bw}; {how}, threads {meta.get('threads')}; "
+                  f"Measured copy bandwidth, 1 GiB buffers: {bw}; {how}, threads {meta.get('threads')}{rounds_text}; "
                   f"load average (1/5/15 min) when the first worker started: {load}"]
         lines += results_table(condition)
         lines += ["", f"#### Targets, allocator {name}", "", *targets_table(report["targets"][name])]

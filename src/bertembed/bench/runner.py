@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,9 @@ class BenchOptions:
     # One process per (condition, candidate): no candidate's thread pool (torch's OpenMP, ORT's, numba's, inductor's
     # kernels) is alive while another is timed. None: on for the full run, off for --quick (process start-up costs).
     isolate: bool | None = None
+    # Times every (case, candidate) this many times, the workers' order rotated each round (`run_condition`): on a
+    # machine whose speed drifts from minute to minute, a slow period then falls on each candidate alike.
+    rounds: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +72,8 @@ class BenchOptions:
         if self.shapes is not None and max(length for _, length in self.shapes) > positions:
             raise ValueError(f"--shape lengths stop at {positions}, the rows of BERT's position table; got "
                              f"{self.shapes}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
         if self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         unknown = [c for c in self.candidates if c not in CANDIDATES]
@@ -106,7 +112,7 @@ def worker_spec(options: BenchOptions, condition: str, cases: list[Case]) -> dic
 def count_steps(options: BenchOptions, cases: list[Case]) -> int:
     """Number of (condition, case, candidate) records the run will produce: the progress bar's total."""
     per_condition = sum(len(candidates_for(c, options.candidates)) for c in cases)
-    return per_condition * len(CONDITIONS[options.allocator])
+    return per_condition * len(CONDITIONS[options.allocator]) * options.rounds
 
 
 def _worker_env(options: BenchOptions, condition: str) -> dict[str, str]:
@@ -121,18 +127,56 @@ def _worker_env(options: BenchOptions, condition: str) -> dict[str, str]:
 
 def run_condition(options: BenchOptions, condition: str, cases: list[Case],
                   on_record: Callable[[dict[str, Any]], None], out: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run one condition: one worker, or one per candidate when isolated. Fills and returns `out` (a new dict when
-    None) as {"meta": ..., "results": [...]} (meta of the first worker), as results come, and calls `on_record` per
-    result."""
+    """Run one condition: one worker, or one per candidate when isolated, `options.rounds` times (the workers' order
+    rotated by one each round). Fills and returns `out` (a new dict when None) as {"meta": ..., "results": [...]}
+    (meta of the first worker), as results come, and calls `on_record` per result. With several rounds the results,
+    each tagged with its round, become one record per (case, candidate) at the end (`combine_rounds`)."""
     isolate = (not options.quick) if options.isolate is None else options.isolate
     names = [n for n in options.candidates if any(n in candidates_for(c, options.candidates) for c in cases)]
     groups = [(name,) for name in names] if isolate else [tuple(names)]
     out = {} if out is None else out
-    out.update(meta={}, results=[], isolated=isolate)
-    for group in groups:
-        spec = {**worker_spec(options, condition, cases), "candidates": list(group)}
-        _run_worker(spec, _worker_env(options, condition), on_record, out)
-    return out
+    out.update(meta={}, results=[], isolated=isolate, rounds=options.rounds)
+    for round_ in range(options.rounds):
+        turn = round_ % len(groups)
+        for group in groups[turn:] + groups[:turn]:
+            spec = {**worker_spec(options, condition, cases), "candidates": list(group), "round": round_}
+            _run_worker(spec, _worker_env(options, condition), on_record, out)
+    return _combined(out)
+
+
+def _combined(condition: dict[str, Any]) -> dict[str, Any]:
+    """`condition` with its results combined across rounds, once (a run of one round is left as it is)."""
+    if condition.get("rounds", 1) > 1 and not condition.get("combined"):
+        condition["results"] = combine_rounds(condition["results"])
+        condition["combined"] = True
+    return condition
+
+
+def combine_rounds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (case, candidate), in the order they first came: the round whose median time is the median
+    of the rounds' (the lower middle one for an even count), so its other columns (bandwidth, bound, memory) are
+    that round's; `iqr_s` becomes the interquartile range of the rounds' medians, and `round_medians_s` lists them
+    in round order. A candidate that failed in some rounds keeps a note saying how many; one that never ran ok
+    keeps its first record."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in results:
+        groups.setdefault((record["key"], record["candidate"]), []).append(record)
+    combined = []
+    for records in groups.values():
+        ok = [r for r in records if r.get("status") == "ok"]
+        if not ok:
+            combined.append(records[0])
+            continue
+        medians = [r["median_s"] for r in ok]
+        record = dict(sorted(ok, key=lambda r: r["median_s"])[(len(ok) - 1) // 2])
+        quartiles = statistics.quantiles(medians, n=4) if len(ok) > 1 else [medians[0]] * 3
+        record.update(iqr_s=quartiles[2] - quartiles[0], round_medians_s=medians, rounds=len(ok))
+        if len(ok) < len(records):
+            failed = next(r for r in records if r.get("status") != "ok")
+            note = f"{len(records) - len(ok)} of {len(records)} rounds {failed.get('status')}: {failed.get('note')}"
+            record["note"] = "; ".join(filter(None, (record.get("note"), note)))
+        combined.append(record)
+    return combined
 
 
 def _run_worker(spec: dict[str, Any], env: dict[str, str], on_record: Callable[[dict[str, Any]], None],
@@ -152,6 +196,7 @@ def _run_worker(spec: dict[str, Any], env: dict[str, str], on_record: Callable[[
                 if record["type"] == "meta":
                     out["meta"] = out["meta"] or record
                 else:
+                    record["round"] = spec.get("round", 0)
                     out["results"].append(record)
                     on_record(record)
         except BaseException:  # an interrupt, a failed callback: no worker outlives the run
@@ -235,6 +280,8 @@ def finish_partial(report: dict[str, Any], why: str) -> dict[str, Any]:
     """A run that stopped early, made a report of what it measured: targets over those results (the rest "not
     measured"), and `stopped` saying why. None of the run's results is dropped."""
     report["stopped"] = why
+    for condition in report.get("conditions", {}).values():
+        _combined(condition)
     return _with_targets(report)
 
 

@@ -36,6 +36,9 @@ def bench(
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="one process per candidate, "
                                                     "so no other thread pool is alive while one is timed; "
                                                     "default: on for the full run, off for --quick")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="time everything this many times, the candidates' order "
+                                        "rotated each round, and report the median round (for a machine whose "
+                                        "speed drifts)")] = 1,
 ) -> None:
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op, bertembed's
     reference and fused paths, against the machine's copy bandwidth; check the issue's targets."""
@@ -43,7 +46,7 @@ def bench(
         from bertembed.bench.runner import BenchOptions, count_steps, plan_cases
 
         options = BenchOptions(quick=quick, threads=threads, allocator=allocator, device=device, isolate=isolate,
-                               hiddens=tuple(hidden) if hidden else None, shapes=_shapes(shape))
+                               rounds=rounds, hiddens=tuple(hidden) if hidden else None, shapes=_shapes(shape))
         cases = plan_cases(options)
         from bertembed.explain.report import check_output
 
@@ -144,8 +147,9 @@ def _run_with_progress(options, cases, total: int, report: dict) -> str | None:
         task = progress.add_task("bench", total=total)
 
         def advance(record: dict) -> None:
+            turn = f" (round {record.get('round', 0) + 1}/{options.rounds})" if options.rounds > 1 else ""
             progress.update(task, advance=1,
-                            description=f"{record['condition']}: {record['key']} {record['candidate']}")
+                            description=f"{record['condition']}{turn}: {record['key']} {record['candidate']}")
 
         try:
             run_bench(options, advance, report)
