@@ -77,3 +77,16 @@ def test_cli_rejects_rounds_below_one_before_running():
 
     result = CliRunner().invoke(app, ["bench", "--quick", "--rounds", "0"])
     assert result.exit_code == 2 and "--rounds" in result.output
+
+
+def test_a_real_run_of_two_rounds_keeps_each_rounds_median_and_checks_every_output():
+    options = BenchOptions(threads=1, allocator="steady", vocab_size=100, warmup=1, min_run_time=0.01,
+                           bandwidth_bytes=4 << 20, candidates=("hf-eager", "bertembed-reference"), cases=[CASE],
+                           isolate=False, rounds=2)
+    report = run_bench(options)
+    results = report["conditions"]["steady"]["results"]
+    assert [r["candidate"] for r in results] == ["hf-eager", "bertembed-reference"]
+    for r in results:
+        assert r["status"] == "ok" and r["max_abs_diff"] == 0.0 and r["rounds"] == 2
+        assert min(r["round_medians_s"]) == r["median_s"]  # two rounds: the lower middle one
+    assert "2 rounds, the order rotated each round" in markdown(report)
