@@ -14,18 +14,20 @@ from numba.extending import intrinsic, overload
 _LINE = 64  # bytes in a cache line
 
 
-def _whole_rows(cpu_name: str) -> bool:
-    """Whether `prefetch_row` asks for every line of a row, not its first alone: on AMD's Zen cores. Measured on two
-    2-vCPU VMs (BENCHMARKS.md, the seventh and fifteenth rounds): on an Intel Xeon the first line alone was 1.12-1.15x
-    faster at (32, 128), the hardware's prefetcher following the row; on an AMD EPYC (Zen 3) prefetching every line
-    was 1.2-1.3x faster, its prefetcher leaving the rest of a random row to be missed. Other CPUs keep the first line.
+def zen_core(cpu_name: str) -> bool:
+    """Whether `cpu_name` (numba's name for a CPU) is one of AMD's Zen cores, where the kernels differ: `prefetch_row`
+    asks for every line of a row, not its first alone (`WHOLE_ROWS`), and forward outputs stream from 12 MiB
+    (`cpu_run._stream_out_from`). The prefetch, measured on two 2-vCPU VMs (BENCHMARKS.md, the seventh and fifteenth
+    rounds): on an Intel Xeon the first line alone was 1.12-1.15x faster at (32, 128), the hardware's prefetcher
+    following the row; on an AMD EPYC (Zen 3) prefetching every line was 1.2-1.3x faster, its prefetcher leaving the
+    rest of a random row to be missed. Other CPUs keep the first line.
     `cpu_name`: the CPU numba compiles for, which is part of the key of numba's on-disk cache, so code compiled with
     one answer is never loaded where the answer differs."""
     return cpu_name.startswith("znver")
 
 
 CPU_NAME = config.CPU_NAME or binding.get_host_cpu_name()  # what numba compiles for
-WHOLE_ROWS = _whole_rows(CPU_NAME)
+WHOLE_ROWS = zen_core(CPU_NAME)
 
 
 def _prefetch(context, builder, signature, args, write: int, whole: bool):

@@ -98,7 +98,7 @@ _STREAM_FROM = 16 << 20  # bytes
 def _stream_out_from(cpu_name: str) -> int:
     """Bytes from which forward outputs are streamed on the CPU numba compiles for (above): 12 MiB on AMD's Zen cores,
     32 MiB elsewhere."""
-    return (12 << 20) if cpu_name.startswith("znver") else (32 << 20)
+    return (12 << 20) if cpu_rows.zen_core(cpu_name) else (32 << 20)
 
 
 _STREAM_OUT_FROM = _stream_out_from(cpu_rows.CPU_NAME)
