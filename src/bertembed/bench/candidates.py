@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -96,6 +97,26 @@ def _no_random_init() -> Iterator[None]:
     finally:
         for name, fill in saved.items():
             setattr(nn.init, name, fill)
+
+
+_FUSED_IMPORTS = ("bertembed.embeddings", "bertembed.kernels.function", "bertembed.kernels.lean")
+_HF_IMPORTS = ("transformers.models.bert.modeling_bert",)
+# The modules beyond torch that building (and first calling) each candidate imports.
+IMPORTS: dict[str, tuple[str, ...]] = {
+    "hf-eager": _HF_IMPORTS, "hf-compile": (*_HF_IMPORTS, "torch._dynamo", "torch._inductor.compile_fx"),
+    "ort-fused": ("onnx", "onnxruntime"), "bertembed-reference": ("bertembed.embeddings",),
+    "bertembed-fused": _FUSED_IMPORTS, "bertembed-fused-device-checks": _FUSED_IMPORTS,
+}
+
+
+def preload(names: tuple[str, ...]) -> None:
+    """Imports what the candidates `names` would import when built; a module that is missing is skipped here (the
+    candidate is then reported as not available, with the reason, when built)."""
+    for module in sorted({m for name in names for m in IMPORTS.get(name, ())}):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
 
 
 def _hf_module(work: Workload) -> nn.Module:
