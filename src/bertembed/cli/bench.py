@@ -19,7 +19,7 @@ _RESULT_STYLE = {"pass": "green", "miss": "red"}
 @app.command()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), short timers, "
-                                        "the steady allocator only: 25-40 s once compiled, 46-71 s on a fresh "
+                                        "the steady allocator only: 25-30 s once compiled, 46-51 s on a fresh "
                                         "install (2 vCPUs)")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch / ORT / numba threads")] = 2,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="write every measurement as JSON")] = None,
