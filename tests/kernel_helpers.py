@@ -284,3 +284,31 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
                     patch.setattr(_backend_module(backend), "run_forward", _no_kernel)
                     fused(ids)
                 assert str(got.value) == str(expected.value)
+
+
+def check_gradient_penalties(backend: str, device: str = "cpu") -> None:
+    """Double backward (`create_graph=True`, a gradient penalty) through the fused layer equals the reference's, for
+    every parameter: with an upstream gradient that needs a graph itself (a cubic loss) and with a constant one (a
+    linear loss, whose first-order gradients still depend on the tables and LayerNorm's weight). Padding, a repeated
+    id, segment ids and a position offset included. With dropout on it raises, naming the way out."""
+    ref, fused = (layer.to(device) for layer in twins(40, backend, hidden_dropout_prob=0.0))
+    ids = awkward_ids(3, 7, ref.config.vocab_size).to(device)
+    segments = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    weights = torch.randn((*ids.shape, 40), generator=torch.Generator().manual_seed(4)).to(device)
+    for loss_of in (lambda out: (out ** 3).sum(), lambda out: (out * weights).sum()):
+        grads = []
+        for layer in (ref, fused):
+            layer.zero_grad()
+            out = layer(ids, token_type_ids=segments, past_key_values_length=2)
+            names, params = zip(*layer.named_parameters(), strict=True)
+            first = torch.autograd.grad(loss_of(out), params, create_graph=True)
+            assert all(g.requires_grad for n, g in zip(names, first, strict=True) if n != "LayerNorm.bias")
+            (out.square().mean() + sum(g.square().sum() for g in first)).backward()
+            grads.append({name: p.grad for name, p in layer.named_parameters()})
+        for name, expected in grads[0].items():
+            assert_grad_close(grads[1][name], expected, name)
+    fused.train()
+    fused.dropout.p = 0.1
+    out = fused(ids)
+    with pytest.raises(RuntimeError, match="backend='reference'"):
+        torch.autograd.grad((out * weights).sum(), fused.LayerNorm.weight, create_graph=True)

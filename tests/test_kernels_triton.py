@@ -27,6 +27,7 @@ from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_custom_op_compiles,
     check_empty_batches,
+    check_gradient_penalties,
     check_layer_norm_dtypes_as_torch,
     check_low_precision,
     check_low_precision_grads_beat_torchs,
@@ -216,6 +217,10 @@ def test_patched_model_on_gpu_matches_and_compiles():
         torch.testing.assert_close(patched(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
         compiled = torch.compile(patched)
         torch.testing.assert_close(compiled(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+
+
+def test_gradient_penalties_differentiate_through_the_fused_layer():
+    check_gradient_penalties("triton", DEVICE)
 
 
 @pytest.mark.parametrize("hidden", [384, 768, 1024])

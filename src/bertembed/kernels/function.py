@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
 
 
 def _backend_module(backend: str):
@@ -124,7 +124,7 @@ def _(grad, input_ids, token_type_ids, position_ids, past, word, segment, positi
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (input_ids, token_type_ids, position_ids, past, word, segment, position, weight, _bias, _eps, p, seed, padding_idx,
+    (input_ids, token_type_ids, position_ids, past, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
      backend, deterministic) = inputs
     _out, mean, rstd = output
     # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step (two
@@ -133,6 +133,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
     ctx.options = (past, p, seed, padding_idx, backend, deterministic)
+    ctx.eps = eps  # (for `_gradients_with_graph` alone)
 
 
 def _backward_with(gradients):
@@ -154,17 +155,46 @@ def _backward_with(gradients):
 embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_context=_setup_context)
 
 
-def _once_differentiable(backward):
-    """`backward` whose gradients raise when differentiated again (double backward, `create_graph=True`): the kernels'
-    gradients are not differentiable, and would otherwise leave as constants, so a gradient penalty would lose the
-    layer's part unseen. torch's `once_differentiable` does it for 2.2 us a call; autograd runs a backward with grad
-    mode on only for `create_graph=True`, so that is the only time it is paid."""
-    guarded = once_differentiable(backward)
+def _twice_differentiable(backward):
+    """`backward`, except under `create_graph=True` (double backward, as a gradient penalty asks), where autograd runs
+    a backward with grad mode on: there the gradients come from torch's own ops (`_gradients_with_graph`), so they can
+    be differentiated again. The kernels' gradients cannot, and leaving them as constants would drop the layer's part
+    of a penalty unseen: its gradients depend on the tables and LayerNorm's weight even when the upstream gradient is
+    constant. Any other backward pays one `is_grad_enabled` call."""
 
-    def run(ctx, *grads):
-        return guarded(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+    def run(ctx, grad, *_stats_grads):
+        return _gradients_with_graph(ctx, grad) if torch.is_grad_enabled() else backward(ctx, grad, *_stats_grads)
 
     return run
+
+
+def _gradients_with_graph(ctx, grad):
+    """The backward's return value recomputed with a graph: the forward again in torch's ops on the saved tables
+    (embedding lookups, the two adds, `layer_norm`), then `torch.autograd.grad(create_graph=True)` through it. Its
+    first-order values equal the kernels' to float32 rounding (the reference layer's tests hold both to it)."""
+    input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
+    past, p, _seed, padding_idx, _backend, _deterministic = ctx.options
+    if p > 0:
+        raise RuntimeError("double backward (create_graph=True) through the fused layer's dropout is not supported: "
+                           "its mask lives in the kernel; use backend='reference', or dropout off (eval mode)")
+    length = input_ids.shape[1]
+    if token_type_ids is None:
+        token_type_ids = torch.zeros_like(input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
+    summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
+    summed = summed + F.embedding(token_type_ids, segment)
+    if position is not None:
+        summed = summed + F.embedding(position_ids, position)
+    out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
+    chosen = [(i, t) for i, t in enumerate((word, segment, position, weight))
+              if t is not None and ctx.needs_input_grad[4 + i]]  # (the op's inputs 4-7)
+    found = torch.autograd.grad(out, [t for _, t in chosen], grad, create_graph=True, materialize_grads=True)
+    tables = [None] * 4
+    for (i, _), g in zip(chosen, found, strict=True):
+        tables[i] = g
+    dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[8] else None
+    return (None, None, None, None, *tables, dbias, None, None, None, None, None, None)
 
 
 class EagerEmbeddings(torch.autograd.Function):
@@ -179,4 +209,4 @@ class EagerEmbeddings(torch.autograd.Function):
         ctx.mark_non_differentiable(*output[1:])
         return output
 
-    backward = staticmethod(_once_differentiable(_backward_with(_gradients)))
+    backward = staticmethod(_twice_differentiable(_backward_with(_gradients)))
