@@ -75,6 +75,31 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
         assert message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_help_keeps_square_brackets():
+    """rich reads help text as markup, where "[viz]" is a style tag and vanishes unless escaped."""
+    for args, text in ((("inspect", "positions", "--help"), "bertembed[viz]"),
+                       (("inspect", "onehot", "--help"), "W[ids]")):
+        done = run(*args)
+        assert done.returncode == 0, done.stderr
+        assert text in done.stdout, args
+
+
+def test_each_warning_prints_once():
+    """bertembed's warnings reach stderr; a library's that has its own handler (huggingface_hub's retries) is not
+    printed a second time through a root handler of ours."""
+    code = """import logging
+from bertembed.cli.app import user_errors
+library = logging.getLogger("library")
+library.addHandler(logging.StreamHandler())
+with user_errors():
+    library.warning("retrying")
+    logging.getLogger("bertembed.kernels").warning("fell back")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("retrying") == 1 and done.stderr.count("fell back") == 1, done.stderr
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()

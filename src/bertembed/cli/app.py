@@ -48,10 +48,22 @@ def say_model(source, *, quiet: bool = False) -> None:
                       "(from the Hugging Face cache or hub)[/dim]")
 
 
+def _show_our_warnings() -> None:
+    """bertembed's warnings (a fallback's reason) on stderr. Only bertembed's logger gets the handler: a root one would
+    print again every library message that has its own handler (huggingface_hub's retries came out twice)."""
+    ours = logging.getLogger("bertembed")
+    if not any(getattr(h, "_bertembed", False) for h in ours.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._bertembed = True
+        ours.addHandler(handler)
+        ours.setLevel(logging.WARNING)
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Bad input ends the command with its message and exit status 2, not a traceback."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _show_our_warnings()
     try:
         yield
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:

@@ -17,7 +17,7 @@ app.add_typer(inspect_app, name="inspect")
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
-                                                "(needs matplotlib: pip install 'bertembed[viz]')")]
+                                                "(needs matplotlib: pip install 'bertembed\\[viz]')")]
 
 
 def check_plot_path(plot: str | None) -> None:
@@ -74,7 +74,7 @@ def _table(title: str, rows: list[dict]):
 
 @inspect_app.command()
 def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
-              k: Annotated[int, typer.Option(help="how many low-frequency cosines to fit")] = 16) -> None:
+              k: Annotated[int, typer.Option("--k", "-k", help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
     with user_errors():
         from bertembed.explain.positions import analyze_positions
@@ -101,7 +101,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
 @inspect_app.command()
 def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g. king or ##ing")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
-           k: Annotated[int, typer.Option("-k", help="how many neighbours")] = 10) -> None:
+           k: Annotated[int, typer.Option("--k", "-k", help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
     with user_errors():
         from bertembed.explain.tokens import analyze_tokens
@@ -117,7 +117,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 @inspect_app.command()
 def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
-    """Check that one_hot(ids) @ W equals the lookup W[ids], and what each costs."""
+    r"""Check that one_hot(ids) @ W equals the lookup W\[ids], and what each costs."""
     with user_errors():
         from bertembed.explain.onehot import analyze_onehot
 
