@@ -178,6 +178,9 @@ def test_unknown_single_file_format_and_missing_paths(tmp_path):
         BertEmbeddings.from_pretrained(tmp_path / "weights.h5")
     with pytest.raises(FileNotFoundError, match="neither an existing file"):
         BertEmbeddings.from_pretrained(tmp_path / "nowhere")
+    for relative in ("tf/nothing.h5", "org/model.safetensors", "some/config.json"):  # paths, not hub ids
+        with pytest.raises(FileNotFoundError, match="neither an existing file"):
+            BertEmbeddings.from_pretrained(relative)
     with pytest.raises(FileNotFoundError, match="none of"):
         BertEmbeddings.from_pretrained(tmp_path)
 

