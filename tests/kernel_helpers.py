@@ -312,3 +312,38 @@ def check_gradient_penalties(backend: str, device: str = "cpu") -> None:
     out = fused(ids)
     with pytest.raises(RuntimeError, match="backend='reference'"):
         torch.autograd.grad((out * weights).sum(), fused.LayerNorm.weight, create_graph=True)
+
+
+def check_autograd_modes(backend: str, device: str = "cpu") -> None:
+    """The fused layer under autograd's other modes equals the reference: its output edited in place before the
+    backward (a forward hook's `mul_`), forward-mode AD (`jacobian(strategy="forward-mode")`, under no_grad too), and
+    a batched backward (`is_grads_batched`, `jacobian(vectorize=True)`)."""
+    from torch.func import functional_call
+
+    ref, fused = (layer.to(device) for layer in twins(8, backend, vocab=10, max_position_embeddings=8))
+    ids = torch.tensor([[1, 2, 2, 0]], device=device)
+    upstream = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(5)).to(device)
+    edited = []
+    for layer in (ref, fused):
+        layer.zero_grad()
+        out = layer(ids)
+        out.mul_(2)[:, 0] = 0  # in place, twice
+        (out * upstream).sum().backward()
+        edited.append((out, {name: p.grad for name, p in layer.named_parameters()}))
+    assert_output_close(edited[1][0], edited[0][0])
+    for name, expected in edited[0][1].items():
+        assert_grad_close(edited[1][1][name], expected, name)
+    word = ref.word_embeddings.weight.detach().clone()
+    for how in ({"strategy": "forward-mode", "vectorize": True}, {"vectorize": True}):
+        for grad_mode in (True, False):
+            jacobians = []
+            for layer in (ref, fused):
+                params = {k: p.detach() for k, p in layer.named_parameters()}
+
+                def embed(w, layer=layer, params=params):
+                    return functional_call(layer, {**params, "word_embeddings.weight": w}, (ids,))
+
+                with torch.set_grad_enabled(grad_mode):
+                    jacobians.append(torch.autograd.functional.jacobian(embed, word, **how))
+            assert jacobians[0].abs().max() > 0, how
+            assert_grad_close(jacobians[1], jacobians[0], str(how))

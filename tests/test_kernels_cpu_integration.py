@@ -16,6 +16,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_autograd_modes,
     check_custom_op_compiles,
     check_gradient_penalties,
     check_traced_whole_layer,
@@ -81,6 +82,10 @@ def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
         with torch.set_grad_enabled(grad_mode):
             out = torch.vmap(lambda sentence: fused(sentence[None])[0])(ids)
             assert torch.equal(out, ref(ids))
+
+
+def test_autograds_other_modes_match_the_reference():
+    check_autograd_modes("cpu")
 
 
 def test_gradient_penalties_differentiate_through_the_fused_layer():

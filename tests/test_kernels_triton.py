@@ -25,6 +25,7 @@ from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
     awkward_ids,
+    check_autograd_modes,
     check_custom_op_compiles,
     check_empty_batches,
     check_gradient_penalties,
@@ -217,6 +218,10 @@ def test_patched_model_on_gpu_matches_and_compiles():
         torch.testing.assert_close(patched(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
         compiled = torch.compile(patched)
         torch.testing.assert_close(compiled(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+
+
+def test_autograds_other_modes_match_the_reference():
+    check_autograd_modes("triton", DEVICE)
 
 
 def test_gradient_penalties_differentiate_through_the_fused_layer():

@@ -10,6 +10,7 @@ import operator
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from bertembed.config import EmbeddingConfig
 
@@ -23,6 +24,12 @@ def _check_int(name: str, ids: torch.Tensor) -> None:
     if ids.dtype not in _INT_DTYPES:
         raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers of 64 or 32 "
                          f"bits; convert with {name}.long()")
+
+
+def forward_ad_on() -> bool:
+    """Whether forward-mode AD is on (inside `torch.autograd.forward_ad.dual_level()`, as `jacobian(...,
+    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped. (30 ns.)"""
+    return _forward_ad._current_level >= 0
 
 
 def in_torch_func() -> bool:

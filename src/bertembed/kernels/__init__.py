@@ -31,6 +31,7 @@ from bertembed.validation import (
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
+    forward_ad_on,
     in_torch_func,
     offset,
     summed_dtype,
@@ -110,6 +111,8 @@ def _transform_reason() -> str | None:
     if not is_compiling():  # (dynamo cannot trace these two questions)
         if in_torch_func():
             return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
+        if forward_ad_on():
+            return "forward-mode AD (a dual level) is on, and the fused kernels have no jvp rule"
         if torch._C._is_tracing():
             return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
         return None

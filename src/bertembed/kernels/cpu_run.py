@@ -131,17 +131,19 @@ def stream_output(out: torch.Tensor, fresh: bool | None = None) -> bool:
     return not (pages.is_fresh(out) if fresh is None else fresh)
 
 
-def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None):
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
+                shape=None):
     """ids, tts, pids: [N] int64; tables [*, H] float32 or bfloat16 (one dtype); pos may be None.
 
-    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32). `out`, if given, is written in place.
+    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32). `out`, if given, is written in place;
+    `shape`, if given, is the shape of a new `out` (of N x H elements), returned in it and not as a view.
     """
     n, h = ids.numel(), word.shape[1]
     fresh = None  # a caller's buffer: asked when it matters
     if out is None:
-        out = torch.empty(n, h, dtype=word.dtype)
+        out = torch.empty(shape or (n, h), dtype=word.dtype)
         fresh = pages.advise_if_fresh(out)
-    out = out.view(n, h)
+    whole, out = out, out.view(n, h)
     mean, rstd = torch.empty(n), torch.empty(n)
     pos_np = _np(pos) if pos is not None else _np(word[:0])
     chunks = forward_chunks(n)
@@ -152,7 +154,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
                   float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
                   chunks, stream_output(out, fresh))
     check_bad(bad, "bertembed cpu forward")
-    return out, mean, rstd
+    return whole if shape else out, mean, rstd
 
 
 def _word_gradient(rows: int, h: int) -> tuple[torch.Tensor, bool]:

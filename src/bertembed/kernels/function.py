@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from bertembed.validation import in_torch_func
+
 
 def _backend_module(backend: str):
     if backend == "cpu":
@@ -49,10 +51,13 @@ def _forward(input_ids, token_type_ids, position_ids, past, word, segment, posit
              padding_idx, backend, deterministic):
     batch, length = input_ids.shape
     flat, extra = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
+    # the output comes in its own shape, not as a view of the kernel's [N, H]: a view made inside an autograd Function
+    # may not be changed in place afterwards (`out.mul_(2)`, a forward hook's edit), which a plain tensor may
     out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
                                                            None if position is None else position.contiguous(),
-                                                           weight, bias, eps, p, seed, **extra)
-    return out.view(batch, length, word.shape[1]), mean.view(batch, length), rstd.view(batch, length)
+                                                           weight, bias, eps, p, seed,
+                                                           shape=(batch, length, word.shape[1]), **extra)
+    return out, mean.view(batch, length), rstd.view(batch, length)
 
 
 @torch.library.custom_op("bertembed::embeddings", mutates_args=())
@@ -160,10 +165,13 @@ def _twice_differentiable(backward):
     a backward with grad mode on: there the gradients come from torch's own ops (`_gradients_with_graph`), so they can
     be differentiated again. The kernels' gradients cannot, and leaving them as constants would drop the layer's part
     of a penalty unseen: its gradients depend on the tables and LayerNorm's weight even when the upstream gradient is
-    constant. Any other backward pays one `is_grad_enabled` call."""
+    constant. The same for a batched backward (`is_grads_batched=True`, `jacobian(vectorize=True)`), which runs under
+    vmap, where the kernels cannot read the wrapped gradient. Any other backward pays three checks (0.3 us)."""
 
     def run(ctx, grad, *_stats_grads):
-        return _gradients_with_graph(ctx, grad) if torch.is_grad_enabled() else backward(ctx, grad, *_stats_grads)
+        if torch.is_grad_enabled() or in_torch_func() or torch._C._functorch.is_legacy_batchedtensor(grad):
+            return _gradients_with_graph(ctx, grad)
+        return backward(ctx, grad, *_stats_grads)
 
     return run
 
@@ -175,21 +183,25 @@ def _gradients_with_graph(ctx, grad):
     input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
     past, p, _seed, padding_idx, _backend, _deterministic = ctx.options
     if p > 0:
-        raise RuntimeError("double backward (create_graph=True) through the fused layer's dropout is not supported: "
-                           "its mask lives in the kernel; use backend='reference', or dropout off (eval mode)")
+        raise RuntimeError("a double backward (create_graph=True) or batched one (is_grads_batched) through the fused "
+                           "layer's dropout is not supported: its mask lives in the kernel; use backend='reference', "
+                           "or dropout off (eval mode)")
     length = input_ids.shape[1]
     if token_type_ids is None:
         token_type_ids = torch.zeros_like(input_ids)
     if position_ids is None:
         position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
-    summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
-    summed = summed + F.embedding(token_type_ids, segment)
-    if position is not None:
-        summed = summed + F.embedding(position_ids, position)
-    out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
+    graph = torch.is_grad_enabled()  # create_graph=True; off for a batched backward without it
+    with torch.enable_grad():
+        summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
+        summed = summed + F.embedding(token_type_ids, segment)
+        if position is not None:
+            summed = summed + F.embedding(position_ids, position)
+        out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
     chosen = [(i, t) for i, t in enumerate((word, segment, position, weight))
               if t is not None and ctx.needs_input_grad[4 + i]]  # (the op's inputs 4-7)
-    found = torch.autograd.grad(out, [t for _, t in chosen], grad, create_graph=True, materialize_grads=True)
+    found = torch.autograd.grad(out, [t for _, t in chosen], grad, create_graph=graph,
+                                materialize_grads=True) if chosen else ()
     tables = [None] * 4
     for (i, _), g in zip(chosen, found, strict=True):
         tables[i] = g

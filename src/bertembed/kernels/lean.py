@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from numba import carray, njit, types
 from numba.extending import overload
+from torch.autograd import forward_ad as _forward_ad
 
 from bertembed.embeddings import KERNEL_CACHE
 from bertembed.kernels import _cpu_pool, cpu, cpu_run, pages
@@ -209,8 +210,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     state = layer.__dict__  # (each attribute read of an nn.Module costs 50 ns, a dict read 15)
     if position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or type(past_key_values_length) is not int \
-            or not 0 <= past_key_values_length < 1 << 31 or torch.is_grad_enabled():
-        return None  # (autograd needs the custom op)
+            or not 0 <= past_key_values_length < 1 << 31 or torch.is_grad_enabled() or _forward_ad._current_level >= 0:
+        return None  # (autograd needs the custom op; forward-mode AD, the reference: `validation.forward_ad_on`)
     shape = input_ids.shape
     if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():
         return None
