@@ -347,3 +347,27 @@ def check_autograd_modes(backend: str, device: str = "cpu") -> None:
                     jacobians.append(torch.autograd.functional.jacobian(embed, word, **how))
             assert jacobians[0].abs().max() > 0, how
             assert_grad_close(jacobians[1], jacobians[0], str(how))
+
+
+def check_edited_default_id_buffers(backend: str, device: str = "cpu", shapes=((2, 6, 40),)) -> None:
+    """A layer whose default-id buffers were edited (a new `position_ids` tensor assigned, `token_type_ids` changed in
+    place), as transformers' may be, gives the reference's output and gradients: the kernels then read the ids from
+    the buffers instead of computing 0, 1, 2, ... and zeros. Then back to the defaults."""
+    for batch, length, hidden in shapes:
+        ref, fused = (layer.to(device) for layer in twins(hidden, backend, max_position_embeddings=64))
+        ids = awkward_ids(batch, length, ref.config.vocab_size).to(device)
+        for step in ("positions", "segments", "restored"):
+            for layer in (ref, fused):
+                if step == "positions":
+                    layer.position_ids = (torch.arange(64, device=device) // 2)[None]
+                elif step == "segments":
+                    layer.token_type_ids[:, 1::2] = 1
+                else:
+                    layer.position_ids = torch.arange(64, device=device)[None]
+                    layer.token_type_ids.zero_()
+            with torch.no_grad():
+                assert_output_close(fused(ids, past_key_values_length=3), ref(ids, past_key_values_length=3))
+            ref.zero_grad()
+            fused.zero_grad()
+            run_both(ref, fused, input_ids=ids)
+            assert_grads_match(ref, fused)

@@ -18,6 +18,7 @@ from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_autograd_modes,
     check_custom_op_compiles,
+    check_edited_default_id_buffers,
     check_gradient_penalties,
     check_traced_whole_layer,
     run_both,
@@ -82,6 +83,10 @@ def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
         with torch.set_grad_enabled(grad_mode):
             out = torch.vmap(lambda sentence: fused(sentence[None])[0])(ids)
             assert torch.equal(out, ref(ids))
+
+
+def test_edited_default_id_buffers_are_read():
+    check_edited_default_id_buffers("cpu", shapes=((2, 6, 40), (4, 60, 560)))
 
 
 def test_autograds_other_modes_match_the_reference():

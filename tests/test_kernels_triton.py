@@ -27,6 +27,7 @@ from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_autograd_modes,
     check_custom_op_compiles,
+    check_edited_default_id_buffers,
     check_empty_batches,
     check_gradient_penalties,
     check_layer_norm_dtypes_as_torch,
@@ -218,6 +219,10 @@ def test_patched_model_on_gpu_matches_and_compiles():
         torch.testing.assert_close(patched(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
         compiled = torch.compile(patched)
         torch.testing.assert_close(compiled(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+
+
+def test_edited_default_id_buffers_are_read():
+    check_edited_default_id_buffers("triton", DEVICE)
 
 
 def test_autograds_other_modes_match_the_reference():

@@ -204,13 +204,19 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     assert (out.double() - exact).abs().max() <= 3 * (out_ref.double() - exact).abs().max()
 
 
-def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model():
-    """peft's LoRA on `word_embeddings` wraps the table in its own module, whose forward adds the low-rank update:
-    the fused layer runs that forward (the reference path) whether the model was patched before or after the adapter
-    went in, so outputs and gradients, the adapter's included, are the unpatched adapted model's."""
+@pytest.mark.parametrize("adapter", ["lora", "trainable tokens"])
+def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model(adapter):
+    """peft's LoRA on `word_embeddings` wraps the table in its own module, whose forward adds the low-rank update
+    (trainable tokens: a wrapper whose weight is built when read, which patching once failed on): the fused layer
+    runs that forward (the reference path) whether the model was patched before or after the adapter went in, so
+    outputs and gradients, the adapter's included, are the unpatched adapted model's."""
     peft = pytest.importorskip("peft", reason="peft (the dev extra) provides the LoRA adapter this test puts in")
     model = model_of(transformers.BertModel).train()
-    config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False)  # a random update
+    if adapter == "lora":  # a random update
+        config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False)
+    else:
+        config = peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False,
+                                 trainable_token_indices={"word_embeddings": [5, 6, 7]})
     adapted = peft.get_peft_model(copy.deepcopy(model), config)
     patched_after = bertembed.patch(copy.deepcopy(adapted), backend="cpu")
     patched_before = peft.get_peft_model(bertembed.patch(copy.deepcopy(model), backend="cpu"), config)

@@ -43,8 +43,12 @@ def _position_type(hf: nn.Module) -> str:
 
 
 def _base(module: nn.Module) -> nn.Module:
-    """The module a wrapper wraps (peft's adapters: `get_base_layer()`), or the module itself."""
-    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    """The module a wrapper wraps (peft's adapters: `get_base_layer()`; its trainable-token wrapper:
+    `original_module`), or the module itself."""
+    if hasattr(module, "get_base_layer"):
+        return module.get_base_layer()
+    original = getattr(module, "original_module", None)
+    return original if isinstance(original, nn.Module) else module
 
 
 def _config_of(hf: nn.Module) -> EmbeddingConfig:
@@ -60,8 +64,9 @@ def _config_of(hf: nn.Module) -> EmbeddingConfig:
 
 def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated)."""
+    config = _config_of(hf)  # outside the meta device: a wrapper may build its weight when read (peft's tokens)
     with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
-        layer = BertEmbeddings(_config_of(hf), backend=backend)
+        layer = BertEmbeddings(config, backend=backend)
     for name in _SHARED:
         setattr(layer, name, getattr(hf, name))
     device = _base(hf.word_embeddings).weight.device

@@ -88,6 +88,24 @@ def _summed(word: torch.Tensor, segment: torch.Tensor, position: torch.Tensor | 
 
 KERNEL_CACHE = "_kernel_cache"  # the attribute where the fused kernels keep what they derive from the tables
 SUBMODULE_VERDICT = "_kernel_verdict"  # and whether they may stand in for the submodules (`kernels.submodules`)
+DEFAULT_IDS = "_default_ids_verdict"  # and whether the default-id buffers still hold BERT's defaults
+
+
+def default_ids_untouched(layer) -> bool:
+    """Whether the layer's default-id buffers still hold 0, 1, 2, ... and zeros, which the fused kernels compute
+    instead of reading them (so a layer whose buffers were edited, as transformers' may be, must hand its ids to the
+    kernels). Cached on the buffers themselves and their versions (an in-place edit bumps it; an assignment or `.to()`
+    brings a new tensor), so a call costs a few attribute reads; ids on the meta device have no values to check."""
+    buffers = layer._buffers
+    positions, types = buffers["position_ids"], buffers["token_type_ids"]
+    cached = layer.__dict__.get(DEFAULT_IDS)
+    if cached is not None and cached[0] is positions and cached[1] == positions._version and cached[2] is types \
+            and cached[3] == types._version:
+        return cached[4]
+    counting = torch.arange(positions.shape[-1], device=positions.device)
+    untouched = positions.device.type == "meta" or (bool((positions == counting).all()) and not bool(types.any()))
+    layer.__dict__[DEFAULT_IDS] = (positions, positions._version, types, types._version, untouched)
+    return untouched
 
 
 class BertEmbeddings(nn.Module):
@@ -120,6 +138,7 @@ class BertEmbeddings(nn.Module):
         state = super().__getstate__()
         state.pop(KERNEL_CACHE, None)
         state.pop(SUBMODULE_VERDICT, None)
+        state.pop(DEFAULT_IDS, None)
         return state
 
     def _apply(self, fn, recurse=True):
@@ -127,6 +146,7 @@ class BertEmbeddings(nn.Module):
         kernels' cache is dropped first, as its numpy views would keep the old tables' memory alive until the next
         fused CPU call (never, on a layer moved to float16 or a GPU)."""
         self.__dict__.pop(KERNEL_CACHE, None)
+        self.__dict__.pop(DEFAULT_IDS, None)
         return super()._apply(fn, recurse)
 
     def reset_parameters(self) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from bertembed.config import EmbeddingConfig
+from bertembed.embeddings import default_ids_untouched
 from bertembed.kernels.submodules import submodule_reason
 from bertembed.validation import (
     check_inputs,
@@ -310,7 +311,8 @@ def _short_path(backend: str, cuda: bool):
 
 def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """`BertEmbeddings.forward` on the fused kernel, or None when these inputs need the reference (reason logged)."""
-    if is_compiling() or torch._C._is_tracing():  # traced (torch.compile, torch.export: the custom op below goes into
+    traced = is_compiling() or torch._C._is_tracing()
+    if traced:  # traced (torch.compile, torch.export: the custom op below goes into
         short = None  # the graph; torch.jit.trace: the reference), since the short paths hand addresses to compiled
         # code, which no tracer can follow. (`torch.jit.is_tracing` costs 77 ns, its C function 29.)
     else:  # (a sentence's latency: the dict is read here, not through a call)
@@ -324,6 +326,10 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     if reason := submodule_reason(layer, torch.is_grad_enabled()):  # first: a wrapper may have no `weight` to read
         _fall_back(reason)
         return None
+    if inputs_embeds is None and (position_ids is None or token_type_ids is None) and not traced \
+            and not in_torch_func() and not default_ids_untouched(layer):  # (neither reads a traced or wrapped buffer)
+        position_ids, token_type_ids = _ids_from_buffers(layer, input_ids, token_type_ids, position_ids,
+                                                         past_key_values_length)
     word = layer.word_embeddings.weight
     chosen, reason = select_backend(layer.backend, word.device, word.dtype)
     positions = layer.position_embeddings
@@ -341,6 +347,23 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
     p = dropout.p if dropout.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
+
+
+def _ids_from_buffers(layer, input_ids, token_type_ids, position_ids, past):
+    """(position ids, segment ids), the missing ones sliced from the layer's default-id buffers as the reference
+    slices them, for a layer whose buffers were edited (the kernels would compute 0, 1, 2, ... and zeros). Inputs
+    the reference would refuse are left as they are, for the checks to name."""
+    try:
+        length, past = input_ids.shape[-1], offset(past)
+    except (AttributeError, IndexError, ValueError, TypeError):
+        return position_ids, token_type_ids
+    if past < 0:
+        return position_ids, token_type_ids
+    if position_ids is None:
+        position_ids = layer._default_ids("position_ids", past, length)
+    if token_type_ids is None:
+        token_type_ids = layer._default_ids("token_type_ids", 0, length)
+    return position_ids, token_type_ids
 
 
 def _layer_options(layer) -> KernelOptions:

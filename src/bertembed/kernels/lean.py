@@ -28,7 +28,7 @@ from numba import carray, njit, types
 from numba.extending import overload
 from torch.autograd import forward_ad as _forward_ad
 
-from bertembed.embeddings import KERNEL_CACHE
+from bertembed.embeddings import KERNEL_CACHE, default_ids_untouched
 from bertembed.kernels import _cpu_pool, cpu, cpu_run, pages
 from bertembed.kernels.cpu_elements import as_float32, borrowed, dropout_threshold, hold, pointer
 from bertembed.kernels.submodules import short_path_tables
@@ -163,8 +163,9 @@ class _Tables(NamedTuple):
     """The five CPU tables (word, segment, position, weight, bias) as numpy views (bfloat16 as uint16 bits), and as
     addresses followed by the rows of the first three, the hidden size (V, T, P, H) and 1 for a bfloat16 LayerNorm
     weight and bias (0: float32), for `_infer`. The views hold the tensors' storage, so the addresses stay valid while
-    this is held. `dtype`: the word, segment and position tables', float32 or bfloat16; the LayerNorm's is the same,
-    or float32 beside bfloat16 tables (mixed precision)."""
+    this is held; after them the two default-id buffers, held so that their ids in the cache key stay theirs.
+    `dtype`: the word, segment and position tables', float32 or bfloat16; the LayerNorm's is the same, or float32
+    beside bfloat16 tables (mixed precision)."""
 
     arrays: list
     addresses: tuple
@@ -186,11 +187,17 @@ def _tables(layer, state: dict) -> tuple[_Tables, float] | None:
     # The same storage (the cached views hold the old one, so no address is reused) and extents of the tables whose rows
     # the ids bound (`nbytes` costs 70 ns, `shape` 120). A view at the same address with other sizes reads inside the
     # held storage; the kernel can never read outside it.
+    # And the default-id buffers, as they are and their versions (an edit): the kernel computes 0, 1, 2, ... and zeros
+    # itself, so edited buffers send the call to the general path (`default_ids_untouched`). (About 150 ns.)
+    buffers = state["_buffers"]
+    positions, types = buffers["position_ids"], buffers["token_type_ids"]
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.nbytes,
-           segment.nbytes, position.nbytes)
+           segment.nbytes, position.nbytes, id(positions), positions._version, id(types), types._version)
     cached = state.get(KERNEL_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1], eps
+    if not default_ids_untouched(layer):
+        return None
     hidden, dtype, norm = word.shape[1], word.dtype, weight.dtype
     if dtype not in _SHORT_DTYPES or segment.dtype != dtype or position.dtype != dtype \
             or norm not in (dtype, torch.float32) or bias.dtype != norm \
@@ -198,8 +205,10 @@ def _tables(layer, state: dict) -> tuple[_Tables, float] | None:
             or segment.shape[1] != hidden or position.shape[1] != hidden or weight.shape != (hidden,) \
             or bias.shape != (hidden,):
         return None  # not cached: a dtype or device change always comes with new storage
-    tables = _Tables([cpu_run._np(t) for t in tensors], (*key[:5], word.shape[0], segment.shape[0], position.shape[0],
-                                                          hidden, int(norm is torch.bfloat16)), dtype)
+    # (the buffers are held too, so no other tensor takes their ids while this is cached)
+    rows = (word.shape[0], segment.shape[0], position.shape[0])
+    tables = _Tables([*(cpu_run._np(t) for t in tensors), positions, types],
+                     (*key[:5], *rows, hidden, int(norm is torch.bfloat16)), dtype)
     state[KERNEL_CACHE] = (key, tables)  # (not pickled or copied: `BertEmbeddings.__getstate__`)
     return tables, eps
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from bertembed.embeddings import default_ids_untouched
 from bertembed.kernels import _DTYPES, ID_CHECKS
 from bertembed.kernels import triton as triton_kernels
 from bertembed.kernels.submodules import short_path_tables
@@ -51,7 +52,7 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
     if torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
             or type(input_ids) is not torch.Tensor or not input_ids.is_cuda or input_ids.dtype != torch.int64 \
             or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int \
-            or in_torch_func() or forward_ad_on():
+            or in_torch_func() or forward_ad_on() or not default_ids_untouched(layer):
         return None
     if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
                                        or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()
