@@ -98,14 +98,23 @@ def default_ids_untouched(layer) -> bool:
     brings a new tensor), so a call costs a few attribute reads; ids on the meta device have no values to check."""
     buffers = layer._buffers
     positions, types = buffers["position_ids"], buffers["token_type_ids"]
+    versions = buffer_versions(positions, types)
     cached = layer.__dict__.get(DEFAULT_IDS)
-    if cached is not None and cached[0] is positions and cached[1] == positions._version and cached[2] is types \
-            and cached[3] == types._version:
-        return cached[4]
+    if cached is not None and cached[0] is positions and cached[1] is types and cached[2] == versions:
+        return cached[3]
     counting = torch.arange(positions.shape[-1], device=positions.device)
     untouched = positions.device.type == "meta" or (bool((positions == counting).all()) and not bool(types.any()))
-    layer.__dict__[DEFAULT_IDS] = (positions, positions._version, types, types._version, untouched)
+    layer.__dict__[DEFAULT_IDS] = (positions, types, versions, untouched)
     return untouched
+
+
+def buffer_versions(positions: torch.Tensor, types: torch.Tensor) -> tuple[int, int]:
+    """The two buffers' version counters; (0, 0) for inference tensors (a layer built under `torch.inference_mode`),
+    which keep none, so an in-place edit of those under inference mode goes unseen (an assignment is still seen)."""
+    try:
+        return positions._version, types._version
+    except RuntimeError:
+        return 0, 0
 
 
 class BertEmbeddings(nn.Module):

@@ -191,8 +191,12 @@ def _tables(layer, state: dict) -> tuple[_Tables, float] | None:
     # itself, so edited buffers send the call to the general path (`default_ids_untouched`). (About 150 ns.)
     buffers = state["_buffers"]
     positions, types = buffers["position_ids"], buffers["token_type_ids"]
+    try:
+        versions = positions._version, types._version
+    except RuntimeError:  # inference tensors keep no version counter (`buffer_versions`)
+        versions = 0, 0
     key = (word.data_ptr(), segment.data_ptr(), position.data_ptr(), weight.data_ptr(), bias.data_ptr(), word.nbytes,
-           segment.nbytes, position.nbytes, id(positions), positions._version, id(types), types._version)
+           segment.nbytes, position.nbytes, id(positions), id(types), versions)
     cached = state.get(KERNEL_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1], eps
