@@ -233,7 +233,8 @@ def _bad_counter(device: torch.device) -> torch.Tensor | None:
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
                 rows: int = 1, evict_first: bool = True, shape=None):
-    """As `bertembed.kernels.cpu_run.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32).
+    """As `bertembed.kernels.cpu_run.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32);
+    `shape`: that of a new `out`, returned in it.
 
     GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
     tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
@@ -247,8 +248,9 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     differed by up to 1.5% there)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
-    whole = torch.empty(shape or (n, h), dtype=word.dtype, device=dev) if out is None else None
-    out = (whole if out is None else out).view(n, h)
+    if out is None:
+        out = torch.empty(shape or (n, h), dtype=word.dtype, device=dev)
+    whole, out = out, out.view(n, h)
     # without stats the kernel stores no mean or rstd: `out` stands in as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
     bad = _bad_counter(dev)
