@@ -3,20 +3,26 @@
 Only the embedding tensors are read: from `.safetensors` by name (the rest of the file is never touched), from `.bin`
 through `torch.load(weights_only=True, mmap=True)`, from sharded checkpoints only the shards that hold them. Keys are
 returned under `BertEmbeddings.state_dict()` names. With framework="np" nothing imports torch unless the file needs it.
+Everything read is checked where it enters: the family (`bertembed.family`: BERT only), every name, dtype and shape,
+and where a sharded index points; a broken checkpoint raises ValueError or FileNotFoundError naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from bertembed.atomic import atomic_folder, os_error
 from bertembed.config import EmbeddingConfig
+from bertembed.family import SUPPORTED, check_key_family, padding_row
 from bertembed.sources import Source, read_json, resolve
+from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,8 @@ LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bi
 PREFERRED_PREFIXES = ("bert.embeddings.", "embeddings.", "")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# a position table that is computed, not read ("sinusoidal", or "none"'s id buffers), is sized by config.json alone
+COMPUTED_POSITIONS_LIMIT = 1 << 20
 
 
 @dataclass
@@ -39,21 +47,86 @@ class Checkpoint:
 
 def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | None = None,
                     local_files_only: bool = False, framework: str = "pt") -> Checkpoint:
-    """Resolve a checkpoint and read its embedding tensors, checking every name and shape against its config."""
-    source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
-    files, keys = _weight_files(source)
-    tensors = _select(files, keys, framework)
+    """Resolve a checkpoint and read its embedding tensors, checking every name, dtype and shape against its config.
+
+    framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). A local folder that a save
+    replaces while it is read (`bertembed.atomic`) is read again, so config and tensors always come from one version.
+    """
+    if framework not in ("pt", "np"):
+        raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
+    error = None
+    for _ in range(5):
+        source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
+        with _pinned(source) as unchanged:
+            try:
+                checkpoint = _read(source, framework)
+            except (OSError, ValueError) as err:
+                if unchanged():
+                    raise
+                error = err  # the folder was replaced while being read: the failure may come from a mix of two
+                continue
+            if unchanged():
+                return checkpoint
+    if error is not None:
+        raise error
+    raise ValueError(f"{name_or_path} was replaced while being read, five times in a row; is something saving to it "
+                     f"in a loop? Read it when the saves are done")
+
+
+@contextlib.contextmanager
+def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
+    """Yield a test of whether a local checkpoint folder is still the one that was there at the start.
+
+    A save swaps in a new folder (a new inode); the old one is held open meanwhile, so its inode number cannot be
+    reused by a later save's folder and a match means the same folder. The hub's cache and the bundled default are
+    never replaced, and Windows cannot open a folder: both always pass.
+    """
+    if source.kind not in ("folder", "file") or os.name != "posix":
+        yield lambda: True
+        return
+    try:
+        fd = os.open(source.folder, os.O_RDONLY)
+    except OSError:  # gone already: whatever the read finds is no version at all
+        yield lambda: False
+        return
+
+    def unchanged() -> bool:
+        try:
+            now, then = os.stat(source.folder), os.fstat(fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+    try:
+        yield unchanged
+    finally:
+        os.close(fd)
+
+
+def _read(source: Source, framework: str) -> Checkpoint:
     config_path = source.file("config.json")
-    if config_path is not None:
-        config = EmbeddingConfig.from_hf_config(config_path)
-    else:
-        config = _infer_config(tensors)
+    # the config first: another family is refused before any weights are read (or downloaded)
+    config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
+    files, index = _weight_files(source)
+    tensors = _select(files, index, framework)
+    if config is None:
+        config = _infer_config(tensors, files[0])
         log.info("no config.json beside %s: sizes read from the tensor shapes, other settings are BERT's defaults",
                  files[0])
-    if config.position_embedding_type != "absolute" and tensors.pop("position_embeddings.weight", None) is not None:
-        log.info("position_embedding_type=%r: the checkpoint's learned position table is not used",
-                 config.position_embedding_type)
+    if config.position_embedding_type != "absolute":
+        if config.max_position_embeddings > COMPUTED_POSITIONS_LIMIT:
+            raise ValueError(f"{config_path}: max_position_embeddings={config.max_position_embeddings} rows of a "
+                             f"computed ({config.position_embedding_type}) position table; at most "
+                             f"{COMPUTED_POSITIONS_LIMIT}: fix the config")
+        if tensors.pop("position_embeddings.weight", None) is not None:
+            log.info("position_embedding_type=%r: the checkpoint's learned position table is not used",
+                     config.position_embedding_type)
     _check_shapes(tensors, config, source)
+    positions = tensors.get("position_embeddings.weight")
+    if positions is not None and (row := padding_row(positions)) is not None:
+        raise ValueError(f"checkpoint {source.describe()}: row {row} of the position table is all zeros, the padding "
+                         f"row of a RoBERTa-style table that counts positions from the padding id, not BERT's: "
+                         f"{SUPPORTED}")
     return Checkpoint(source, config, tensors)
 
 
@@ -65,21 +138,52 @@ def _weight_files(source: Source) -> tuple[list[Path], dict[str, Path]]:
         path = source.file(candidate)
         if path is None:
             continue
-        if not candidate.endswith(".index.json"):
-            return [path], {}
-        weight_map = read_json(path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{path} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
-        wanted = {k: v for k, v in weight_map.items() if _embedding_name(k) is not None}
-        shards = {}
-        for shard in sorted(set(wanted.values())):  # only the shards that hold embedding tensors
-            shard_path = source.file(shard)
-            if shard_path is None:
-                raise FileNotFoundError(f"{path} lists shard {shard}, which is missing; re-download the checkpoint")
-            shards[shard] = shard_path
-        return list(shards.values()), {k: shards[v] for k, v in wanted.items()}
+        return _sharded(source, path) if candidate.endswith(".index.json") else ([path], {})
     raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}; pass a folder with "
                             f"PyTorch weights, or the weights file itself")
+
+
+def _sharded(source: Source, index: Path) -> tuple[list[Path], dict[str, Path]]:
+    """The shards a sharded checkpoint's index names for the embedding tensors, each checked to lie inside it."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
+    check_key_family(weight_map, str(index))
+    wanted = {k: v for k, v in weight_map.items() if _embedding_name(k) is not None}
+    bad = next((k for k, v in wanted.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(wanted[bad]).__name__}, not a shard's file name; "
+                         f"the index is corrupt: re-download the checkpoint")
+    if not wanted:
+        raise ValueError(f"{index} lists no BERT embedding tensors ('*embeddings.word_embeddings.weight') among "
+                         f"{len(weight_map)} keys such as {list(weight_map)[:3]}; is it a BERT checkpoint?")
+    shards = {name: _shard(source, index, name) for name in sorted(set(wanted.values()))}
+    return list(shards.values()), {k: shards[v] for k, v in wanted.items()}
+
+
+def _shard(source: Source, index: Path, name: str) -> Path:
+    """The path of a shard named by an index: never outside the checkpoint's folder (the hub's snapshot folder)."""
+    posix = PurePosixPath(name.replace("\\", "/"))
+    if not name or "\x00" in name or posix.is_absolute() or PureWindowsPath(name).drive or ".." in posix.parts:
+        raise ValueError(f"{index} names shard {name!r}, which is not a file inside the checkpoint's folder; the "
+                         f"index is corrupt or hostile, and is not followed")
+    path = source.file(name)
+    if path is None:
+        raise FileNotFoundError(f"{index} lists shard {name}, which is missing; re-download the checkpoint")
+    if source.kind != "hub" and not _inside(path, source.folder):
+        raise ValueError(f"{index} names shard {name!r}, a link to {path.resolve()}, outside the checkpoint's folder "
+                         f"{source.folder}; it is not followed: copy the shard into the folder")
+    return path
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, links followed, lies in `folder`, or in its repository's blobs for a hub cache snapshot folder
+    (whose files are links to ../../blobs)."""
+    real = path.resolve()
+    roots = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":
+        roots.append(folder.resolve().parent.parent / "blobs")
+    return any(real.is_relative_to(root) for root in roots)
 
 
 def _embedding_name(key: str) -> str | None:
@@ -92,8 +196,10 @@ def _embedding_name(key: str) -> str | None:
 
 def _select(files: list[Path], index: dict[str, Path], framework: str) -> dict[str, Any]:
     """Read the embedding tensors of one BERT from the files, choosing one key prefix if several models share them."""
-    handles = {path: _open(path, framework) for path in files}
+    handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
+    if not index:
+        check_key_family(keys, str(files[0]))
     prefixes = {k[: -len("word_embeddings.weight")] for k in keys if k.endswith("word_embeddings.weight")}
     prefixes = {p for p in prefixes if p == "" or p.endswith("embeddings.")}
     if not prefixes:
@@ -105,78 +211,30 @@ def _select(files: list[Path], index: dict[str, Path], framework: str) -> dict[s
             raise ValueError(f"{files[0]} holds several embedding layers {sorted(prefixes)}; extract one first")
         prefix = prefixes.pop()
     wanted = {prefix + n: n for n in NAMES} | {prefix + old: new for old, new in LEGACY.items()}
+    found: dict[str, str] = {}  # state-dict name -> the checkpoint key it was read from
     tensors = {}
     for path, handle in handles.items():
         for key in handle.keys():
             if key in wanted and index.get(key, path) == path:
-                tensors[wanted[key]] = _get(handle, path, key, framework)
+                name = wanted[key]
+                if name in found:  # LayerNorm.gamma beside LayerNorm.weight: which one the model used is unknowable
+                    raise ValueError(f"{path} holds both {found[name]!r} and {key!r} for {name}; the checkpoint is "
+                                     f"ambiguous: delete one of them and load again")
+                found[name] = key
+                tensors[name] = read_tensor(handle, path, key, framework)
     return tensors
 
 
-def _get(handle, path: Path, key: str, framework: str) -> Any:
-    try:
-        tensor = handle.get_tensor(key)
-    except Exception as err:  # safetensors raises its own error type for a short or damaged data section
-        if framework == "np" and ("bfloat16" in str(err).lower() or "bf16" in str(err).lower()):
-            raise TypeError(f"{path}: {key} is bfloat16, which numpy cannot hold; read with framework='pt'") from err
-        raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
-    return tensor.numpy() if framework == "np" and isinstance(handle, _StateDictHandle) else tensor
-
-
-class _StateDictHandle:
-    """A loaded `.bin` state dict behind the same keys()/get_tensor() interface as safetensors' safe_open."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def keys(self) -> list[str]:
-        return list(self.state)
-
-    def get_tensor(self, key: str) -> Any:
-        return self.state[key]
-
-
-def _open(path: Path, framework: str):
-    if path.suffix == ".safetensors":
-        return _open_safetensors(path, framework)
-    return _StateDictHandle(_torch_load(path))
-
-
-def _open_safetensors(path: Path, framework: str):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="numpy" if framework == "np" else "pt")
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
-
-
-def _torch_load(path: Path) -> dict[str, Any]:
-    """A `.bin`/`.pt` state dict, memory-mapped so only the tensors used are paged in."""
-    import pickle
-    import zipfile
-
-    import torch
-
-    if path.suffix not in (".bin", ".pt", ".pth"):
-        raise ValueError(f"{path}: unknown weights format {path.suffix!r}; use .safetensors, .bin, .pt or .pth")
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (pre-zip) format
-    except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError) as err:
-        raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
-    return state.get("state_dict", state) if isinstance(state.get("state_dict"), dict) else state
-
-
-def _infer_config(tensors: dict[str, Any]) -> EmbeddingConfig:
+def _infer_config(tensors: dict[str, Any], path: Path) -> EmbeddingConfig:
+    """Sizes from the tensors' shapes, for a checkpoint without config.json."""
     if "word_embeddings.weight" not in tensors or "token_type_embeddings.weight" not in tensors:
-        raise ValueError(f"cannot size the layer without config.json: the checkpoint has only {sorted(tensors)}")
+        raise ValueError(f"cannot size the layer without config.json: {path} has only {sorted(tensors)}; "
+                         f"{SUPPORTED}")
+    tables = [k for k in ("word_embeddings.weight", "token_type_embeddings.weight", "position_embeddings.weight")
+              if k in tensors]
+    if any(tensors[k].ndim != 2 for k in tables):
+        raise ValueError(f"{path}: the tables' shapes " + ", ".join(f"{k} {tuple(tensors[k].shape)}" for k in tables)
+                         + " are not all [rows, hidden]; re-save the checkpoint")
     vocab, hidden = tensors["word_embeddings.weight"].shape
     kwargs = {"vocab_size": int(vocab), "hidden_size": int(hidden),
               "type_vocab_size": int(tensors["token_type_embeddings.weight"].shape[0])}
@@ -184,19 +242,28 @@ def _infer_config(tensors: dict[str, Any]) -> EmbeddingConfig:
         kwargs["max_position_embeddings"] = int(tensors["position_embeddings.weight"].shape[0])
     else:
         kwargs["position_embedding_type"] = "none"
-    return EmbeddingConfig(**kwargs)
+    try:
+        return EmbeddingConfig(**kwargs)
+    except ValueError as err:
+        raise ValueError(f"{path}: the tables' shapes give no valid config ({err}); re-save the checkpoint") from err
 
 
-def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Source) -> None:
+def expected_shapes(config: EmbeddingConfig) -> dict[str, tuple[int, ...]]:
+    """The state-dict name and shape of every tensor a layer of this config holds."""
     h = config.hidden_size
     expected = {"word_embeddings.weight": (config.vocab_size, h), "token_type_embeddings.weight":
                 (config.type_vocab_size, h), "LayerNorm.weight": (h,), "LayerNorm.bias": (h,)}
     if config.position_embedding_type == "absolute":
         expected["position_embeddings.weight"] = (config.max_position_embeddings, h)
+    return expected
+
+
+def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Source) -> None:
+    expected = expected_shapes(config)
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise ValueError(f"checkpoint {source.describe()} is missing embedding tensor(s) {missing}; "
-                         f"found {sorted(tensors)}. Re-download it, or check it is a BERT model")
+                         f"found {sorted(tensors)}. Re-download it; if it is not a BERT model: {SUPPORTED}")
     wrong = [f"{k} is {tuple(tensors[k].shape)}, config says {shape}"
              for k, shape in expected.items() if tuple(tensors[k].shape) != shape]
     if wrong:
@@ -207,28 +274,55 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
 def save_checkpoint(layer, folder: str | Path) -> Path:
     """Write `config.json` and `model.safetensors` (keys `embeddings.*`, as in a transformers `BertModel`).
 
-    Both files are written to temporary names and renamed into place only when both are complete, so a failed save
-    leaves any earlier files intact.
+    The layer is checked against its config and both files are prepared before anything is written (ValueError:
+    nothing written). The folder is then replaced as a whole (`atomic.atomic_folder`; its other files, a tokenizer
+    say, are kept): a reader, or a save killed at any moment, finds the whole old checkpoint or the whole new one.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {f"embeddings.{k}": v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
-    payloads = {"model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
-                "config.json": lambda p: p.write_text(json.dumps(layer.config.to_hf_config(), indent=2) + "\n")}
-    temps: dict[str, Path] = {}
+    tensors = _tables_to_save(layer)
     try:
-        for name, write in payloads.items():
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            temps[name] = Path(tmp)
-            write(temps[name])
-            with open(temps[name], "rb+") as handle:
-                os.fsync(handle.fileno())
-        for name, tmp in temps.items():
-            os.replace(tmp, folder / name)
-    finally:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
-    return folder
+        config_text = json.dumps(layer.config.to_hf_config(), indent=2) + "\n"
+    except (TypeError, ValueError, RecursionError) as err:
+        raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
+                         f"fix layer.config.extra") from err
+    with atomic_folder(folder) as staging:
+        try:
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            (staging / "config.json").write_text(config_text, encoding="utf-8")
+        except OSError as err:
+            raise os_error(err, f"cannot save to {folder}") from err
+        except SafetensorError as err:
+            raise OSError(f"cannot save to {folder}: writing model.safetensors failed ({err})") from err
+    return Path(folder)
+
+
+def _tables_to_save(layer) -> dict[str, Any]:
+    """The layer's tensors under `embeddings.*` keys, on the CPU; ValueError if they disagree with `layer.config`
+    (a table replaced by one of another size, a non-float one, LayerNorm's eps changed), as such a checkpoint would
+    load wrongly or not at all."""
+    config, state = layer.config, layer.state_dict()
+    expected = expected_shapes(config)
+    problems = [f"{k} is missing" for k in expected if k not in state]
+    problems += [f"{k} is not in a layer of this config" for k in state if k not in expected]
+    for key, value in state.items():
+        if (problem := tensor_problem(value)) is not None:
+            problems.append(f"{key} is {problem}")
+        elif key in expected and tuple(value.shape) != expected[key]:
+            problems.append(f"{key} is {tuple(value.shape)}, but layer.config says {expected[key]}")
+    for what, actual, configured in (("LayerNorm.eps", getattr(layer.LayerNorm, "eps", None), config.layer_norm_eps),
+                                     ("dropout.p", getattr(layer.dropout, "p", None), config.hidden_dropout_prob)):
+        if actual != configured:
+            problems.append(f"{what} is {actual}, but layer.config says {configured}")
+    if problems:
+        raise ValueError("cannot save: the layer disagrees with layer.config (" + "; ".join(problems) + "); nothing "
+                         "was written. Restore the tables, or set layer.config = layer.config.replace(...) to match")
+    tensors, storages = {}, set()
+    for key, value in state.items():
+        value = value.detach().cpu().contiguous()
+        if value.untyped_storage().data_ptr() in storages:
+            value = value.clone()  # safetensors refuses tensors that share memory (a table assigned twice)
+        storages.add(value.untyped_storage().data_ptr())
+        tensors[f"embeddings.{key}"] = value
+    return tensors

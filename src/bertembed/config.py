@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bertembed.family import check_config_family
 from bertembed.sources import read_json
 
 log = logging.getLogger(__name__)
@@ -39,10 +42,26 @@ class EmbeddingConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size"):
+        """Every field's type and range, checked here so that every path (a config.json, the torch layer, the numpy
+        copy, the kernels) gets the same checks; integers and reals from numpy are stored as Python's."""
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"EmbeddingConfig.{name} must be an integer, got {_shown(value)}")
+            object.__setattr__(self, name, int(value))
+            if name != "pad_token_id" and value < 1:
+                raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value}")
+        for name in ("layer_norm_eps", "hidden_dropout_prob", "initializer_range"):
+            value = getattr(self, name)
+            real = math.nan
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                try:
+                    real = float(value)
+                except OverflowError:  # an integer past float's range
+                    pass
+            if not math.isfinite(real):
+                raise ValueError(f"EmbeddingConfig.{name} must be a finite real number, got {_shown(value)}")
+            object.__setattr__(self, name, real)
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"EmbeddingConfig.pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})"
@@ -51,12 +70,17 @@ class EmbeddingConfig:
             raise ValueError(f"EmbeddingConfig.hidden_dropout_prob must lie in [0, 1), got {self.hidden_dropout_prob}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"EmbeddingConfig.layer_norm_eps must be positive, got {self.layer_norm_eps}")
-        if self.position_embedding_type not in POSITION_TYPES:
+        if self.initializer_range < 0:
+            raise ValueError(f"EmbeddingConfig.initializer_range is a standard deviation, >= 0; got "
+                             f"{self.initializer_range}")
+        if not isinstance(self.position_embedding_type, str) or self.position_embedding_type not in POSITION_TYPES:
             raise ValueError(
-                f"position_embedding_type={self.position_embedding_type!r} is not one of {POSITION_TYPES}"
+                f"position_embedding_type={_shown(self.position_embedding_type)} is not one of {POSITION_TYPES}"
             )
         if self.position_embedding_type == "sinusoidal" and self.hidden_size % 2:
             raise ValueError(f"a sinusoidal position table needs an even hidden_size, got {self.hidden_size}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"EmbeddingConfig.extra must be a dict of config.json keys, got {_shown(self.extra)}")
 
     @classmethod
     def bert_base(cls, **overrides: Any) -> EmbeddingConfig:
@@ -75,30 +99,38 @@ class EmbeddingConfig:
         Keys the embedding layer does not use (layer counts, heads, ...) are ignored. Relative position types
         ("relative_key", "relative_key_query") put positions into attention, not into this layer, so they map to "none".
         """
+        where = "the config dict"
         if not isinstance(source, dict):
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
-            source = read_json(path, "an object of config keys")
-        model_type = source.get("model_type", "bert")
-        if model_type not in ("bert", None):
-            log.warning("config model_type is %r, not 'bert': reading its BERT-style embedding keys anyway", model_type)
+            source, where = read_json(path, "an object of config keys"), str(path)
+        check_config_family(source, where)  # never a RoBERTa read as if it were BERT
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: source[k] for k in names if source.get(k) is not None}
         kwargs["extra"] = {k: v for k, v in source.items() if k not in names}
-        if str(kwargs.get("position_embedding_type", "absolute")).startswith("relative"):
-            log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'",
-                     kwargs["position_embedding_type"])
+        kind = kwargs.get("position_embedding_type", "absolute")
+        if isinstance(kind, str) and kind.startswith("relative"):
+            log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'", kind)
             kwargs["position_embedding_type"] = "none"
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}; fix the config") from err
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers' BertConfig reads back (the encoder keys keep their defaults)."""
-        ours = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        ours = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}  # (no deep copy)
         return {"model_type": "bert", "architectures": ["BertModel"], **self.extra, **ours}
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+def _shown(value: Any) -> str:
+    """A value and its type for an error message, cut short (a config.json may hold a long or deep one)."""
+    text = repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__}"
+    return f"{text[:60]} ({type(value).__name__})"

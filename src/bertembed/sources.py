@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from bertembed.atomic import interrupted_save
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -50,7 +52,11 @@ class Source:
         """The local path of one of the checkpoint's files, downloading it from the hub if needed; None if absent."""
         if self.kind != "hub":
             path = self.folder / filename
-            return path if path.is_file() else None
+            if path.is_file():
+                return path
+            if path.exists():  # a folder (or a device) under a checkpoint file's name: broken, not absent
+                raise ValueError(f"{path} is not a regular file; the checkpoint is broken: remove it or re-download")
+            return None
         return _hub_file(self.name, filename, self.revision, self.local_files_only)
 
 
@@ -58,8 +64,12 @@ def read_json(path: str | Path, what: str = "an object") -> dict:
     """A JSON object from a checkpoint's file; ValueError naming the file when it is broken or not an object."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
+    except (FileNotFoundError, PermissionError):
+        raise  # (their messages name the file)
+    except OSError as err:  # a folder under the file's name, an I/O error
+        raise ValueError(f"cannot read {path} ({err.strerror or err}); re-download or fix the file") from err
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a number too long to convert, nesting too deep
+        raise ValueError(f"{path} is not valid JSON ({str(err)[:200]}); re-download or fix the file") from err
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected {what}")
     return data
@@ -87,6 +97,11 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        return Source("folder", str(name_or_path), path)
+    if (previous := interrupted_save(path)) is not None:  # a save between its two renames: the old folder is whole
+        log.warning("%s is missing after an interrupted save; reading the previous version at %s", path, previous)
+        return Source("folder", str(name_or_path), previous)
+    if path.is_dir():  # (the save switched it in meanwhile)
         return Source("folder", str(name_or_path), path)
     if path.is_file():
         return Source("file", str(name_or_path), path.parent, weights_file=path)

@@ -1,0 +1,130 @@
+"""Reading tensors out of weight files: safetensors by name, `.bin`/`.pt` through `torch.load(weights_only=True)`,
+each refused unless it is a dense floating-point table (`tensor_problem`). Nothing here imports torch until a file
+needs it (a `.bin`, or bfloat16 for numpy).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what a table may be stored as
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
+                       "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8"}  # torch's names
+
+
+def read_tensor(handle, path: Path, key: str, framework: str) -> Any:
+    """One tensor, refused unless it is a dense floating-point array (`tensor_problem`)."""
+    try:
+        stored = handle.get_dtype(key)
+        problem = None if stored in FLOAT_DTYPES else f"stored as {stored}"
+        if problem is None and isinstance(handle, _StateDictHandle):
+            problem = tensor_problem(handle.get_tensor(key))
+        if problem is None:
+            tensor = handle.get_tensor(key)
+            if framework == "np" and not isinstance(tensor, np.ndarray):  # a torch tensor: from a .bin, or bfloat16
+                tensor = tensor.detach()
+                tensor = (tensor.float() if tensor.dtype == _torch().bfloat16 else tensor).numpy()
+    except Exception as err:  # safetensors raises its own error type for a short or damaged data section
+        raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
+    if problem is not None:
+        raise ValueError(f"{path}: {key} is {problem}, not a table of floating-point numbers "
+                         f"({', '.join(FLOAT_DTYPES)}); re-save it with float tables")
+    return tensor
+
+
+def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
+    """Why `value` cannot be copied into one of the layer's tables as it is, or None if it can: it must be a dense
+    (strided), unquantized torch tensor or numpy array of a floating-point dtype, with values (not on the meta device,
+    unless `meta_ok`)."""
+    if isinstance(value, np.ndarray):
+        return None if value.dtype.name in FLOAT_DTYPES else f"of dtype {value.dtype}"
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    if value.is_nested or value.layout != torch.strided:
+        return f"a {'nested' if value.is_nested else value.layout} tensor, not a dense one"
+    if value.is_quantized:
+        return f"a quantized tensor ({value.dtype})"
+    if value.device.type == "meta" and not meta_ok:
+        return "a tensor on the meta device, which holds no values"
+    return None if str(value.dtype).removeprefix("torch.") in FLOAT_DTYPES else f"of dtype {value.dtype}"
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class _StateDictHandle:
+    """A loaded `.bin` state dict behind the same keys()/get_dtype()/get_tensor() interface as `_SafetensorsHandle`."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return [k for k in self.state if isinstance(k, str)]  # (other keys cannot name a BERT tensor)
+
+    def get_dtype(self, key: str) -> str:
+        dtype = getattr(self.state[key], "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else type(self.state[key]).__name__
+
+    def get_tensor(self, key: str) -> Any:
+        return self.state[key]
+
+
+class _SafetensorsHandle:
+    """safetensors' safe_open, with dtypes named as torch names them, and bfloat16 read through torch for numpy."""
+
+    def __init__(self, path: Path, framework: str) -> None:
+        from safetensors import safe_open
+
+        self.path, self.framework = path, framework
+        self.handle = safe_open(str(path), framework="numpy" if framework == "np" else "pt")
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def get_dtype(self, key: str) -> str:
+        stored = self.handle.get_slice(key).get_dtype()
+        return _SAFETENSORS_DTYPES.get(stored, stored)
+
+    def get_tensor(self, key: str) -> Any:
+        if self.framework == "np" and self.get_dtype(key) == "bfloat16":  # numpy has no bfloat16: torch reads it
+            from safetensors import safe_open
+
+            return safe_open(str(self.path), framework="pt").get_tensor(key)
+        return self.handle.get_tensor(key)
+
+
+def open_weights(path: Path, framework: str):
+    """A handle with keys(), get_dtype(key) and get_tensor(key) on a weights file; ValueError if it is unreadable."""
+    if path.suffix == ".safetensors":
+        try:
+            return _SafetensorsHandle(path, framework)
+        except Exception as err:  # safetensors' own error type, or OSError for a file it cannot open
+            raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
+    return _StateDictHandle(_torch_load(path))
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    """A `.bin`/`.pt` state dict, memory-mapped so only the tensors used are paged in."""
+    if path.suffix not in (".bin", ".pt", ".pth"):
+        raise ValueError(f"{path}: unknown weights format {path.suffix!r}; use .safetensors, .bin, .pt or .pth")
+    torch = _torch()
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (pre-zip) format
+    except Exception as err:  # torch.load's many errors for a damaged file (zip, pickle, EOF, I/O, ...)
+        raise ValueError(f"{path} is truncated or corrupt ({str(err)[:300]}); re-download or re-save it") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+    return state["state_dict"] if isinstance(state.get("state_dict"), dict) else state

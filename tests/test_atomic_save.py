@@ -1,0 +1,231 @@
+"""Saves replace the checkpoint folder as a whole (`bertembed.atomic`): other files kept, failures change nothing, and
+neither a save killed at any moment nor a reader racing a save ever finds a mix of two versions."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertembed import BertEmbeddings
+
+
+def _tagged_layer(tag: str, vocab: int = 50) -> BertEmbeddings:
+    """A layer whose config (eps, extra tag) and tables both say which save it came from, so a mix shows."""
+    from bertembed import EmbeddingConfig
+
+    torch.manual_seed(ord(tag))
+    eps = {"A": 1e-12, "B": 1e-6}[tag]
+    return BertEmbeddings(EmbeddingConfig(vocab_size=vocab, hidden_size=64, max_position_embeddings=32,
+                                          layer_norm_eps=eps, extra={"tag": tag}))
+
+
+def _whole(folder: Path, refs: dict, tokenizer: bool = True) -> str:
+    """Which of the reference layers the folder holds, asserting it holds all of one (and the tokenizer beside)."""
+    layer = BertEmbeddings.from_pretrained(folder)
+    tag = layer.config.extra["tag"]
+    assert layer.config == refs[tag].config
+    for name, value in refs[tag].state_dict().items():
+        assert torch.equal(layer.state_dict()[name], value), (tag, name)
+    assert not tokenizer or (layer.source.folder / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
+    return tag
+
+
+def test_save_keeps_other_files_and_leaves_no_litter(tmp_path):
+    target = tmp_path / "model"
+    _tagged_layer("A").save_pretrained(target)
+    (target / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    (target / "1_Pooling").mkdir()
+    (target / "1_Pooling" / "config.json").write_text("{}")
+    (target / "link").symlink_to("vocab.txt")
+    target.chmod(0o750)
+    refs = {"A": _tagged_layer("A"), "B": _tagged_layer("B")}
+    inode = target.stat().st_ino
+    refs["B"].save_pretrained(target)
+    assert _whole(target, refs) == "B"
+    assert target.stat().st_ino != inode  # a new folder was switched in, not files rewritten in place
+    assert (target / "1_Pooling" / "config.json").read_text() == "{}" and os.readlink(target / "link") == "vocab.txt"
+    assert target.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    (tmp_path / "alias").symlink_to(target)  # through a link: the folder it points to is replaced, the link kept
+    refs["A"].save_pretrained(tmp_path / "alias")
+    assert (tmp_path / "alias").is_symlink() and _whole(target, refs) == "A"
+
+
+@pytest.mark.parametrize("failure", ["safetensors error", "switch fails", "parent read-only", "a file"])
+def test_a_failed_save_raises_clearly_and_changes_nothing(tmp_path, monkeypatch, failure):
+    import errno
+
+    from safetensors import SafetensorError
+
+    target = tmp_path / "model"
+    _tagged_layer("A").save_pretrained(target)
+    if failure == "a file":
+        target = tmp_path / "file"
+        target.write_text("x")
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("I/O error: No space left on device")
+
+    def switch_fails(staging, target):
+        raise OSError(errno.EIO, "Input/output error", str(target))
+
+    original_mkdir = Path.mkdir
+
+    def read_only_parent(self, *args, **kwargs):
+        if self.name.startswith(".model.tmp-"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original_mkdir(self, *args, **kwargs)
+
+    expected = {"safetensors error": (OSError, "cannot save to .*model.safetensors failed.*No space left"),
+                "switch fails": (OSError, "cannot replace .*model.*left as it was.*Input/output error"),
+                "parent read-only": (PermissionError, "cannot create a folder in .*needs write access to its parent"),
+                "a file": (NotADirectoryError, "it is a file, not a folder")}[failure]
+    if failure == "safetensors error":
+        monkeypatch.setattr("safetensors.torch.save_file", refuse)
+    elif failure == "switch fails":
+        monkeypatch.setattr("bertembed.atomic._switch", switch_fails)
+    elif failure == "parent read-only":
+        monkeypatch.setattr(Path, "mkdir", read_only_parent)
+    with pytest.raises(expected[0], match=expected[1]):
+        _tagged_layer("B").save_pretrained(target)
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # and no temporary folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "model"][failure != "a file":]
+
+
+def test_atomic_folder_helper(tmp_path):
+    from bertembed.atomic import atomic_folder
+
+    target = tmp_path / "out"
+    with atomic_folder(target) as staging:
+        assert staging.parent == tmp_path and list(staging.iterdir()) == []
+        (staging / "a.txt").write_text("1")
+        (staging / "b.txt").write_text("1")
+    with pytest.raises(KeyError), atomic_folder(target) as staging:
+        (staging / "a.txt").write_text("2")
+        raise KeyError("the caller failed half way")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (target / "a.txt").read_text() == "1"
+    with atomic_folder(target) as staging:
+        (staging / "a.txt").write_text("3")
+    assert [(target / n).read_text() for n in ("a.txt", "b.txt")] == ["3", "1"]  # b.txt carried over
+    with atomic_folder(target, keep_others=False) as staging:
+        (staging / "a.txt").write_text("4")
+    assert [p.name for p in target.iterdir()] == ["a.txt"]
+
+
+def test_a_save_interrupted_between_renames_is_read_then_recovered(tmp_path):
+    """The two-rename switch (where Linux's exchange is missing) killed between its renames: NAME is gone, the old
+    folder whole beside it. Loaders read that one; the next save puts it back first, and clears the litter."""
+    refs = {"A": _tagged_layer("A"), "B": _tagged_layer("B")}
+    target = tmp_path / "model"
+    refs["A"].save_pretrained(target)
+    (target / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    target.rename(tmp_path / ".model.old-999999999-00c0ffee")  # (a process id above Linux's limit: a dead process)
+    (tmp_path / ".model.tmp-999999999-00decade").mkdir()
+    (tmp_path / ".model.tmp-999999999-00decade" / "config.json").write_text("{half")
+    assert _whole(target, refs) == "A"
+    refs["B"].save_pretrained(target)
+    assert _whole(target, refs) == "B"  # vocab.txt was carried over from the restored folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+_ZYGOTE = r"""
+import os, sys, time
+import torch
+torch.set_num_threads(1)
+import bertembed.atomic
+from bertembed import BertEmbeddings
+target, mode = sys.argv[1], sys.argv[2]
+if mode == "two renames":
+    bertembed.atomic._exchange = lambda a, b: False
+layers = [BertEmbeddings.from_pretrained(p) for p in sys.argv[3:5]]
+print("ready", flush=True)
+for line in sys.stdin:  # each line "i pause": fork a worker that saves A, B, A, ... (pausing) until it is killed
+    pid = os.fork()
+    if pid == 0:
+        try:
+            i, pause = int(line.split()[0]), float(line.split()[1])
+            while True:
+                layers[i % 2].save_pretrained(target)
+                i += 1
+                time.sleep(pause)
+        finally:
+            os._exit(1)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
+"""
+
+
+@pytest.fixture(params=["exchange", "two renames"])
+def saving(request, tmp_path):
+    """(target folder, reference layers, start(): a worker's pid, stop(pid)) around a process that forks saving
+    workers (torch imported once, so twenty kills take a second, not forty)."""
+    refs = {tag: _tagged_layer(tag, vocab=3000) for tag in "AB"}  # 0.8 MB of tables: a save takes a few ms
+    for tag, layer in refs.items():
+        layer.save_pretrained(tmp_path / f"ref-{tag}")
+    target = tmp_path / "out" / "model"
+    refs["A"].save_pretrained(target)
+    (target / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(target), request.param, str(tmp_path / "ref-A"),
+                             str(tmp_path / "ref-B")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    count = iter(range(10**6))
+
+    def start(pause: float = 0.0) -> int:
+        proc.stdin.write(f"{next(count)} {pause}\n")
+        proc.stdin.flush()
+        return int(proc.stdout.readline())
+
+    def stop(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        assert proc.stdout.readline().strip() == "reaped"
+
+    yield target, refs, start, stop, request.param
+    proc.kill()
+    proc.wait()
+
+
+def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(saving):
+    target, refs, start, stop, mode = saving
+    rng = random.Random(9)
+    mid_save = 0
+    for _ in range(20):
+        pid = start()
+        time.sleep(rng.uniform(0.0, 0.03))
+        stop(pid)
+        mid_save += any(p.name.startswith(".model.") for p in target.parent.iterdir())
+        if mode == "exchange":
+            assert target.is_dir()  # the exchange never leaves the folder missing, even for a moment
+        _whole(target, refs)
+    assert mid_save >= 5  # the kills did land inside saves
+    refs["B"].save_pretrained(target)
+    assert _whole(target, refs) == "B"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # the killed saves' litter is gone
+
+
+def test_a_reader_never_sees_two_saves_mixed(saving):
+    """Loads while another process saves every 10 ms: each finds one whole version, or says the folder kept being
+    replaced while it read (a load takes longer than a save here); never a mix of two."""
+    target, refs, start, stop, _ = saving
+    pid = start(pause=0.01)
+    seen = []
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                seen.append(_whole(target, refs, tokenizer=False))  # (a save may delete the folder read meanwhile)
+            except ValueError as err:
+                assert "was replaced while being read" in str(err)
+                seen.append("replaced")
+    finally:
+        stop(pid)
+    assert {"A", "B"} <= set(seen) and len(seen) > 20, seen

@@ -1,0 +1,322 @@
+"""Never silently wrong (issue 31): other model families, unreadable tables, index paths outside the checkpoint,
+ambiguous names, badly typed configs, half-done loads and inconsistent saves are all refused with a clear error.
+(Atomic saves are tested in test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bertembed import BertEmbeddings, EmbeddingConfig, NumpyEmbeddings, load_checkpoint
+from bertembed.sources import Source
+from conftest import make_hf_model
+
+NAMES = ["word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+         "LayerNorm.weight", "LayerNorm.bias"]
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
+ONLY_BERT = r"only BERT checkpoints.*supported for now"
+
+
+def _family_model(family: str):
+    """A model of another family, built by transformers itself (the independent reference for its layout)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return {
+        "roberta": lambda: tf.RobertaModel(tf.RobertaConfig(max_position_embeddings=514, **SMALL)),
+        "roberta-mlm": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(max_position_embeddings=514, **SMALL)),
+        "distilbert": lambda: tf.DistilBertModel(tf.DistilBertConfig(vocab_size=99, dim=32, n_layers=1, n_heads=2,
+                                                                     hidden_dim=37)),
+        "albert": lambda: tf.AlbertModel(tf.AlbertConfig(embedding_size=16, **SMALL)),
+        "electra": lambda: tf.ElectraModel(tf.ElectraConfig(embedding_size=16, **SMALL)),
+    }[family]()
+
+
+@pytest.fixture(scope="module")
+def family_folder(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = tmp_path_factory.mktemp(family)
+            _family_model(family).save_pretrained(cache[family])
+        return cache[family]
+
+    return get
+
+
+def _copy(source, target, edit=None):
+    shutil.copytree(source, target)
+    if edit is not None:
+        config = json.loads((target / "config.json").read_text())
+        edit(config)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("family,model_type", [("roberta", "roberta"), ("roberta-mlm", "roberta"),
+                                               ("distilbert", "distilbert"), ("albert", "albert"),
+                                               ("electra", "electra")])
+def test_other_families_are_refused_by_config(family_folder, family, model_type):
+    for read in (BertEmbeddings.from_pretrained, NumpyEmbeddings.from_pretrained):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}': {ONLY_BERT}"):
+            read(family_folder(family))
+
+
+@pytest.mark.parametrize("family,found", [("roberta", "padding row of a RoBERTa-style table"),
+                                          ("roberta-mlm", "'roberta.embeddings.*a tensor of RoBERTa"),
+                                          ("distilbert", "q_lin.*a tensor of DistilBERT"),
+                                          ("albert", "embedding_hidden_mapping_in.*a tensor of ALBERT"),
+                                          ("electra", "embeddings_project.*a tensor of ELECTRA")])
+def test_disguised_families_are_refused_by_their_tensors(family_folder, tmp_path, family, found):
+    """config.json edited to say BERT, or deleted: the tensors' names and layout still tell."""
+    keys = load_file(family_folder(family) / "model.safetensors").keys()
+    assert "embeddings.word_embeddings.weight" in keys or "roberta.embeddings.word_embeddings.weight" in keys
+    only_type = _copy(family_folder(family), tmp_path / "type", lambda c: c.update(model_type="bert"))
+    with pytest.raises(ValueError, match=f"architecture .*{ONLY_BERT}"):  # architectures still names the family
+        BertEmbeddings.from_pretrained(only_type)
+    as_bert = _copy(family_folder(family), tmp_path / "bert",
+                    lambda c: c.update(model_type="bert", architectures=["BertModel"]))
+    without = _copy(family_folder(family), tmp_path / "none")
+    (without / "config.json").unlink()
+    for folder in (as_bert, without):
+        for read in (BertEmbeddings.from_pretrained, NumpyEmbeddings.from_pretrained):
+            with pytest.raises(ValueError, match=f"{found}.*{ONLY_BERT}"):
+                read(folder)
+
+
+@pytest.mark.parametrize("key,family", [("embeddings.tok_embeddings.weight", "ModernBERT"),
+                                        ("emb_ln.weight", "NomicBERT")])
+def test_names_of_other_layouts_are_refused(tmp_path, key, family):
+    state = {f"embeddings.{n}": v for n, v in BertEmbeddings(EmbeddingConfig(vocab_size=20, hidden_size=8,
+                                                                             max_position_embeddings=16)).state_dict().items()}
+    save_file({**state, key: torch.ones(8)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{key}.*{family}.*{ONLY_BERT}"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("model_class", ["BertModel", "BertForMaskedLM"])
+def test_bert_checkpoints_still_load_exactly(tmp_path, model_class, bundled_hf_embeddings):
+    import transformers
+
+    model = make_hf_model("tiny-odd", seed=4, model_class=getattr(transformers, model_class))
+    model.save_pretrained(tmp_path)
+    hf = model.bert.embeddings if hasattr(model, "bert") else model.embeddings
+    layer = BertEmbeddings.from_pretrained(tmp_path)
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(layer(ids), hf(ids))
+    bundled = BertEmbeddings.from_pretrained()
+    for name in NAMES:
+        assert torch.equal(layer.state_dict()[name], hf.state_dict()[name]), name
+        assert torch.equal(bundled.state_dict()[name], bundled_hf_embeddings.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("table", ["position_embeddings", "token_type_embeddings"])
+def test_a_missing_table_is_not_bert_layout(tmp_path, table):
+    """No position table under an absolute config (NomicBERT's rotary layout), or no token type table (DistilBERT's,
+    MPNet's): refused as not BERT's layout."""
+    _tiny(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state[f"embeddings.{table}.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"missing embedding tensor.*{table}.*{ONLY_BERT}"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+def test_a_bert_position_table_extended_with_zeros_still_loads(tmp_path):
+    """Zero rows only at the end (positions added for longer inputs, not trained yet) are no padding row."""
+    layer = _tiny(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    key = "embeddings.position_embeddings.weight"
+    state[key] = torch.cat([state[key], torch.zeros(8, 8)])
+    save_file(state, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    loaded = BertEmbeddings.from_pretrained(tmp_path)
+    assert torch.equal(loaded.position_embeddings.weight[:16], layer.position_embeddings.weight)
+
+
+def _tiny(folder, seed=0, **config):
+    torch.manual_seed(seed)
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=20, hidden_size=8, max_position_embeddings=16, **config))
+    with torch.no_grad():
+        layer.LayerNorm.weight.uniform_(0.5, 1.5)
+    layer.save_pretrained(folder)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+@pytest.mark.parametrize("form", ["safetensors", "bin"])
+def test_integer_and_bool_tables_are_refused(tmp_path, dtype, form):
+    _tiny(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["embeddings.token_type_embeddings.weight"] = state["embeddings.token_type_embeddings.weight"].to(dtype)
+    if form == "bin":
+        (tmp_path / "model.safetensors").unlink()
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    else:
+        save_file(state, tmp_path / "model.safetensors")
+    for read in (BertEmbeddings.from_pretrained, NumpyEmbeddings.from_pretrained):
+        with pytest.raises(ValueError, match=f"token_type_embeddings.weight is stored as "
+                                             f"{str(dtype).removeprefix('torch.')}"):
+            read(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_float_tables_of_any_width_are_read(tmp_path, dtype):
+    layer = _tiny(tmp_path / "f32")
+    (tmp_path / "other").mkdir()
+    shutil.copy(tmp_path / "f32" / "config.json", tmp_path / "other")
+    save_file({f"embeddings.{k}": v.to(dtype) for k, v in layer.state_dict().items()},
+              tmp_path / "other" / "model.safetensors")
+    loaded = BertEmbeddings.from_pretrained(tmp_path / "other")
+    arrays = load_checkpoint(tmp_path / "other", framework="np").tensors  # numpy: bfloat16 arrives as float32
+    for name, value in layer.state_dict().items():
+        expected = value.to(dtype).float()
+        assert torch.equal(loaded.state_dict()[name], expected), name
+        assert torch.equal(torch.from_numpy(arrays[name]).float(), expected), name
+
+
+def _sharded(folder):
+    """A two-shard checkpoint of a tiny layer: the word table in one shard, the rest in the other."""
+    layer = _tiny(folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    word = "embeddings.word_embeddings.weight"
+    save_file({word: state.pop(word)}, folder / "a.safetensors")
+    save_file(state, folder / "b.safetensors")
+    weight_map = {word: "a.safetensors", **{k: "b.safetensors" for k in state}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return layer, weight_map
+
+
+def _point_word_shard_to(folder, name):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["embeddings.word_embeddings.weight"] = name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_index_shards_outside_the_folder_are_not_followed(tmp_path):
+    _sharded(tmp_path / "ckpt")
+    assert BertEmbeddings.from_pretrained(tmp_path / "ckpt")
+    shutil.copy(tmp_path / "ckpt" / "a.safetensors", tmp_path / "outside.safetensors")  # a readable file out there
+    (tmp_path / "ckpt" / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    for name in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "link.safetensors",
+                 "sub/../../outside.safetensors"):
+        _point_word_shard_to(tmp_path / "ckpt", name)
+        with pytest.raises(ValueError, match="outside the checkpoint's folder|not a file inside the checkpoint"):
+            BertEmbeddings.from_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "sub").mkdir()
+    (tmp_path / "ckpt" / "a.safetensors").rename(tmp_path / "ckpt" / "sub" / "a.safetensors")
+    _point_word_shard_to(tmp_path / "ckpt", "sub/a.safetensors")  # a subfolder is inside
+    assert BertEmbeddings.from_pretrained(tmp_path / "ckpt")
+
+
+def test_hub_index_is_confined_to_the_snapshot(tmp_path, monkeypatch):
+    """A hub index naming '../..' is refused before anything is asked of the hub; a hub cache snapshot opened as a
+    local folder, whose files link into the repository's blobs, still loads."""
+    snapshot = tmp_path / "models--acme--bert" / "snapshots" / "0123"
+    blobs = tmp_path / "models--acme--bert" / "blobs"
+    layer, weight_map = _sharded(tmp_path / "files")
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in (tmp_path / "files").iterdir():
+        shutil.move(path, blobs / path.name)
+        (snapshot / path.name).symlink_to(os.path.relpath(blobs / path.name, snapshot))
+    loaded = BertEmbeddings.from_pretrained(snapshot)
+    assert torch.equal(loaded.word_embeddings.weight, layer.word_embeddings.weight)
+    asked = []
+
+    def hub_file(repo, filename, revision, local_files_only):
+        asked.append(filename)
+        return snapshot / filename if (snapshot / filename).exists() else None
+
+    monkeypatch.setattr("bertembed.sources._hub_file", hub_file)
+    _point_word_shard_to(blobs.parent / "blobs", "../../blobs/a.safetensors")  # (the index is a blob too)
+    with pytest.raises(ValueError, match="not a file inside the checkpoint"):
+        BertEmbeddings.from_pretrained(Source("hub", "acme/bert", snapshot))
+    assert not any(".." in name for name in asked)
+
+
+def test_legacy_and_current_names_together_are_ambiguous(tmp_path):
+    _tiny(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["embeddings.LayerNorm.gamma"] = state["embeddings.LayerNorm.weight"] + 1
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="both 'embeddings.LayerNorm.(weight|gamma)' and "
+                                         "'embeddings.LayerNorm.(gamma|weight)'.*ambiguous"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("pad_token_id", 1.0), ("pad_token_id", True), ("pad_token_id", "0"), ("vocab_size", 20.0),
+    ("initializer_range", "0.02"), ("initializer_range", True), ("initializer_range", float("inf")),
+    ("layer_norm_eps", "1e-12"), ("layer_norm_eps", float("nan")), ("layer_norm_eps", False),
+    ("hidden_dropout_prob", "0.1"), ("hidden_dropout_prob", [0.1]), ("position_embedding_type", ["absolute"]),
+])
+def test_config_types_are_checked_on_every_path(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field}"):
+        EmbeddingConfig(**{field: value})
+    _tiny(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    for read in (BertEmbeddings.from_pretrained, NumpyEmbeddings.from_pretrained, EmbeddingConfig.from_hf_config):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: .*{field}"):
+            read(tmp_path)
+
+
+def _quantized(value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch 2.13 deprecates quantized tensors; checkpoints may still hold them)
+        return torch.quantize_per_tensor(value, 0.1, 0, torch.qint8)
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # (torch.load of a quantized tensor)
+@pytest.mark.parametrize("kind", ["sparse", "meta", "quantized", "int64", "ndarray"])
+def test_a_failed_load_changes_nothing(tmp_path, kind):
+    layer = _tiny(tmp_path)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    changed = {k: v + 1 for k, v in before.items()}
+    last = list(changed)[-1]  # torch copies in order: only the last key fails, after the others were copied
+    changed[last] = {"sparse": lambda v: v.to_sparse(), "meta": lambda v: v.to("meta"), "quantized": _quantized,
+                     "int64": lambda v: v.long(), "ndarray": lambda v: v.numpy()}[kind](changed[last])
+    with pytest.raises(ValueError, match=f"nothing was loaded.*{last} is "):
+        layer.load_state_dict(changed)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    if kind != "ndarray":  # the same state dict as a checkpoint file
+        torch.save(changed, tmp_path / "weights.pt")
+        with pytest.raises(ValueError, match=last):
+            layer.load_pretrained_weights(tmp_path / "weights.pt")
+        for key, value in layer.state_dict().items():
+            assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("break_it,message", [
+    (lambda layer: setattr(layer.word_embeddings, "weight", torch.nn.Parameter(torch.zeros(20, 17))),
+     r"word_embeddings.weight is \(20, 17\), but layer.config says \(20, 8\)"),
+    (lambda layer: setattr(layer.position_embeddings, "weight", torch.nn.Parameter(torch.zeros(30, 8))),
+     r"position_embeddings.weight is \(30, 8\)"),
+    (lambda layer: setattr(layer.token_type_embeddings, "weight", torch.nn.Parameter(torch.zeros(2, 8).long(),
+                                                                                     requires_grad=False)),
+     "token_type_embeddings.weight is of dtype torch.int64"),
+    (lambda layer: setattr(layer.LayerNorm, "eps", 1e-5), "LayerNorm.eps is 1e-05, but layer.config says 1e-12"),
+])
+def test_an_inconsistent_layer_is_not_saved(tmp_path, break_it, message):
+    layer = _tiny(tmp_path / "old")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()}
+    break_it(layer)
+    for folder in (tmp_path / "new", tmp_path / "old"):
+        with pytest.raises(ValueError, match=f"{message}.*nothing was written"):
+            layer.save_pretrained(folder)
+    assert not (tmp_path / "new").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no temporary folder left beside it
+
