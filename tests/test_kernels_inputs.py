@@ -1,7 +1,8 @@
 """Inputs that transformers' layer takes and the fused layer must take too, with the reference's numbers (segment and
 position ids that broadcast to [B, L], a position table longer than the config says, no position table, an offset
 given as a numpy integer, ids on the meta device), and inputs that every backend must refuse alike before reading
-anything (an offset near 2**63, tables of another hidden size, an `out=` buffer that does not fit)."""
+anything (an offset near 2**63, tables of another hidden size, an `out=` buffer that does not fit, sparse or nested
+ids)."""
 
 from __future__ import annotations
 
@@ -160,10 +161,78 @@ def test_out_buffers_are_checked_alike(backend):
         fused_embeddings(ids, *tables, backend=backend, out=out)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "auto"])
-def test_ids_on_the_meta_device(backend):
-    """A layer run on the meta device for its output's shape (as transformers' runs there): no values to check."""
-    layer = twins(24, backend, vocab=500)[1].to("meta")
-    out = layer(torch.ones(2, 7, dtype=torch.long, device="meta"), token_type_ids=torch.ones(2, 7, dtype=torch.long,
-                                                                                           device="meta"))
-    assert out.shape == (2, 7, 24) and out.device.type == "meta"
+ON_GPU = torch.cuda.is_available()
+TRITON_ON_GPU = pytest.param("triton on cuda", marks=pytest.mark.skipif(not ON_GPU, reason="no GPU"))
+
+
+def _backend(name: str, monkeypatch) -> tuple[str, str]:
+    """(backend, device) for a test's name: "triton" (and "auto, interpreted") with CPU tensors in Triton's
+    interpreter, as tests/test_kernels_triton.py runs them without a GPU; "triton on cuda" on the GPU."""
+    if name.startswith("triton") or name.endswith("interpreted"):
+        pytest.importorskip("triton")
+        if name != "triton on cuda":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the backend selection accepts CPU tensors only with it)
+    return name.split()[0].rstrip(","), "cuda" if name.endswith("cuda") else "cpu"
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("on_meta", ["input_ids", "token_type_ids", "position_ids", "layer and ids"])
+@pytest.mark.parametrize("backend", ["cpu", "auto", "triton", "auto, interpreted"])
+def test_ids_on_the_meta_device(backend, on_meta, grad, monkeypatch):
+    """A layer run on the meta device for its output's shape (as transformers' runs there) has no values to check or
+    read, nor have meta ids beside tables in memory: every backend gives what the reference gives (a meta output of
+    the right shape; for meta ids beside CPU tables, torch's lookup gives an uninitialised CPU tensor). The cpu and
+    auto backends raised numpy's TypeError for meta ids, and "auto" and "triton" in Triton's interpreter sent a meta
+    layer to the Triton kernel ("Cannot copy out of meta tensor")."""
+    ref, fused = twins(24, _backend(backend, monkeypatch)[0], vocab=500)
+    meta = torch.ones(2, 7, dtype=torch.long, device="meta")
+    given = {"input_ids": awkward_ids(2, 7, 500), "token_type_ids": None, "position_ids": None}
+    given[on_meta if on_meta in given else "input_ids"] = meta
+    if on_meta == "layer and ids":
+        ref, fused = ref.to("meta"), fused.to("meta")
+        given["token_type_ids"] = meta
+    for mode in ("eval", "train"):  # (training: dropout 0.1 in the reference, and in the fused kernel)
+        for layer in (ref, fused):
+            layer.train(mode == "train")
+        with torch.set_grad_enabled(grad):
+            expected, out = ref(**given), fused(**given)
+        assert (out.shape, out.dtype, out.device) == (expected.shape, expected.dtype, expected.device) \
+            == ((2, 7, 24), torch.float32, expected.device)
+        assert out.device.type == ("meta" if on_meta == "layer and ids" else "cpu")
+
+
+def _ragged(ids: torch.Tensor, layout=torch.strided) -> torch.Tensor:
+    """A nested batch of the rows of ids [2, L], the second cut to 4 ids."""
+    return torch.nested.nested_tensor([ids[0], ids[1, :4]], layout=layout)
+
+
+# name -> (the ids in that layout, the layout the error names, the fix it gives)
+_LAYOUTS = {"sparse_coo": (lambda ids: ids.to_sparse(), "sparse_coo", "to_dense()"),
+            "sparse_csr": (lambda ids: ids.to_sparse_csr(), "sparse_csr", "to_dense()"),
+            "nested": (_ragged, "nested", "to_padded_tensor"),
+            "nested jagged": (lambda ids: _ragged(ids, torch.jagged), "nested", "to_padded_tensor")}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage",
+                            "ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("name", ["input_ids", "token_type_ids", "position_ids"])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("backend", ["reference", "cpu", "auto", "triton", TRITON_ON_GPU])
+def test_sparse_and_nested_ids_are_refused_alike(backend, layout, name, grad, monkeypatch):
+    """Sparse ids and nested (ragged) batches: the layer takes a dense [B, L] tensor of ids, and every backend, the
+    reference included, says so in one ValueError naming the layout and the fix (`.to_dense()`, or padding the
+    nested batch into [B, L]), instead of torch's raw errors ("Could not run 'aten::aminmax' with arguments from the
+    'SparseCPU' backend", "NestedTensorImpl doesn't support sizes", an AttributeError on a jagged size)."""
+    make, said, fix = _LAYOUTS[layout]
+    backend, device = _backend(backend, monkeypatch)
+    ids = awkward_ids(2, 7, 500).to(device)
+    given = {"input_ids": ids, name: make(ids % 2 if name == "token_type_ids" else ids)}
+    layer = twins(24, backend, vocab=500)[1].to(device)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=f"{name} is a {said} tensor.*{fix}"):
+        layer(**given)
+    if name == "input_ids":  # the functional form, through the same check
+        tables = [m.weight.detach() for m in (layer.word_embeddings, layer.token_type_embeddings,
+                                              layer.position_embeddings, layer.LayerNorm)] + [layer.LayerNorm.bias]
+        with pytest.raises(ValueError, match=f"input_ids is a {said} tensor.*{fix}"):
+            fused_embeddings(given["input_ids"], *tables, backend=backend)

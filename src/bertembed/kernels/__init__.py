@@ -29,6 +29,8 @@ from bertembed.config import EmbeddingConfig
 from bertembed.embeddings import default_ids_untouched
 from bertembed.kernels.submodules import submodule_reason
 from bertembed.validation import (
+    cache_offset,
+    check_dropout,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
@@ -99,7 +101,8 @@ def _device_reason(backend: str, device: torch.device) -> str | None:
         return f"the 'cpu' backend runs on CPU tensors, these are on {device}"
     if backend == "cpu" and _cpu_pool["lost"]:
         return _cpu_pool["lost"]
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" \
+            and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1"):
         return f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
     return None
 
@@ -134,10 +137,19 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return ("reference", reason) if reason else (backend, None)
 
 
-def _mixed_tables(tables) -> str | None:
-    """The kernels read the three tables in one dtype (LayerNorm's weight and bias may be any float dtype)."""
+def _mixed(tables, ids) -> str | None:
+    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: they read the
+    three tables in one dtype (LayerNorm's weight and bias may be any float dtype), and ids on the tables' device.
+    Ids elsewhere get the reference's answer: torch's error, or for ids on the meta device (a model run there for its
+    shapes) what torch's lookup gives, with no memory read."""
     dtypes = {t.dtype for t in tables[:3] if t is not None}
-    return f"the tables have different dtypes {sorted(map(str, dtypes))}" if len(dtypes) > 1 else None
+    if len(dtypes) > 1:
+        return f"the tables have different dtypes {sorted(map(str, dtypes))}"
+    device = tables[0].device
+    for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
+        if isinstance(given, Tensor) and given.device != device:
+            return f"{name} is on {given.device}, the tables on {device}"
+    return None
 
 
 def _fall_back(reason: str) -> None:
@@ -157,7 +169,7 @@ def _run(config: EmbeddingConfig, backend: str, input_ids: Tensor, token_type_id
                  check_ranges=not device_checks, rows=table_rows(tables))
     past_key_values_length = offset(past_key_values_length)  # (a numpy integer or 0-d tensor: a Python int now)
     word, segment, position, weight, bias = tables
-    check_norm_dtypes(word.dtype, weight, bias)  # (the three tables share a dtype here: `_mixed_tables`)
+    check_norm_dtypes(word.dtype, weight, bias)  # (the three tables share a dtype here: `_mixed`)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     if out is not None or not _needs_autograd(tables) and not is_compiling():
         # inference: the forward kernel alone, skipping the op's dispatch (~50 us)
@@ -226,7 +238,8 @@ def fused_embeddings(
     *,
     token_type_ids: Tensor | None = None,
     position_ids: Tensor | None = None,
-    past_key_values_length: int = 0,
+    past_key_values_length: int | None = None,
+    cache_length: int | None = None,
     eps: float = 1e-12,
     dropout_p: float = 0.0,
     training: bool = False,
@@ -242,9 +255,12 @@ def fused_embeddings(
         input_ids: [B, L] integer ids; token_type_ids [B, L] (zeros when None); position_ids [B, L] (`arange(L) +
             past_key_values_length` when None); segment and position ids may be of any shape that broadcasts to
             [B, L] ([1, L]: shared by the batch).
+        past_key_values_length, cache_length: the offset of the first default position, under transformers 4's
+            name and 5's (one number; both given and different: ValueError). 0 by default.
         word_embeddings [V, H], token_type_embeddings [T, H], position_embeddings [P, H] or None (no position row),
             layer_norm_weight [H], layer_norm_bias [H]: the tables, differentiable (autograd-aware custom op).
-        eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training.
+        eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training (p in
+            [0, 1], checked even when not training, as F.dropout checks it; p == 1 gives zeros).
         padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
         backend: "auto", "cpu", "triton" or "reference" (the plain PyTorch ops, for comparison).
         deterministic: bitwise-reproducible gradients on GPU (the CPU backward always is).
@@ -254,14 +270,16 @@ def fused_embeddings(
     Raises the reference layer's ValueErrors on bad input, before any kernel runs.
     """
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
+    past_key_values_length = cache_offset(past_key_values_length, cache_length)
     options = KernelOptions(deterministic, id_checks)
     config = _config(word_embeddings.shape[0], word_embeddings.shape[1],
                      None if position_embeddings is None else position_embeddings.shape[0],
                      token_type_embeddings.shape[0], float(eps))
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
-    if chosen != "reference" and (mixed := _mixed_tables(tables)):
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
         chosen, reason = "reference", mixed
-    p = dropout_p if training else 0.0
+    p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
+    p = p if training else 0.0
     if chosen == "reference":
         if reason:
             _fall_back(reason)
@@ -337,14 +355,15 @@ def module_forward(layer, input_ids, token_type_ids, position_ids, inputs_embeds
               layer.LayerNorm.weight, layer.LayerNorm.bias)
     if chosen != "reference" and inputs_embeds is not None:
         chosen, reason = "reference", "inputs_embeds was given (the kernels gather word rows themselves)"
-    if chosen != "reference" and (mixed := _mixed_tables(tables)):
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
         chosen, reason = "reference", mixed
     if chosen == "reference":
         if reason:
             _fall_back(reason)
         return None
     dropout = layer.dropout  # its own flag, not the layer's: Monte Carlo dropout trains only the dropouts
-    p = dropout.p if dropout.training else 0.0
+    p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
+    p = p if dropout.training else 0.0
     return _run(layer.config, chosen, input_ids, token_type_ids, position_ids, past_key_values_length, tables, p,
                 layer.word_embeddings.padding_idx, _layer_options(layer), None)
 
@@ -355,7 +374,7 @@ def _ids_from_buffers(layer, input_ids, token_type_ids, position_ids, past):
     the reference would refuse are left as they are, for the checks to name."""
     try:
         length, past = input_ids.shape[-1], offset(past)
-    except (AttributeError, IndexError, ValueError, TypeError):
+    except (AttributeError, IndexError, ValueError, TypeError, RuntimeError):  # (RuntimeError: a nested one's shape)
         return position_ids, token_type_ids
     if past < 0:
         return position_ids, token_type_ids

@@ -53,8 +53,13 @@ _drop_stale_caches()
 
 
 def dropout_threshold(p: float) -> np.uint64:
-    """An element is kept when its 24 random bits are >= this; 0 means no dropout."""
+    """An element is kept when its 24 random bits are >= this; 0 means no dropout, 2**24 (p == 1) drops every one."""
     return np.uint64(round(p * (1 << 24)))
+
+
+def dropout_scale(p: float) -> float:
+    """What a kept element is multiplied by, 1 / (1 - p); at p == 1 none is kept (torch's output is all zeros)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
 @njit(cache=True, inline="always")

@@ -16,7 +16,7 @@ from numba import njit
 
 from bertembed import kernels
 from bertembed.kernels import cpu, cpu_rows, pages
-from bertembed.kernels.cpu_elements import dropout_threshold, set_thread_count
+from bertembed.kernels.cpu_elements import dropout_scale, dropout_threshold, set_thread_count
 from bertembed.validation import skipped_ids_error
 
 
@@ -89,7 +89,7 @@ _STREAM_FROM = 16 << 20  # bytes
 # EPYC, the sixteenth round), 1.00-1.01x. On AMD's Zen cores (that EPYC: a 32 MiB L3 shared with other tenants) from
 # 12 MiB: there, at 12 MiB, streaming made the forward 1.22-1.53x faster, and a forward followed by a read of its
 # output (as the next layer reads it) 1.06-1.13x in four runs of five (0.96-1.01x in one); at 3-6 MiB the forward with
-# the read lost (0.65-0.92x), the lines having gone to memory instead of the cache (`benchmarks/stream_threshold.py`).
+# the read lost (0.65-0.92x), the lines having gone to memory instead of the cache (docs/memory.md).
 # Nor is memory fresh from the kernel (`kernels/pages.py`), as for the word gradient's zeros: under glibc's default
 # settings, where a new output is a new mapping each call, streaming took 9.82 against 8.72 ms at 48 MiB and 18.86
 # against 16.57 ms at 96 MiB.
@@ -151,7 +151,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     if kernel is cpu.forward:
         pages.collapse_table(word.data_ptr(), word.nbytes)  # a batch: rows from all over the table
     bad = kernel(_np(ids), _np(tts), _np(pids), _np(word), _np(seg), pos_np, _np(gamma.float()), _np(beta.float()),
-                  float(eps), dropout_threshold(p), 1.0 / (1.0 - p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
+                  float(eps), dropout_threshold(p), dropout_scale(p), np.uint64(seed), _np(out), _np(mean), _np(rstd),
                   chunks, stream_output(out, fresh))
     check_bad(bad, "bertembed cpu forward")
     return whole if shape else out, mean, rstd
@@ -197,7 +197,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     kernel = cpu.backward if chunks > 1 else cpu.backward_serial
     bad = kernel(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), pos_np,
                  _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p),
-                 1.0 / (1.0 - p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta),
+                 dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta),
                  stream)
     check_bad(bad, "bertembed cpu backward")
     want_pos = need_pos and pos is not None

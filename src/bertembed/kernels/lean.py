@@ -2,7 +2,7 @@
 
 A sentence's kernel work is a few microseconds, so the glue decides its latency; at (32, 128) the general path's glue
 (input checks in torch, position and segment tensors, the custom op's argument handling) cost about 0.25 ms of 1.3, half
-of what this path's does (`benchmarks/glue_overhead.py`), since it runs while the kernel has just flushed the caches.
+of what this path's does (docs/cpu-kernels.md), since it runs while the kernel has just flushed the caches.
 Same per-token kernel as `cpu.forward` (`cpu._forward_token`), so the same numbers. The differences are all glue:
 parameters are read through the module's dicts (no `nn.Module.__getattr__`), numpy views of the tables and their
 addresses are cached while their storage stays the same, a sentence's ids reach the kernel as addresses
@@ -225,10 +225,10 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
             or type(input_ids) is not torch.Tensor or type(past_key_values_length) is not int \
             or not 0 <= past_key_values_length < 1 << 31 or torch.is_grad_enabled() or _forward_ad._current_level >= 0:
         return None  # (autograd needs the custom op; forward-mode AD, the reference: `validation.forward_ad_on`)
-    shape = input_ids.shape
-    if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():
-        return None
     try:  # (free in Python 3.11 unless raised)
+        shape = input_ids.shape
+        if len(shape) != 2 or input_ids.dtype != torch.int64 or not input_ids.is_cpu or not input_ids.is_contiguous():
+            return None
         ids_at = input_ids.data_ptr()
         if token_type_ids is None:
             tts_at, has_tts = ids_at, False  # never read
@@ -238,8 +238,8 @@ def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, pas
         else:
             return None
         found = _tables(layer, state)
-    except RuntimeError:  # a tensor with no memory of its own: torch.func's wrapped ones (`vmap`, `grad`)
-        return None
+    except RuntimeError:  # a tensor with no memory of its own (torch.func's wrapped ones: `vmap`, `grad`) or no
+        return None  # strides (sparse CSR, a nested batch's shape): the general path runs, or names the problem
     if found is None:
         return None
     (batch, length), (tables, eps) = shape, found

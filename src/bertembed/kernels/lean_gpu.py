@@ -49,14 +49,17 @@ def _tables(layer, state: dict) -> tuple[tuple[torch.Tensor, ...], float] | None
 
 def try_infer(layer, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
     """The output [B, L, H], or None when these inputs are not for the short path."""
-    if torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
-            or type(input_ids) is not torch.Tensor or not input_ids.is_cuda or input_ids.dtype != torch.int64 \
-            or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int \
-            or in_torch_func() or forward_ad_on() or not default_ids_untouched(layer):
-        return None
-    if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
-                                       or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()
-                                       or token_type_ids.shape != input_ids.shape):  # ([1, L] broadcasts: not here)
+    try:  # (free in Python 3.11 unless raised)
+        if torch.is_grad_enabled() or position_ids is not None or inputs_embeds is not None \
+                or type(input_ids) is not torch.Tensor or not input_ids.is_cuda or input_ids.dtype != torch.int64 \
+                or input_ids.dim() != 2 or not input_ids.is_contiguous() or type(past_key_values_length) is not int \
+                or in_torch_func() or forward_ad_on() or not default_ids_untouched(layer):
+            return None
+        if token_type_ids is not None and (type(token_type_ids) is not torch.Tensor or not token_type_ids.is_cuda
+                                           or token_type_ids.dtype != torch.int64 or not token_type_ids.is_contiguous()
+                                           or token_type_ids.shape != input_ids.shape):  # ([1, L] broadcasts: not here)
+            return None
+    except RuntimeError:  # ids with no strides (sparse CSR has no is_contiguous): the general path names them
         return None
     state = layer.__dict__
     found = _tables(layer, state)

@@ -112,11 +112,11 @@ def huge_pages() -> bool:
     """Whether fresh memory is asked onto 2 MB pages: yes, unless the environment variable BERTEMBED_HUGE_PAGES=0
     (read at the first large output or gradient).
 
-    The trade, measured on this VM (`benchmarks/huge_page_tail.py`: a fresh 94 MB block allocated, zeroed on two
+    The trade, measured on this VM (docs/memory.md, "The tail": a fresh 94 MB block allocated, zeroed on two
     threads and freed, 400 times each way, two runs): on 2 MB pages 8.9-9.5 ms in the median and 9.5-14.0 on average,
     against 20.4-20.8 and 20.6-21.1 on 4 KB pages; but 3 and 17 of the 400 took over 3x the median, the slowest
     122-158 ms, nearly all of it in the kernel, where 4 KB pages never passed 40 ms. A fused training step at
-    (32, 128), hidden 768, under glibc's default settings (`benchmarks/training_step_tail.py`, 300 steps, two runs):
+    (32, 128), hidden 768, under glibc's default settings (docs/memory.md, 300 steps, two runs):
     18.3-19.9 ms in the median with a 99th percentile of 121-132 ms, against 34.7-36.0 and 40-45 ms with the switch
     off. A program that needs every call fast, rather than many calls fast on average, can turn them off."""
     if not _advice:

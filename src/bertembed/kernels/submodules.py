@@ -81,7 +81,7 @@ def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | 
     """((word, segment, position, LayerNorm weight, bias), LayerNorm eps) for the short paths (no autograd, no
     dropout), or None when the fused kernel may not stand in for the submodules (`submodule_reason`), the positions
     are not an `nn.Embedding`, or the dropout module is in training mode with p > 0 (its own flag, not the layer's:
-    Monte Carlo dropout switches on the dropouts alone). `state`: the layer's `__dict__`.
+    Monte Carlo dropout switches on the dropouts alone) or has a p outside [0, 1]. `state`: the layer's `__dict__`.
 
     A sentence's latency is mostly Python, and on an `nn.Module` (which has `__getattr__`) each attribute read costs
     about 50 ns, a dict read 15: so the modules are read through their dicts. Asking `submodule_reason` costs about
@@ -106,8 +106,8 @@ def short_path_tables(layer, state: dict) -> tuple[tuple[Tensor, ...], float] | 
     # ("forward" in a module's dict: a forward set on the instance, as accelerate's hooks set it)
     if word["max_norm"] is not None or types["max_norm"] is not None or positions["max_norm"] is not None \
             or "forward" in word or "forward" in types or "forward" in positions or "forward" in norm \
-            or "forward" in dropout or dropout["training"] and dropout["p"] > 0:
-        return None
+            or "forward" in dropout or not 0.0 <= dropout["p"] <= (0.0 if dropout["training"] else 1.0):
+        return None  # (p outside [0, 1], NaN included, in eval mode too: the general path raises, as nn.Dropout does)
     weight = norm["_parameters"]
     try:  # (free unless raised)
         return (word["_parameters"]["weight"], types["_parameters"]["weight"], positions["_parameters"]["weight"],

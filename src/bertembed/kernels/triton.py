@@ -238,13 +238,13 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 
     GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
     tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
-    Tuning (benchmarks/gpu_triton.py, gpu_forward_shapes.py): `rows` token rows per program (a power of 2) and
+    Tuning (benchmarks/gpu_triton.py, docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and
     `num_warps`. The defaults, one row and a warp per KB of the (power of 2) row block, one warp for half-precision
     rows of up to 1024 elements (`_warps`), were the fastest of 1, 2, 4 rows and 1, 2, 4, 8 warps on an H100 at hidden
     768 and 1024 (or within 2%), and faster than persistent kernels looping over tokens. `evict_first` marks the word
     rows read and the output written as the first to leave the L2 cache, so the few shared rows (positions, segments,
     LayerNorm's) stay and a word row read again may still be there: 0.3-2% faster than without it at (64, 512),
-    hidden 1024, float32, 2-5% in bfloat16, on an H100 (`benchmarks/gpu_cache_hints.py`; two identical kernels
+    hidden 1024, float32, 2-5% in bfloat16, on an H100 (docs/gpu-kernels.md; two identical kernels
     differed by up to 1.5% there)."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device

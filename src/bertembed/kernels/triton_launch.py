@@ -7,7 +7,7 @@ that Triton returned for a key of its own, which tells apart everything Triton's
 tests/test_kernels_triton.py checks that against Triton's), and launches it through the compiled kernel's own runner
 (`compiled[grid](*args)`), which still calls Triton's launch hooks, so profilers see every launch. The first call for
 each key, and every call under TRITON_INTERPRET=1, goes through `kernel[grid](...)`, so Triton compiles and caches as
-usual. Measured on an H100 with Triton 3.6 (`benchmarks/gpu_host_overhead.py`): 23.7 us a launch against Triton's 27.4
+usual. Measured on an H100 with Triton 3.6 (docs/gpu-kernels.md): 23.7 us a launch against Triton's 27.4
 at (32, 128), 35.8 against 40.5 at (1, 11): a modest saving; the rest is the compiled kernel's runner and C launcher,
 which this path still calls.
 """

@@ -1,0 +1,142 @@
+"""Dropout probabilities that torch refuses or treats specially, on every backend as on the reference: p outside
+[0, 1] (set on the layer's dropout module after construction, or given to `fused_embeddings`) raises torch's
+ValueError, in training and in eval mode alike, as `nn.Dropout` and `F.dropout` raise it; p == 1 gives torch's
+zeros and zero gradients. The Triton kernels run in Triton's interpreter without a GPU (TRITON_INTERPRET=1, set while
+they are imported and during these tests only, as in tests/test_kernels_triton.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
+
+ON_GPU = torch.cuda.is_available()
+SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
+if SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
+try:
+    import bertembed.kernels.triton  # noqa: E402, F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if SET_HERE:
+    del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
+
+from bertembed.kernels import fused_embeddings  # noqa: E402
+from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins  # noqa: E402
+
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON or not (ON_GPU or INTERPRET),
+                                                         reason="triton, and a GPU or its interpreter"))
+BAD = [1.5, -0.1, float("nan")]
+MESSAGE = "dropout probability has to be between 0 and 1"  # torch's words
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
+
+
+def _device(backend: str) -> str:
+    return "cuda" if backend == "triton" and ON_GPU else "cpu"
+
+
+def _tables(device: str, grad: bool = False) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randn(rows, 24, generator=gen) for rows in (100, 2, 64)]
+    tables += [torch.rand(24, generator=gen) + 0.5, torch.rand(24, generator=gen) - 0.5]
+    return [t.to(device).requires_grad_(grad) for t in tables]
+
+
+def test_torch_refuses_these_probabilities():
+    """What the fused layer must match: F.dropout refuses them in eval mode too (NaN with a RuntimeError, from its
+    C++ check; the others with a ValueError), and nn.Dropout as it runs."""
+    for p in BAD:
+        for training in (True, False):
+            with pytest.raises((ValueError, RuntimeError), match=MESSAGE):
+                F.dropout(torch.ones(3), p, training=training)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("p", BAD, ids=str)
+@pytest.mark.parametrize("backend", ["cpu", TRITON])
+def test_a_dropout_probability_set_outside_0_1_is_refused(backend, p, mode, grad):
+    """`layer.dropout.p = 1.5` after construction (nn.Dropout checks p only when built): the reference layer's
+    nn.Dropout raises as it runs, and the fused layer raised nothing (1.5 dropped every element with scale -2, -0.1
+    and NaN failed deep in the glue with an OverflowError or a float conversion error, and eval mode ran)."""
+    ref, fused = twins(24, backend, vocab=100)
+    device = _device(backend)
+    ids = awkward_ids(2, 5, 100).to(device)
+    for layer in (ref.to(device), fused.to(device)):
+        layer.train(mode == "train")
+        layer.dropout.p = p
+    with torch.set_grad_enabled(grad):
+        with pytest.raises((ValueError, RuntimeError), match=MESSAGE):  # (torch's C++ check raises for NaN)
+            ref(ids)
+        with pytest.raises(ValueError, match=MESSAGE):
+            fused(ids)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("p", BAD, ids=str)
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
+def test_the_functional_form_refuses_a_dropout_probability_outside_0_1(backend, p, training):
+    """`fused_embeddings(..., dropout_p=p)` refuses it as F.dropout does, whether training or not, on every backend."""
+    device = _device(backend)
+    ids = awkward_ids(2, 5, 100).to(device)
+    for grad in (False, True):
+        with pytest.raises(ValueError, match=f"{MESSAGE}, but got dropout_p="):
+            fused_embeddings(ids, *_tables(device, grad), dropout_p=p, training=training, backend=backend)
+
+
+# The Triton kernels divide by 1 - p before dropping the element (`tl.where`): at p == 1 numpy, running them in the
+# interpreter, warns of the inf and NaN that are then dropped.
+IGNORE_DIVISION = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("backend", ["cpu", TRITON])
+@IGNORE_DIVISION
+def test_dropout_p_one_gives_torchs_zeros(backend, grad):
+    """p == 1 is valid in torch: every element dropped, the output all zeros, every gradient zero. The cpu backend
+    raised ZeroDivisionError (its scale 1 / (1 - p))."""
+    ref, fused = twins(24, backend, vocab=100)
+    device = _device(backend)
+    ids = awkward_ids(2, 5, 100).to(device)
+    for layer in (ref.to(device), fused.to(device)):
+        layer.train()
+        layer.dropout.p = 1.0
+    if grad:
+        out_ref, out = run_both(ref, fused, input_ids=ids)
+        assert_grads_match(ref, fused)
+        assert all(p.grad.count_nonzero() == 0 for p in fused.parameters())
+    else:
+        with torch.no_grad():
+            out_ref, out = ref(ids), fused(ids)
+    assert_output_close(out, out_ref)
+    assert out.shape == (2, 5, 24) and out.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
+@IGNORE_DIVISION
+def test_the_functional_form_at_dropout_p_one(backend):
+    device = _device(backend)
+    ids = awkward_ids(2, 5, 100).to(device)
+    expected_tables, tables = _tables(device, True), _tables(device, True)
+    expected = fused_embeddings(ids, *expected_tables, dropout_p=1.0, training=True, backend="reference")
+    out = fused_embeddings(ids, *tables, dropout_p=1.0, training=True, backend=backend)
+    assert_output_close(out, expected)
+    assert out.count_nonzero() == 0
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    (expected * upstream).sum().backward()
+    (out * upstream).sum().backward()
+    for got, want in zip(tables, expected_tables, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        assert fused_embeddings(ids, *tables, dropout_p=1.0, training=True, backend=backend).count_nonzero() == 0
