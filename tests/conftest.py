@@ -19,6 +19,17 @@ HF_CONFIGS = {
 }
 
 
+def hf_offset_name() -> str:
+    """The installed transformers' name for its embedding layer's cache offset, read from its signature:
+    `cache_length` (transformers 5.24 and later) or `past_key_values_length` (4.x and early 5)."""
+    import inspect
+
+    from transformers.models.bert.modeling_bert import BertEmbeddings
+
+    names = inspect.signature(BertEmbeddings.forward).parameters
+    return "cache_length" if "cache_length" in names else "past_key_values_length"
+
+
 def make_hf_model(name: str, seed: int = 0, model_class=None):
     """A transformers BERT with random tables and a random (non-identity) LayerNorm."""
     from transformers import BertConfig, BertModel

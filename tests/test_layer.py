@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from bertembed import BertEmbeddings, EmbeddingConfig, NumpyEmbeddings
 from bertembed.embeddings import sinusoidal_table
+from conftest import hf_offset_name
 
 
 def _inputs(config, batch=3, length=17, seed=0):
@@ -36,7 +37,7 @@ def test_matches_transformers(hf_checkpoint, name):
         cases = {
             "ids only": ({"input_ids": ids}, {}),
             "with token types": ({"input_ids": ids, "token_type_ids": types}, {}),
-            "position offset": ({"input_ids": ids[:, :5], "past_key_values_length": 7}, {}),
+            "position offset": ({"input_ids": ids[:, :5], hf_offset_name(): 7}, {}),
             "explicit positions": ({"input_ids": ids, "position_ids": torch.arange(17).flip(0)[None]}, {}),
             # (transformers 5 takes [L] positions only beside segment ids: its default ones gather at the positions)
             "positions [L]": ({"input_ids": ids, "token_type_ids": types, "position_ids": torch.arange(17).flip(0)},
@@ -196,5 +197,23 @@ def test_any_shape_matches_transformers(hidden, vocab, positions, types, batch, 
     ids = torch.randint(0, vocab, (batch, length))
     token_types = torch.randint(0, types, (batch, length))
     with torch.no_grad():
-        expected = hf(ids, token_types, past_key_values_length=offset)
+        expected = hf(ids, token_types, **{hf_offset_name(): offset})
         assert max_diff(ours(ids, token_types, past_key_values_length=offset), expected) <= 1e-6
+
+
+def test_cache_offset_under_either_name(hf_checkpoint):
+    """transformers 4 names the offset past_key_values_length, 5 cache_length: the layer, its decomposition and
+    fused_embeddings take both, as one number, and refuse two different ones."""
+    folder, hf_model = hf_checkpoint("tiny-odd")
+    ours = BertEmbeddings.from_pretrained(folder)
+    ids = torch.randint(1, 1000, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model.embeddings(ids, **{hf_offset_name(): 6})
+        for kwargs in ({"cache_length": 6}, {"past_key_values_length": 6},
+                       {"cache_length": 6, "past_key_values_length": 6}):
+            assert torch.equal(ours(ids, **kwargs), expected), kwargs
+            assert torch.equal(ours.decompose(ids, **kwargs).output, expected), kwargs
+        assert not torch.equal(ours(ids), expected)
+    for call in (ours, ours.decompose):
+        with pytest.raises(ValueError, match="cache_length=6 and past_key_values_length=5 .* differ"):
+            call(ids, cache_length=6, past_key_values_length=5)

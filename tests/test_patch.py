@@ -4,6 +4,7 @@ within 1e-5 (float32; gradients relative to their largest entry); unpatch restor
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import bertembed  # noqa: E402
 from bertembed.embeddings import BertEmbeddings  # noqa: E402
+from conftest import hf_offset_name  # noqa: E402
 
 
 def tiny_config(**overrides):
@@ -158,8 +160,47 @@ def test_patched_layer_matches_hf_embeddings_directly():
     hf = model_of(transformers.BertModel).embeddings.train()
     fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="cpu")
     ids = batch()["input_ids"]
-    torch.testing.assert_close(fused(input_ids=ids, past_key_values_length=3),
-                               hf(input_ids=ids, past_key_values_length=3), rtol=0, atol=5e-7 * 5)
+    offset = {hf_offset_name(): 3}  # the installed transformers' name: the patched layer takes the same
+    torch.testing.assert_close(fused(input_ids=ids, **offset), hf(input_ids=ids, **offset), rtol=0, atol=5e-7 * 5)
+
+
+def test_patched_layer_takes_exactly_the_installed_transformers_arguments():
+    """The cache offset's name follows the installed release (transformers 5.24 renamed it); the other name is
+    refused with the TypeError transformers' own layer raises, positional arguments bind as there."""
+    hf = model_of(transformers.BertModel).embeddings.eval()
+    fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="cpu")
+    ids = batch()["input_ids"][:, :6]
+    other = "past_key_values_length" if hf_offset_name() == "cache_length" else "cache_length"
+    for layer in (hf, fused):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{other}'"):
+            layer(input_ids=ids, **{other: 2})
+        with pytest.raises(TypeError, match="multiple values"):
+            layer(ids, input_ids=ids)
+    with torch.no_grad():
+        positional = (ids, None, None, None, 4)  # the offset is the fifth parameter in every release
+        torch.testing.assert_close(fused(*positional), hf(*positional), rtol=0, atol=5e-7 * 5)
+
+
+class _FutureEmbeddings(transformers.models.bert.modeling_bert.BertEmbeddings):
+    """A transformers layer of a release that renames the offset again and adds an argument bertembed cannot know."""
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, start=0,
+                scale=1.0):
+        offset = {hf_offset_name(): start}
+        return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, **offset) * scale
+
+
+def test_an_unknown_argument_runs_transformers_own_forward(caplog):
+    """Never a TypeError or a guess: arguments the fused layer does not know run transformers' code on its tables."""
+    hf = _FutureEmbeddings(tiny_config()).eval()
+    fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="cpu")
+    ids = batch()["input_ids"][:, :6]
+    with torch.no_grad(), caplog.at_level("WARNING", logger="bertembed.dropin"):
+        torch.testing.assert_close(fused(ids), hf(ids), rtol=0, atol=5e-7 * 5)  # defaults: the fused kernel
+        assert not caplog.text
+        for kwargs in ({"start": 3}, {"scale": 2.0}, {"start": 1, "scale": -1.0}):
+            assert torch.equal(fused(ids, **kwargs), hf(ids, **kwargs))  # transformers' own code, bit for bit
+    assert "start are unknown to bertembed" in caplog.text and "scale are unknown" in caplog.text
 
 
 def test_patch_sentence_transformers_model(tmp_path):
@@ -215,6 +256,9 @@ def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model(adapter):
     if adapter == "lora":  # a random update
         config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False)
     else:
+        if "trainable_token_indices" not in inspect.signature(peft.LoraConfig).parameters:
+            pytest.skip(f"peft {peft.__version__} has no trainable tokens (peft 0.15 and later, which need a newer "
+                        f"transformers than the oldest supported)")
         config = peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False,
                                  trainable_token_indices={"word_embeddings": [5, 6, 7]})
     adapted = peft.get_peft_model(copy.deepcopy(model), config)

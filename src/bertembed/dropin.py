@@ -12,6 +12,7 @@ takes the old layer's own hooks.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -62,11 +63,84 @@ def _config_of(hf: nn.Module) -> EmbeddingConfig:
         hidden_dropout_prob=hf.dropout.p, pad_token_id=0 if pad is None else pad, position_embedding_type="absolute")
 
 
+# The keywords of the transformers layer that bertembed's forward understands: the cache offset is
+# `past_key_values_length` in transformers 4 and `cache_length` in 5, one number under two names.
+_UNDERSTOOD = frozenset(("input_ids", "token_type_ids", "position_ids", "inputs_embeds", "past_key_values_length",
+                         "cache_length"))
+
+
+class PatchedBertEmbeddings(BertEmbeddings):
+    """bertembed's layer standing in for a transformers `BertEmbeddings`: it takes exactly the arguments that the
+    installed transformers layer's `forward` declares (read from its signature when patched, never from a list kept
+    here), so a caller written for any transformers release calls it as it called the original. An argument that
+    bertembed does not know (a later release's new keyword), given a value other than its default, is run by
+    transformers' own layer on this layer's tables, with a warning: exact, never a `TypeError` or a guess."""
+
+    _hf_params: tuple[str, ...] = ()  # its parameters after self, in order
+    _hf_defaults: dict = {}
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        given = _bind(self._hf_params, args, kwargs, type(self._bertembed_original).__name__)
+        foreign = [k for k, v in given.items() if k not in _UNDERSTOOD and not _is_default(v, self._hf_defaults[k])]
+        if foreign:
+            _warn_once(type(self._bertembed_original), foreign)
+            return _synced_original(self).forward(**given)
+        return super().forward(**{k: v for k, v in given.items() if k in _UNDERSTOOD})
+
+
+def _bind(params: tuple[str, ...], args: tuple, kwargs: dict, owner: str) -> dict:
+    """Positional and keyword arguments by parameter name, with Python's own errors for what `owner.forward` would
+    refuse (written out: `inspect.Signature.bind` is not traceable by torch.compile)."""
+    if len(args) > len(params):
+        raise TypeError(f"{owner}.forward() takes {len(params) + 1} positional arguments but {len(args) + 1} were "
+                        f"given")
+    given = dict(zip(params, args, strict=False))  # (the first len(args) names)
+    for name, value in kwargs.items():
+        if name not in params:
+            raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
+        if name in given:
+            raise TypeError(f"{owner}.forward() got multiple values for argument {name!r}")
+        given[name] = value
+    return given
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (type(value) in (int, float, bool, str) and type(default) is type(value)
+                                and value == default)
+
+
+_warned: set = set()
+
+
+def _warn_once(kind: type, names: list[str]) -> None:
+    key = (kind, tuple(names))
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("bertembed.patch: %s.forward's argument(s) %s are unknown to bertembed: transformers' own forward "
+                    "runs those calls (exact, not fused)", kind.__name__, ", ".join(names))
+
+
+def _signature_of(kind: type) -> tuple[tuple[str, ...], dict]:
+    """The parameter names after self of `kind.forward`, in order, and their defaults. A forward taking *args or
+    **kwargs cannot be mirrored name for name: refused, so that no call is passed on under a guessed meaning."""
+    params = list(inspect.signature(kind.forward).parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args or **kwargs; bertembed.patch cannot "
+                         f"tell which arguments it passes on. Use an older transformers, or bertembed's layer directly")
+    missing = {"input_ids", "token_type_ids", "position_ids", "inputs_embeds"} - {p.name for p in params}
+    if missing:
+        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward has no argument(s) {sorted(missing)}: this "
+                         f"transformers release changed the layer's arguments, which bertembed.patch does not know")
+    return tuple(p.name for p in params), {p.name: p.default for p in params}
+
+
 def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated)."""
     config = _config_of(hf)  # outside the meta device: a wrapper may build its weight when read (peft's tokens)
+    params, defaults = _signature_of(type(hf))
     with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
-        layer = BertEmbeddings(config, backend=backend)
+        layer = PatchedBertEmbeddings(config, backend=backend)
+    layer._hf_params, layer._hf_defaults = params, defaults
     for name in _SHARED:
         setattr(layer, name, getattr(hf, name))
     device = _base(hf.word_embeddings).weight.device
@@ -119,14 +193,22 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     return model
 
 
+def _synced_original(layer: nn.Module) -> nn.Module:
+    """The transformers layer that `layer` replaced, holding `layer`'s current tables and buffers (`.to()` or an
+    assignment may have replaced them since `patch`)."""
+    original = layer._bertembed_original
+    for shared in _SHARED + _BUFFERS:
+        setattr(original, shared, getattr(layer, shared))
+    return original
+
+
 def unpatch(model: nn.Module) -> nn.Module:
     """Put back the transformers layers that `patch` replaced (current weights and buffers). Returns `model`."""
     for _parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_bertembed_original", None)
             if original is not None:
-                for shared in _SHARED + _BUFFERS:  # .to() or assignment may have replaced them since patch
-                    setattr(original, shared, getattr(child, shared))
+                _synced_original(child)
                 _move_state(child, original)
                 setattr(parent, name, original)
     return model

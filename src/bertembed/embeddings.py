@@ -19,6 +19,7 @@ from torch import nn
 
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
+    cache_offset,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
@@ -206,7 +207,8 @@ class BertEmbeddings(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values_length: int = 0,
+        past_key_values_length: int | None = None,
+        cache_length: int | None = None,
     ) -> torch.Tensor:
         """Embed a batch of token ids.
 
@@ -216,10 +218,12 @@ class BertEmbeddings(nn.Module):
                 the batch); zeros when omitted.
             position_ids: [B, L], or any shape that broadcasts to it ([1, L], [L]); `arange(L) +
                 past_key_values_length` when omitted, up to the position table's rows.
-            past_key_values_length: offset of the first position, for decoding after a cache.
+            past_key_values_length, cache_length: offset of the first position, for decoding after a cache; one
+                number under transformers 4's name and 5's (both given and different: ValueError). 0 by default.
         Returns:
             [B, L, H]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode.
         """
+        past_key_values_length = cache_offset(past_key_values_length, cache_length)
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             fused = _kernels().module_forward(self, input_ids, token_type_ids, position_ids, inputs_embeds,
                                               past_key_values_length)
@@ -234,7 +238,8 @@ class BertEmbeddings(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values_length: int = 0,
+        past_key_values_length: int | None = None,
+        cache_length: int | None = None,
     ) -> Decomposition:
         """The named parts of `forward` for the same arguments (dropout is never applied).
 
@@ -242,7 +247,7 @@ class BertEmbeddings(nn.Module):
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
         word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                              past_key_values_length)
+                                              cache_offset(past_key_values_length, cache_length))
         total = _summed(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
         return Decomposition(
@@ -283,10 +288,21 @@ class BertEmbeddings(nn.Module):
         self.load_state_dict(checkpoint.tensors)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """As `nn.Module.load_state_dict`, but every key and shape is checked before anything is copied."""
+        """As `nn.Module.load_state_dict`, but every key, kind and shape is checked before anything is copied: torch
+        copies key by key, so a tensor it cannot copy (sparse, quantized, on the meta device, not floating point)
+        after others would leave the layer half loaded."""
+        from bertembed.tensor_files import tensor_problem
+
+        def kind_problem(value) -> str | None:  # (meta tensors are fine to assign, but copy no values)
+            if not isinstance(value, torch.Tensor):
+                return f"a {type(value).__name__}, not a torch.Tensor"
+            return tensor_problem(value, meta_ok=assign)
+
         own = self.state_dict()
-        problems = [f"{k}: expected {tuple(own[k].shape)}, got {tuple(v.shape)}"
-                    for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        kinds = {k: kind_problem(v) for k, v in state_dict.items() if k in own}
+        problems = [f"{k} is {problem}" for k, problem in kinds.items() if problem is not None]
+        problems += [f"{k}: expected {tuple(own[k].shape)}, got {tuple(v.shape)}" for k, v in state_dict.items()
+                     if kinds.get(k) is None and k in own and tuple(v.shape) != tuple(own[k].shape)]
         if strict:
             problems += [f"missing {k}" for k in own if k not in state_dict]
             problems += [f"unexpected {k}" for k in state_dict if k not in own]
@@ -295,7 +311,10 @@ class BertEmbeddings(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read."""
+        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read.
+
+        The folder is replaced as a whole, its other files kept (`bertembed.atomic`); a layer that disagrees with its
+        config (a table of another size or dtype) raises ValueError before anything is written."""
         from bertembed.checkpoint import save_checkpoint
 
         return save_checkpoint(self, folder)

@@ -21,9 +21,25 @@ def _check_int(name: str, ids: torch.Tensor) -> None:
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}; "
                          f"wrap it with torch.tensor(...)")
+    if ids.layout is not torch.strided or ids.is_nested:  # (torch's errors for these name no cause and no fix)
+        if ids.is_nested:
+            kind, fix = "nested", f"pad its rows to one length with torch.nested.to_padded_tensor({name}, pad_id)"
+        else:
+            kind, fix = str(ids.layout).removeprefix("torch."), f"convert with {name}.to_dense()"
+        raise ValueError(f"{name} is a {kind} tensor, but ids must be a dense [B, L] tensor; {fix}")
     if ids.dtype not in _INT_DTYPES:
         raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers of 64 or 32 "
                          f"bits; convert with {name}.long()")
+
+
+def check_dropout(p: float, name: str) -> float:
+    """`p` as a float, or the ValueError `F.dropout` raises for a probability outside [0, 1] (NaN included; torch's
+    C++ check raises a RuntimeError for it), in training and in eval mode alike. `nn.Dropout` checks p when built,
+    and a `dropout.p` set afterwards as it runs: the fused layer, which never runs it, asks this instead."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {name}={p}; set it in [0, 1] "
+                         f"(0: no dropout)")
+    return float(p)
 
 
 def forward_ad_on() -> bool:
@@ -182,6 +198,19 @@ def offset(past_key_values_length) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"past_key_values_length must be a non-negative int, got {past_key_values_length!r}")
     return value
+
+
+def cache_offset(past_key_values_length=None, cache_length=None):
+    """The offset of the first position after a cache, under either of transformers' names for it: `cache_length`
+    (transformers 5) or `past_key_values_length` (transformers 4), the same number. 0 when neither is given; a
+    ValueError when both are given and differ. The value is returned as given (`offset` checks it)."""
+    if cache_length is None:
+        return 0 if past_key_values_length is None else past_key_values_length
+    if past_key_values_length is not None and offset(past_key_values_length) != offset(cache_length):
+        raise ValueError(f"cache_length={cache_length!r} and past_key_values_length={past_key_values_length!r} name "
+                         f"the same offset (transformers 5 calls it cache_length, 4 past_key_values_length) but "
+                         f"differ; pass one of them")
+    return cache_length
 
 
 def check_inputs(
