@@ -232,3 +232,113 @@ def test_drift_refuses_different_shapes(tiny, tmp_path):
     layer.save_pretrained(tmp_path / "wide")
     with pytest.raises(ValueError, match="different shapes.*word_embeddings.weight: \\(29, 10\\) vs \\(29, 12\\)"):
         drift(tiny, tmp_path / "wide")
+
+
+# --- input that would give a silently wrong answer ----------------------------------------------------------------
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda m: explain_text("\x00\x01", None, m), r"TEXT has no tokens.*U\+0000, U\+0001"),
+    (lambda m: explain_text("the cat", "\u200b\u200c\u2060", m), r"TEXT_B has no tokens.*U\+200B, U\+200C, U\+2060"),
+    (lambda m: analyze_segments(m, "\ufeff"), r"the text has no tokens.*U\+FEFF"),
+    (lambda m: analyze_segments(m, "the cat", " \u200b \t\x00 "), r"text_b has no tokens.*U\+200B, U\+0000"),
+    (lambda m: analyze_onehot("\u2060 \x00", m), r"the text has no tokens"),
+])
+def test_texts_without_tokens_are_refused(tiny, call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call(tiny)
+
+
+def test_finetune_sentences_without_tokens_are_refused(tiny):
+    from bertembed.explain import finetune_demo
+
+    with pytest.raises(ValueError, match=r"sentence 1 has no tokens"):
+        finetune_demo(tiny, steps=1, sentences=(("the cat", 1), ("\u200b", 0)))
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda m: analyze_positions(m, k=0), r"k=0: fit at least 1"),
+    (lambda m: analyze_positions(m, k=-1), r"k=-1: fit at least 1"),
+    (lambda m: analyze_tokens("king", m, k=0), r"k=0: ask for at least 1"),
+    (lambda m: analyze_tokens("king", m, k=-1), r"k=-1: ask for at least 1"),
+    (lambda m: drift(m, m, top=-1), r"top=-1: list 0 or more"),
+    (lambda m: analyze_onehot("the cat", m, repeats=0), r"repeats=0"),
+])
+def test_counts_below_their_minimum_are_refused(tiny, call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call(tiny)
+
+
+def test_finetune_counts_below_their_minimum_are_refused(tiny):
+    from bertembed.explain import finetune_demo
+
+    for kwargs, pattern in (({"steps": 0}, "steps=0"), ({"steps": -1}, "steps=-1"), ({"lr": 0.0}, "lr=0.0"),
+                            ({"lr": -1e-3}, "lr=-0.001")):
+        with pytest.raises(ValueError, match=pattern):
+            finetune_demo(tiny, **kwargs)
+
+
+def test_onehot_refuses_more_tokens_than_positions_before_building_the_matrix(bundled):
+    # 602 tokens: the text the model could not take; the bound is the tokenizer's, and it names the excess
+    text = "word " * 600
+    assert len(Tokenizer.from_pretrained()(text, truncation=False).input_ids) == 602
+    with pytest.raises(ValueError, match=r"602 tokens .* 512 positions: shorten it by 90 tokens"):
+        analyze_onehot(text, bundled)
+
+
+def test_onehot_refuses_a_matrix_over_the_byte_limit(tiny, monkeypatch):
+    from bertembed.explain import onehot
+
+    assert onehot.MAX_ONEHOT_BYTES >= 512 * 30522 * 4  # BERT's own longest text fits under the real limit
+    tokens = len(Tokenizer.from_pretrained(tiny)("the cat sat").input_ids)
+    vocab = load_tables(tiny)["word_embeddings.weight"].shape[0]
+    size = tokens * vocab * 4  # [tokens, V] float32, computed here from the checkpoint's own table
+    monkeypatch.setattr(onehot, "MAX_ONEHOT_BYTES", size)
+    assert analyze_onehot("the cat sat", tiny, repeats=1).equal  # exactly at the limit: allowed
+    monkeypatch.setattr(onehot, "MAX_ONEHOT_BYTES", size - 1)
+    with pytest.raises(ValueError, match=rf"{tokens} tokens x {vocab} ids .* give at most {tokens - 1} tokens"):
+        analyze_onehot("the cat sat", tiny, repeats=1)
+
+
+def test_drift_names_non_finite_tensors_and_json_gets_null(tiny, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bertembed.explain._common import to_jsonable
+
+    folder = tmp_path / "b"
+    shutil.copytree(tiny, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embeddings.word_embeddings.weight"][7, 3] = float("nan")
+    tensors["embeddings.word_embeddings.weight"][9] += 0.5
+    tensors["embeddings.LayerNorm.bias"][2] = float("inf")
+    save_file(tensors, str(folder / "model.safetensors"))
+    report = drift(tiny, folder, top=5)
+    by_table = {t.table: t for t in report.tables}
+    b = load_tables(folder)
+    # the independent reference: rows with a non-finite value, found by torch in the saved file
+    nan_rows = torch.nonzero(~torch.isfinite(b["word_embeddings.weight"]).all(1)).flatten().tolist()
+    assert nan_rows == [7] and by_table["word"].non_finite == {"B": [7]}
+    assert by_table["LayerNorm.bias"].non_finite == {"B": [2]} and by_table["position"].non_finite == {}
+    assert by_table["word"].rows_changed == 2 and [r["row"] for r in by_table["word"].top] == [9]
+    assert [r["row"] for r in by_table["LayerNorm.bias"].top] == []  # an inf change is not ranked
+    assert "word of B" in report.warning() and "row(s) 7 of 29" in report.warning()
+    assert "LayerNorm.bias of B" in report.summary()["warning"] and drift(tiny, tiny).warning() == ""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    text = json.dumps(to_jsonable({"summary": report.summary(), "rows": report.rows()}), allow_nan=False)
+    data = json.loads(text, parse_constant=refuse)
+    assert data["summary"]["word_relative_change"] is None and data["summary"]["LayerNorm.bias_relative_change"] is None
+    assert data["summary"]["position_relative_change"] == 0.0
+
+
+def test_to_jsonable_turns_non_finite_numbers_into_null():
+    from bertembed.explain._common import to_jsonable
+
+    value = {"a": float("nan"), "b": [np.float32("inf"), 1.5], "c": np.array([[1.0, -np.inf], [np.nan, 2.0]]),
+             "d": np.float64(3.0), "e": np.int64(4), "f": True}
+    assert to_jsonable(value) == {"a": None, "b": [None, 1.5], "c": [[1.0, None], [None, 2.0]], "d": 3.0, "e": 4,
+                                  "f": True}

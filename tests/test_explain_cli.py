@@ -90,6 +90,12 @@ def test_explain_report_and_plots(tiny, tmp_path):
     (["inspect", "tokens", "kingss"], "not an entry of the vocabulary"),
     (["inspect", "onehot", ""], "empty"),
     (["inspect", "segments", ""], "empty"),
+    (["explain", "\x00\x01"], r"TEXT has no tokens.*U\+0000, U\+0001.*\[CLS\] \[SEP\] alone"),
+    (["explain", "\ufeff"], r"TEXT has no tokens.*U\+FEFF"),
+    (["explain", "the cat", " \u200b\u200c\u2060 "], r"TEXT_B has no tokens.*U\+200B, U\+200C, U\+2060"),
+    (["inspect", "segments", "\u200b \x00"], "the text has no tokens"),
+    (["inspect", "onehot", "\t\u2060\x7f"], "the text has no tokens"),
+    (["inspect", "tokens", "\u200b"], "not in the vocabulary"),
 ])
 def test_bad_text_is_a_clear_error(tiny, args, pattern):
     assert_user_error(invoke(*args, "--model", tiny), pattern)
@@ -150,3 +156,71 @@ def test_bracketed_tokens_survive_rich_markup():
     result = invoke("inspect", "tokens", "king", "-k", "3")
     assert result.exit_code == 0, result.output
     assert "[unusedN]" in result.output and "[MASK] (id 103)" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "positions", "--k", "0"], ["inspect", "positions", "-k", "-1"],
+    ["inspect", "tokens", "king", "--k", "0"], ["inspect", "tokens", "king", "--k", "-1"],
+    ["finetune-demo", "--steps", "0"], ["finetune-demo", "--steps", "-1"],
+])
+def test_counts_below_one_are_usage_errors(tiny, args):
+    result = invoke(*args, "--model", tiny, "--json")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert re.search(r"greater than or equal to 1|not in the range x>=1", " ".join(result.output.split())), \
+        result.output
+
+
+def test_drift_top_below_zero_is_a_usage_error(tiny):
+    result = invoke("drift", tiny, tiny, "--top", "-1")
+    assert result.exit_code == 2, result.output
+    assert re.search(r"greater than or equal to 0|not in the range x>=0", " ".join(result.output.split()))
+    assert invoke("drift", tiny, tiny, "--top", "0", "--json").exit_code == 0  # listing no rows is a fair request
+
+
+def _with_non_finite(tiny, folder):
+    """A copy of the tiny checkpoint with NaN in word row 7 ("cat") and inf in LayerNorm.bias[2]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embeddings.word_embeddings.weight"][7, 3] = float("nan")
+    tensors["embeddings.LayerNorm.bias"][2] = float("inf")
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_drift_json_is_strict_json_and_the_table_warns(tiny, tmp_path):
+    broken = _with_non_finite(tiny, tmp_path / "nan")
+    result = invoke("drift", tiny, broken, "--json")
+    assert result.exit_code == 0, result.output
+    data = _strict_json(result.output)
+    rows = {r["table"]: r for r in data["rows"]}
+    assert rows["word"]["relative_change"] is None and rows["LayerNorm.bias"]["max_abs_change"] is None
+    assert rows["position"]["relative_change"] == 0.0
+    assert "word of B" in data["summary"]["warning"]
+    table = " ".join(invoke("drift", tiny, broken).output.split())
+    assert re.search(r"warning: NaN or inf values in word of B \(.*\) at row\(s\) 7 of 29", table), table
+
+
+def test_explain_json_is_strict_json_when_the_tables_hold_nan(tiny, tmp_path):
+    result = invoke("explain", "the cat", "--model", _with_non_finite(tiny, tmp_path / "nan"), "--json")
+    assert result.exit_code == 0, result.output
+    data = _strict_json(result.output)
+    cat = next(t for t in data["tokens"] if t["token"] == "cat")
+    assert cat["word_norm"] is None and data["max_abs_diff"] is None
+    the = next(t for t in data["tokens"] if t["token"] == "the")
+    assert the["word_norm"] > 0  # a row without NaN keeps its number
+
+
+def test_onehot_of_a_text_longer_than_the_positions_is_refused_at_once():
+    result = invoke("inspect", "onehot", "word " * 600)  # the bundled model: 602 tokens, 512 positions
+    assert_user_error(result, r"602 tokens with \[CLS\] and \[SEP\], but the model has 512 positions")

@@ -111,3 +111,43 @@ def test_bad_arguments(ours):
         ours(["a", "b c d"], padding=False, return_tensors="pt")
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained("/no/such/folder")
+
+
+# Texts the tokenizer turns into no token of their own: control characters, zero-width ones, the byte-order mark,
+# the soft hyphen, a private-use character, mixed with whitespace. Each would be embedded as [CLS] [SEP] alone, as an
+# empty text is.
+NO_TOKEN_TEXTS = ["\x00\x01", "\u200b\u200c\u2060", "\ufeff", " \u200b \t\x00 ", "\u00ad\u200d", "\x7f\u2061",
+                  "\ue000"]
+
+
+@pytest.mark.parametrize("text", NO_TOKEN_TEXTS)
+def test_texts_without_tokens_are_refused(ours, fast_reference, text):
+    # the independent reference: transformers' tokenizer also gives nothing but [CLS] [SEP] for these texts
+    assert fast_reference.convert_ids_to_tokens(fast_reference(text)["input_ids"]) == ["[CLS]", "[SEP]"]
+    assert ours(text).tokens == ["[CLS]", "[SEP]"]  # __call__ still matches transformers
+    with pytest.raises(ValueError, match=r"TEXT has no tokens: .*U\+[0-9A-F]{4}.*\[CLS\] \[SEP\] alone"):
+        ours.require_tokens(text, "TEXT")
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\t\n"])
+def test_empty_texts_are_refused(ours, text):
+    with pytest.raises(ValueError, match="TEXT is empty"):
+        ours.require_tokens(text, "TEXT")
+
+
+@pytest.mark.parametrize("text", ["a\u200b", "\u200bking", "\u2603"])  # a word beside a zero-width one; [UNK]
+def test_texts_with_a_token_pass(ours, fast_reference, text):
+    ours.require_tokens(text)
+    assert ours(text).input_ids == fast_reference(text)["input_ids"] and len(ours(text).input_ids) == 3
+
+
+def test_unreadable_tokenizer_files_are_value_errors(tmp_path, bundled_path):
+    for name in ("config.json", "vocab.txt", "tokenizer.json"):
+        shutil.copy(bundled_path / name, tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a readable tokenizer .*re-download or fix"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "vocab.txt").write_bytes(b"[PAD]\n[CLS]\n[SEP]\ncaf" + "é\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"vocab\.txt is not a readable vocabulary .*UTF-8"):
+        Tokenizer.from_pretrained(tmp_path)

@@ -56,9 +56,7 @@ class Tokenizer:
         settings = _read_settings(source)
         tokenizer_json = source.file("tokenizer.json")
         if tokenizer_json is not None:
-            from tokenizers import Tokenizer as Backend
-
-            backend = Backend.from_file(str(tokenizer_json))
+            backend = _backend_from_file(tokenizer_json)
         else:
             vocab = source.file("vocab.txt")
             if vocab is None:
@@ -114,6 +112,21 @@ class Tokenizer:
                            tokens=out.tokens[0], offsets=out.offsets[0])
         return out
 
+    def require_tokens(self, text: str, name: str = "the text") -> None:
+        """Raise ValueError when `text` gives no token of its own, so it would be embedded as `[CLS] [SEP]` alone, as
+        an empty text is: empty, whitespace, or only characters BERT's normalizer drops (control characters such as
+        U+0000, zero-width ones such as U+200B and U+2060, the byte-order mark U+FEFF). `__call__` itself accepts
+        such texts, as transformers does (a batch may hold an empty one); the analyses call this first.
+        """
+        check_not_blank(text, name)
+        self.backend.no_padding()  # each __call__ sets both again
+        self.backend.no_truncation()
+        if not self.backend.encode(text, add_special_tokens=False).ids:
+            shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(text) if not c.isspace())
+            raise ValueError(f"{name} has no tokens: it holds only characters the tokenizer drops ({_clip(shown)}: "
+                             f"control, zero-width or other invisible characters), so it would be embedded as "
+                             f"[CLS] [SEP] alone, as an empty text; give a sentence with words")
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of some ids ("[UNK]"-free: every id in range has one)."""
         return [self.backend.id_to_token(int(i)) for i in ids]
@@ -125,6 +138,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
+
+
+def check_not_blank(text: str, name: str = "the text") -> None:
+    """Raise ValueError for an empty or all-whitespace text (before any checkpoint is loaded; see `require_tokens`)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f'{name} is empty; give a sentence, e.g. "The quick brown fox"')
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _as_items(text, text_pair) -> tuple[bool, list]:
@@ -175,12 +200,27 @@ def _read_settings(source: Source) -> dict[str, Any]:
     return settings
 
 
+def _backend_from_file(path: Path):
+    """A checkpoint's own tokenizer.json; ValueError naming the file when `tokenizers` cannot read it."""
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        return Backend.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for broken JSON or a missing field
+        raise ValueError(f"{path} is not a readable tokenizer ({err}); re-download or fix the file") from err
+
+
 def _wordpiece_from_vocab(vocab: Path, settings: dict[str, Any]):
     """A `tokenizers` pipeline equal to transformers' BertTokenizerFast built from a vocab.txt."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
-    backend = Backend(models.WordPiece.from_file(str(vocab), unk_token="[UNK]", max_input_chars_per_word=100))
+    try:
+        wordpiece = models.WordPiece.from_file(str(vocab), unk_token="[UNK]", max_input_chars_per_word=100)
+    except Exception as err:  # tokenizers raises a bare Exception, e.g. for a file that is not UTF-8
+        raise ValueError(f"{vocab} is not a readable vocabulary ({err}); it must be UTF-8 text, one token a line: "
+                         f"re-download or fix the file") from err
+    backend = Backend(wordpiece)
     backend.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=settings["tokenize_chinese_chars"],
         strip_accents=settings["strip_accents"], lowercase=settings["do_lower_case"])

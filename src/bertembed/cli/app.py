@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -62,10 +63,24 @@ def _show_our_warnings() -> None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Bad input ends the command with its message and exit status 2, not a traceback."""
+    """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
+    value the user gave, a checkpoint file that is broken; anything else is a bug and keeps its traceback."""
     _show_our_warnings()
     try:
         yield
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
-        err_console.print(f"[bold red]error:[/bold red] {err}", soft_wrap=True)  # paths stay unbroken
-        sys.exit(2)
+        _fail(str(err))
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(err.filename or "a path")
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+        _fail(f"{shown} is too long for a file or folder name ({err.strerror}: a name may have at most 255 bytes "
+              f"on most file systems); check the argument")
+
+
+def _fail(message: str) -> None:
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)  # paths stay unbroken
+    sys.exit(2)

@@ -15,7 +15,7 @@ def drift_command(
     model_a: Annotated[str, typer.Argument(help="the first checkpoint (hub id, folder or weights file)")],
     model_b: Annotated[str, typer.Argument(help="the second checkpoint, same architecture")],
     as_json: JsonOpt = False, plot: PlotOpt = None,
-    top: Annotated[int, typer.Option(help="how many most-changed rows to list per table")] = 10,
+    top: Annotated[int, typer.Option(min=0, help="how many most-changed rows to list per table")] = 10,
 ) -> None:
     """Relative change of each embedding tensor between two checkpoints, and the rows that changed most."""
     with user_errors():

@@ -40,8 +40,10 @@ def explain(
             _write_extras(text, text_b, model, report, plots, quiet=as_json)
     rows = dec.rows()
     if as_json:
-        print(json.dumps({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
-                          "tokens": rows, "max_abs_diff": dec.max_abs_diff}))
+        from bertembed.explain._common import to_jsonable
+
+        print(json.dumps(to_jsonable({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
+                                      "tokens": rows, "max_abs_diff": dec.max_abs_diff}), allow_nan=False))
         return
     say_model(dec.source)
     console.print(_table(rows))

@@ -29,15 +29,18 @@ def rich_progress():
 @app.command("finetune-demo")
 def finetune_demo(
     model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
-    steps: Annotated[int, typer.Option(help="optimiser steps per run")] = 12,
-    save: Annotated[Optional[str], typer.Option(help="save the Adam run's fine-tuned layer to this folder "
-                                                "(compare it with `bertembed drift`)")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="optimiser steps per run")] = 12,
+    save: Annotated[Optional[str], typer.Option(help="save the Adam run's fine-tuned layer to this new (or empty) "
+                                                "folder, whole or not at all (compare it with `bertembed "
+                                                "drift`)")] = None,
 ) -> None:
     """Fine-tune the embedding layer on a few sentences with Adam, AdamW and a frozen table; count rows moved."""
     with user_errors():
         from bertembed.explain import finetune
 
         check_plot_path(plot)
+        if save is not None:
+            finetune.check_save_folder(save)  # before the demo's seconds of work, not after them
         bar, progress = rich_progress()
         with bar:
             result = finetune.finetune_demo(model, steps=steps, progress=None if as_json else progress, save=save)

@@ -39,16 +39,18 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
 
         write_atomic(plot, combined_png(result))
     if as_json:
-        print(json.dumps(to_jsonable({"summary": summary, "rows": extra_rows or []})))
+        print(json.dumps(to_jsonable({"summary": summary, "rows": extra_rows or []}), allow_nan=False))
         return
     if hasattr(result, "source"):
         say_model(result.source)
-    verdict = summary.pop("verdict", None)
+    verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
     console.print(_table(type(result).__name__, [{"measure": k, "value": v} for k, v in summary.items()]))
     if extra_rows:
         console.print(_table(title, extra_rows))
     if verdict:
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
+    if warning:
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
     for spec in _specs(result):
         console.print(f"[dim]{spec.title}: {escape(spec.caption(result))}[/dim]")
     if plot is not None:
@@ -74,7 +76,8 @@ def _table(title: str, rows: list[dict]):
 
 @inspect_app.command()
 def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
-              k: Annotated[int, typer.Option("--k", "-k", help="how many low-frequency cosines to fit")] = 16) -> None:
+              k: Annotated[int, typer.Option("--k", "-k", min=1,
+                                             help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
     with user_errors():
         from bertembed.explain.positions import analyze_positions
@@ -101,7 +104,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
 @inspect_app.command()
 def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g. king or ##ing")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
-           k: Annotated[int, typer.Option("--k", "-k", help="how many neighbours")] = 10) -> None:
+           k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
     with user_errors():
         from bertembed.explain.tokens import analyze_tokens

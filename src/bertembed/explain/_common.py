@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import html
 import io
+import math
 from pathlib import Path
 from typing import Any, Union
 
@@ -48,17 +49,20 @@ def cosine_matrix(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
 
 
 def to_jsonable(value: Any) -> Any:
-    """Plain Python for json.dumps: arrays become lists, numpy scalars numbers, paths strings."""
+    """Plain Python for json.dumps(..., allow_nan=False): arrays become lists, numpy scalars numbers, paths strings,
+    and NaN or inf null (JSON has no such numbers; Python's NaN output is not JSON, and strict parsers reject it)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return value.tolist()
     if isinstance(value, np.generic):
-        return value.item()
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, Path):
         return str(value)
     return value

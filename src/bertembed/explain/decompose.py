@@ -46,8 +46,9 @@ class TextDecomposition:
 
     @property
     def max_abs_diff(self) -> float:
-        """Largest |by-hand - layer output| over all tokens and dimensions."""
-        return float(np.abs(self.by_hand() - self.output).max())
+        """Largest |by-hand - layer output| over all tokens and dimensions; NaN when the tables hold NaN or inf."""
+        with np.errstate(invalid="ignore"):  # inf - inf: the NaN it gives is the answer, shown as such
+            return float(np.abs(self.by_hand() - self.output).max())
 
     def norms(self) -> dict[str, np.ndarray]:
         """Euclidean norm per token of each part: [L] arrays."""
@@ -105,19 +106,22 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
 
     `model`: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
 
-    Raises ValueError for an empty text or one longer than the position table (no silent truncation here).
+    Raises ValueError for a text that is empty or gives no tokens (only control or zero-width characters), and for
+    one longer than the position table (no silent truncation here).
     """
-    from bertembed.tokenizer import Tokenizer
+    from bertembed.tokenizer import Tokenizer, check_not_blank
 
-    for name, value in (("TEXT", text), ("TEXT_B", text_b)):
-        if value is not None and not value.strip():
-            raise ValueError(f"{name} is empty; give a sentence to explain, e.g. \"The quick brown fox\"")
+    texts = {name: value for name, value in (("TEXT", text), ("TEXT_B", text_b)) if value is not None}
+    for name, value in texts.items():
+        check_not_blank(value, name)
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
     layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
     # resolve once: the tokenizer and the layer read the same checkpoint (a loaded layer brings its own source)
     model = layer.source if layer is not None else resolve(model)
     tokenizer = Tokenizer.from_pretrained(model)
+    for name, value in texts.items():
+        tokenizer.require_tokens(value, name)
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         raise ValueError(f"the text is {len(enc.input_ids)} tokens with [CLS] and [SEP], but the model has "

@@ -26,6 +26,8 @@ class TableDrift:
     max_abs_change: float
     rows_changed: int  # rows (or elements, for LayerNorm's vectors) not exactly equal
     top: list[dict] = field(default_factory=list)  # {"row", "label", "change", "relative"}, most changed first
+    # rows (elements, for LayerNorm's vectors) holding NaN or inf, in "A" and "B": their changes are NaN or inf
+    non_finite: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,7 +41,19 @@ class DriftReport:
         for t in self.tables:
             out[f"{t.table}_relative_change"] = t.relative_change
             out[f"{t.table}_rows_changed"] = t.rows_changed
+        if self.warning():
+            out["warning"] = self.warning()
         return out
+
+    def warning(self) -> str:
+        """Which tensor of which checkpoint holds NaN or inf, and where; empty when every tensor is finite."""
+        found = [f"{t.table} of {side} ({self.model_a if side == 'A' else self.model_b}) at row(s) "
+                 f"{', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''} of {t.shape[0]}"
+                 for t in self.tables for side, rows in t.non_finite.items()]
+        if not found:
+            return ""
+        return ("NaN or inf values in " + "; ".join(found) + ". The changes of those tensors are not finite "
+                "(nan or inf in the table, null in JSON), and their rows are left out of the most-changed lists")
 
     def rows(self) -> list[dict]:
         return [{"table": t.table, "shape": "x".join(map(str, t.shape)), "relative_change": t.relative_change,
@@ -67,21 +81,36 @@ def _labeller(layer, name: str):
         name, lambda i: f"[{i}]")
 
 
+def _rows_where(mask: np.ndarray) -> np.ndarray:
+    """Indices of the rows of a [N, H] mask (or the elements of an [N] one) that hold any True."""
+    return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
+
+
 def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> TableDrift:
     a64, delta = a.astype(np.float64), b.astype(np.float64) - a
     per_row = row_norms(delta) if delta.ndim == 2 else np.abs(delta)
     base = row_norms(a64) if delta.ndim == 2 else np.abs(a64)
-    order = np.argsort(-per_row, kind="stable")[:top]
+    differs = (a != b) & ~(np.isnan(a) & np.isnan(b))  # a NaN left as it was is no change
+    order = np.argsort(-per_row, kind="stable")
+    order = order[(per_row[order] > 0) & np.isfinite(per_row[order])][:top]  # unchanged rows, NaN or inf drop out
+    non_finite = {side: _rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
     return TableDrift(
         table=name, shape=list(a.shape), relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64),
                                                                                           1e-30)),
-        max_abs_change=float(np.abs(delta).max()), rows_changed=int((per_row > 0).sum()),
+        max_abs_change=float(np.abs(delta).max()), rows_changed=len(_rows_where(differs)),
         top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]),
-              "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order if per_row[i] > 0])
+              "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order],
+        non_finite={side: rows for side, rows in non_finite.items() if rows})
 
 
 def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport:
-    """Compare the embedding tensors of two checkpoints. Raises ValueError if their shapes differ."""
+    """Compare the embedding tensors of two checkpoints, listing the `top` most-changed rows of each.
+
+    Raises ValueError if their shapes differ or top < 0. A tensor holding NaN or inf gets NaN changes and a
+    `DriftReport.warning()` that names it.
+    """
+    if top < 0:
+        raise ValueError(f"top={top}: list 0 or more most-changed rows")
     a, b = load_layer(model_a), load_layer(model_b)
     shapes = {k: (tuple(a.tensors[k].shape) if k in a.tensors else None,
                   tuple(b.tensors[k].shape) if k in b.tensors else None) for k in DRIFT_TABLES.values()}

@@ -15,6 +15,7 @@ Dimension letters: B batch, L length, H hidden.
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +107,10 @@ def _batch(model, sentences):
 
     from bertembed.tokenizer import Tokenizer
 
-    enc = Tokenizer.from_pretrained(model)([s for s, _ in sentences], return_tensors="pt")
+    tokenizer = Tokenizer.from_pretrained(model)
+    for i, (sentence, _) in enumerate(sentences):
+        tokenizer.require_tokens(sentence, f"sentence {i}")
+    enc = tokenizer([s for s, _ in sentences], return_tensors="pt")
     return enc, torch.tensor([label for _, label in sentences])
 
 
@@ -179,14 +183,19 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
                   save: str | Path | None = None) -> FinetuneReport:
     """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run; see the module doc.
 
-    `progress(run_name, step, steps)` is called after every step. `save`: a folder to write the first run's
-    fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`.
+    `progress(run_name, step, steps)` is called after every step. `save`: a new (or empty) folder to write the first
+    run's fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`; it is checked before anything
+    runs, and written whole or not at all (see `save_with_tokenizer`).
     """
 
     from bertembed.embeddings import BertEmbeddings
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
+    if not lr > 0:
+        raise ValueError(f"lr={lr}: the learning rate must be positive, e.g. 1e-3")
+    if save is not None:
+        check_save_folder(save)
     base = BertEmbeddings.from_pretrained(model)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
     enc, labels = _batch(model, sentences)
@@ -204,11 +213,38 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
                           lr=lr, seconds=time.perf_counter() - began, sentences=tuple(sentences))
 
 
+def check_save_folder(folder: str | Path) -> Path:
+    """Fail before any work unless `folder` can be created whole: it must not exist (or be an empty folder), and
+    its parent must be an existing folder where a new folder can be made (tried, not guessed from permissions)."""
+    folder = Path(folder).expanduser()
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"cannot save to {folder}: it is a file; give the name of a new folder")
+        if folder.is_dir() and any(folder.iterdir()):
+            raise ValueError(f"cannot save to {folder}: the folder is not empty; give the name of a new folder")
+        if not folder.parent.is_dir():
+            raise ValueError(f"cannot save to {folder}: {folder.parent} is not an existing folder; create it first")
+        tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.").cleanup()
+    except OSError as err:
+        raise ValueError(f"cannot save to {folder}: {err.strerror or err}") from err
+    return folder
+
+
 def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
-    """Save an embedding layer and copy its checkpoint's tokenizer files beside it."""
-    folder = layer.save_pretrained(folder)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        path = source.file(name)
-        if path is not None:
-            shutil.copyfile(path, Path(folder) / name)
-    return Path(folder)
+    """Save an embedding layer and copy its checkpoint's tokenizer files beside it, all or nothing: everything is
+    written into a temporary folder beside `folder`, which becomes `folder` only when complete (`atomic_folder`).
+    A failure or Ctrl-C leaves no folder, no partial one, and no temporary one."""
+    from bertembed.atomic import atomic_folder
+
+    folder = check_save_folder(folder)
+    try:
+        with atomic_folder(folder, keep_others=False) as staging:
+            layer.save_pretrained(staging)
+            for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                path = source.file(name)
+                if path is not None:
+                    shutil.copyfile(path, staging / name)
+    except OSError as err:  # the disk filled up, a folder with files appeared meanwhile: nothing was written
+        why = err.strerror or str(err)
+        raise ValueError(why if why.startswith("cannot ") else f"cannot save to {folder}: {why}") from err
+    return folder

@@ -14,6 +14,10 @@ import numpy as np
 
 from bertembed.explain._common import ModelArg, load_layer, repr_html
 
+# The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
+# the time (a few seconds) of the demonstration; BERT's own case, 512 positions x 30522 ids, is 60 MiB.
+MAX_ONEHOT_BYTES = 512 * 2**20
+
 
 @dataclass
 class OneHotReport:
@@ -57,18 +61,38 @@ def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
     return float(np.median(timer.repeat(repeat=repeats, number=number))) / number
 
 
-def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
-    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`)."""
-    from bertembed.tokenizer import Tokenizer
+def check_onehot_size(tokens: int, vocab: int, positions: int) -> None:
+    """Refuse a one-hot matrix [tokens, vocab] the model could not take (more tokens than its `positions`) or one
+    over MAX_ONEHOT_BYTES (a vocabulary so large that even a short text's matrix would not be a demonstration)."""
+    if tokens > positions:
+        raise ValueError(f"the text is {tokens} tokens with [CLS] and [SEP], but the model has {positions} positions: "
+                         f"shorten it by {tokens - positions} tokens")
+    size = tokens * vocab * 4
+    if size > MAX_ONEHOT_BYTES:
+        raise ValueError(f"the one-hot matrix of {tokens} tokens x {vocab} ids would take {size:,} bytes "
+                         f"({size / 2**20:.1f} MiB), over the limit of {MAX_ONEHOT_BYTES:,} (MAX_ONEHOT_BYTES): give "
+                         f"at most {MAX_ONEHOT_BYTES // (vocab * 4)} tokens")
 
-    if not text.strip():
-        raise ValueError('the text is empty; give a sentence, e.g. "I am Sinan"')
+
+def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
+    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`).
+
+    Raises ValueError for a text that is empty or gives no tokens, longer than the position table, or whose one-hot
+    matrix [L, V] float32 would exceed MAX_ONEHOT_BYTES.
+    """
+    from bertembed.tokenizer import Tokenizer, check_not_blank
+
+    check_not_blank(text, "the text")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
     tokenizer = Tokenizer.from_pretrained(layer.source)
+    tokenizer.require_tokens(text, "the text")
     enc = tokenizer(text, truncation=False, padding=False)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape
+    check_onehot_size(len(ids), vocab, tokenizer.max_length)
     if ids.max() >= vocab:
         raise ValueError(f"the tokenizer gave id {ids.max()}, but the word table has {vocab} rows; "
                          f"the tokenizer and the weights come from different models")

@@ -118,13 +118,16 @@ def _verdict(r: float, share: float, sin_share: float, noise: float, k: int, spl
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
-    """Measure the learned position table of `model` (see `PositionReport`). Raises ValueError if it has none."""
+    """Measure the learned position table of `model` (see `PositionReport`). Raises ValueError if it has none, or for
+    k < 1; a k past the table's P - 1 frequencies is lowered to P - 1 (the report's `k` says which was used)."""
+    if k < 1:
+        raise ValueError(f"k={k}: fit at least 1 low-frequency cosine")
     layer = load_layer(model)
     learned = table(layer, "position")
     count = learned.shape[0]
     if count < 3:
         raise ValueError(f"the position table has {count} rows; at least 3 are needed to compare structures")
-    k = max(1, min(k, count - 1))
+    k = min(k, count - 1)
     sinus = sinusoidal_table_np(*learned.shape)
     sim, sin_sim = cosine_matrix(learned), cosine_matrix(sinus)
     norms = row_norms(learned)

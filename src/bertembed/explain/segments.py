@@ -50,16 +50,22 @@ class SegmentReport:
 
 def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
                      text_b: str = "It was not amused.") -> SegmentReport:
-    """Measure the segment table and the output of `text` in segment A versus segment B."""
-    from bertembed.tokenizer import Tokenizer
+    """Measure the segment table and the output of `text` in segment A versus segment B.
 
+    Raises ValueError for a text (or `text_b`, the pair's second sentence) that is empty or gives no tokens, and for a
+    text longer than the position table.
+    """
+    from bertembed.tokenizer import Tokenizer, check_not_blank
+
+    check_not_blank(text, "the text")
+    check_not_blank(text_b, "text_b")
     layer = load_layer(model)
     seg = table(layer, "segment")
     if seg.shape[0] < 2:
         raise ValueError(f"{layer.source.name} has {seg.shape[0]} segment row(s); segments A and B need 2")
-    if not text.strip():
-        raise ValueError('the text is empty; give a sentence, e.g. "The quick brown fox"')
     tokenizer = Tokenizer.from_pretrained(layer.source)
+    tokenizer.require_tokens(text, "the text")
+    tokenizer.require_tokens(text_b, "text_b")
     enc = tokenizer(text, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         raise ValueError(f"the text is {len(enc.input_ids)} tokens, the model has {tokenizer.max_length} positions")

@@ -76,6 +76,8 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
 
     if not token.strip():
         raise ValueError('the token is empty; give one vocabulary entry, e.g. "king"')
+    if k < 1:
+        raise ValueError(f"k={k}: ask for at least 1 neighbour")
     layer = load_layer(model)
     tokenizer = Tokenizer.from_pretrained(layer.source)
     words = table(layer, "word")

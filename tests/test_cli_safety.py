@@ -1,0 +1,198 @@
+"""The command line never ends in a traceback for bad input, and never leaves a half-written folder behind.
+
+Each broken checkpoint is a copy of the bundled model's folder with one file broken; each command must end with one
+line, `error: ...` naming the problem, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import conftest_explain as helpers
+from bertembed.cli import app
+from bertembed.explain import finetune
+from bertembed.sources import bundled_folder
+
+tiny = helpers.tiny  # shared fixture
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, pattern: str) -> None:
+    """Exit status 2 and exactly one line of output, `error: ...`, matching `pattern`; no traceback."""
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def bundled_copy(folder: Path) -> Path:
+    """The bundled checkpoint's folder, its small files copied and its 90 MB weights linked (never written to)."""
+    folder.mkdir()
+    for path in bundled_folder().iterdir():
+        if path.name == "model.safetensors":
+            (folder / path.name).symlink_to(path)
+        elif path.is_file():
+            shutil.copy(path, folder / path.name)
+    return folder
+
+
+def _broken_tokenizer_json(folder: Path) -> None:
+    (folder / "tokenizer.json").write_text("{not json")
+
+
+def _vocab_not_utf8(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()  # so vocab.txt is read
+    (folder / "vocab.txt").write_bytes((bundled_folder() / "vocab.txt").read_bytes() + "café\n".encode("latin-1"))
+
+
+def _string_layer_norm_eps(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["layer_norm_eps"] = "1e-12"
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _index_without_embeddings(folder: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    (folder / "model.safetensors").unlink()
+    shard = "model-00001-of-00001.safetensors"
+    save_file({"encoder.layer.0.output.dense.weight": np.zeros((2, 2), np.float32)}, str(folder / shard))
+    index = {"metadata": {}, "weight_map": {"encoder.layer.0.output.dense.weight": shard}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _bin_of_non_tensors(folder: Path) -> None:
+    import torch
+
+    (folder / "model.safetensors").unlink()
+    names = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+             "LayerNorm.weight", "LayerNorm.bias")
+    torch.save({f"embeddings.{n}": [[0.5, 0.25]] for n in names}, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("breaks, pattern", [
+    (_broken_tokenizer_json, r"tokenizer\.json is not a readable tokenizer"),
+    (_vocab_not_utf8, r"vocab\.txt is not a readable vocabulary .*UTF-8"),
+    (_string_layer_norm_eps, r"layer_norm_eps"),
+    (_index_without_embeddings, r"model\.safetensors\.index\.json|embedding"),
+    (_bin_of_non_tensors, r"pytorch_model\.bin"),
+])
+@pytest.mark.parametrize("command", [["explain", "the cat sat"], ["inspect", "segments", "the cat sat"]])
+def test_broken_checkpoint_is_one_line(tmp_path, breaks, pattern, command):
+    folder = bundled_copy(tmp_path / "model")
+    breaks(folder)
+    assert_one_line_error(invoke(*command, "--model", folder), pattern)
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "/tmp/" + "b" * 300, "./" + "c" * 256 + "/model.safetensors"])
+def test_model_name_too_long_for_a_file_name(name):
+    for command in (["explain", "the cat"], ["inspect", "positions"]):
+        assert_one_line_error(invoke(*command, "--model", name), r"is too long for a file or folder name")
+    assert_one_line_error(invoke("drift", name, name), r"too long")
+
+
+# --- finetune-demo --save: checked first, written whole or not at all ------------------------------------------
+
+@pytest.fixture
+def demo_must_not_run(monkeypatch):
+    """The fine-tune itself fails the test if it starts: a bad --save must be refused before it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo ran before --save was checked")
+
+    monkeypatch.setattr(finetune, "_run", refuse)
+
+
+def test_save_onto_a_file_fails_first(tiny, tmp_path, demo_must_not_run):
+    target = tmp_path / "afile"
+    target.write_text("keep me")
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--steps", "1", "--save", target),
+                          r"cannot save to .*afile: it is a file")
+    assert target.read_text() == "keep me"
+
+
+def test_save_under_a_file_fails_first(tiny, tmp_path, demo_must_not_run):
+    (tmp_path / "afile").write_text("x")
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--save", tmp_path / "afile" / "ft"),
+                          r"afile is not an existing folder")
+
+
+def test_save_where_no_folder_can_be_made_fails_first(tiny, demo_must_not_run):
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc, where nothing can be created even as root")
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--save", "/proc/bertembed-ft"),
+                          r"cannot save to /proc/bertembed-ft: No such file or directory")
+
+
+def test_save_into_a_folder_with_files_fails_first(tiny, tmp_path, demo_must_not_run):
+    (tmp_path / "ft").mkdir()
+    (tmp_path / "ft" / "notes.txt").write_text("mine")
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--save", tmp_path / "ft"),
+                          r"the folder is not empty")
+    assert [p.name for p in (tmp_path / "ft").iterdir()] == ["notes.txt"]
+
+
+def test_save_name_too_long_fails_first(tiny, tmp_path, demo_must_not_run):
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--save", tmp_path / ("f" * 300)),
+                          r"cannot save to .*File name too long")
+
+
+def _interrupt_while_writing(monkeypatch):
+    """Ctrl-C in the middle of writing the weights, after the folder was made and some bytes reached the disk."""
+    from bertembed.embeddings import BertEmbeddings
+
+    def half_then_interrupt(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BertEmbeddings, "save_pretrained", half_then_interrupt)
+
+
+def test_ctrl_c_during_save_leaves_nothing(tiny, tmp_path, monkeypatch):
+    _interrupt_while_writing(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        finetune.finetune_demo(tiny, steps=1, sentences=helpers.TINY_SENTENCES, save=tmp_path / "ft")
+    assert list(tmp_path.iterdir()) == []  # no folder, no partial folder, no temporary one
+    result = invoke("finetune-demo", "--model", tiny, "--steps", "1", "--json", "--save", tmp_path / "ft")
+    assert result.exit_code == 130, result.output  # typer's answer to Ctrl-C: 128 + SIGINT
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_after_the_weights_leaves_nothing(tiny, tmp_path, monkeypatch):
+    """The weights are written, then copying the tokenizer fails (a full disk): no folder without its vocab.txt."""
+    def disk_full(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(finetune.shutil, "copyfile", disk_full)
+    assert_one_line_error(invoke("finetune-demo", "--model", tiny, "--steps", "1", "--json", "--save",
+                                 tmp_path / "ft"), r"cannot save to .*ft: No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_into_an_empty_folder_writes_it_whole(tiny, tmp_path):
+    import os
+
+    from bertembed.embeddings import BertEmbeddings
+
+    (tmp_path / "ft").mkdir()
+    result = invoke("finetune-demo", "--model", tiny, "--steps", "1", "--json", "--save", tmp_path / "ft")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ft"]  # no temporary folder beside it
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= {p.name for p in (tmp_path / "ft").iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "ft").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it, not mkdtemp's 0700
+    assert BertEmbeddings.from_pretrained(tmp_path / "ft").config.vocab_size == len(helpers.VOCAB)
