@@ -6,8 +6,8 @@ memory speed drifts between periods, which makes separate runs incomparable).
 
 Cases: the kernels' torch glue (`run_forward`, `run_forward` + `run_backward` with dropout 0.1), hidden 768,
 random BERT-sized tables shared by both sides, 2 threads. Calls alternate one by one, and each pair's ratio is kept:
-prints the median ratio and its interquartile range. (Until the sixteenth round it alternated blocks of calls on
-tables of each side's own; against its own revision that read up to 1.13x, where this reads 0.99-1.02x.)
+prints the median ratio and its interquartile range. Against its own revision it reads 0.99-1.03x in every case
+(blocks of calls alternated on tables of each side's own read up to 1.13x); see BENCHMARKS.md, "How to A/B a change".
 """
 
 from __future__ import annotations
