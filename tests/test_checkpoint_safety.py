@@ -320,3 +320,12 @@ def test_an_inconsistent_layer_is_not_saved(tmp_path, break_it, message):
     assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no temporary folder left beside it
 
+
+
+def test_a_name_no_file_system_takes_is_a_clear_error():
+    """A name over 255 bytes made `Path.is_dir()` raise a raw OSError (errno 36) out of `from_pretrained`."""
+    for load in (BertEmbeddings.from_pretrained, lambda n: load_checkpoint(n, framework="np")):
+        with pytest.raises(FileNotFoundError, match="cannot be a file or folder .*too long"):
+            load("a" * 300)
+        with pytest.raises(FileNotFoundError, match="neither an existing file or folder nor a hub model id"):
+            load("org/" + "b" * 300)  # (no folder "org": the name is not a path, and too long for a hub id)

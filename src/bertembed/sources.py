@@ -95,6 +95,28 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return name_or_path
     if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
+    try:
+        local = _local(name_or_path)
+    except OSError as err:  # a name no file system takes (over 255 bytes, say)
+        shown = str(name_or_path) if len(str(name_or_path)) <= 60 else str(name_or_path)[:60] + "..."
+        raise FileNotFoundError(f"{shown!r} cannot be a file or folder ({err.strerror}); check the path or hub id") \
+            from err
+    if local is not None:
+        return local
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
+            or len(text) > 96 or not _HUB_ID.match(text):  # (the hub's own limit on a repo id's length)
+        raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
+                                f"'bert-base-uncased'; check the path")
+    source = Source("hub", text, Path(), revision=revision, local_files_only=local_files_only)
+    config = source.file("config.json")
+    if config is None:
+        raise FileNotFoundError(f"hub model {text!r} has no config.json; is it a BERT checkpoint?")
+    return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
+
+
+def _local(name_or_path: str | Path) -> Source | None:
+    """The local folder or weights file `name_or_path` names, or None when there is none."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return Source("folder", str(name_or_path), path)
@@ -105,16 +127,7 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return Source("folder", str(name_or_path), path)
     if path.is_file():
         return Source("file", str(name_or_path), path.parent, weights_file=path)
-    text = str(name_or_path)
-    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
-            or not _HUB_ID.match(text):
-        raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
-                                f"'bert-base-uncased'; check the path")
-    source = Source("hub", text, Path(), revision=revision, local_files_only=local_files_only)
-    config = source.file("config.json")
-    if config is None:
-        raise FileNotFoundError(f"hub model {text!r} has no config.json; is it a BERT checkpoint?")
-    return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
+    return None
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_only: bool) -> Path | None:
