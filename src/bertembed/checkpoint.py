@@ -19,9 +19,9 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from bertembed.atomic import atomic_folder, os_error
-from bertembed.config import EmbeddingConfig
+from bertembed.config import EmbeddingConfig, read_json
 from bertembed.family import SUPPORTED, check_key_family, padding_row
-from bertembed.sources import Source, read_json, resolve
+from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
 
 log = logging.getLogger(__name__)

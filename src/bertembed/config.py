@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bertembed.family import check_config_family
-from bertembed.sources import read_json
-
 log = logging.getLogger(__name__)
 
+SUPPORTED = "only BERT checkpoints (model_type 'bert') are supported for now"
+_BERT_CLASS = re.compile(r"(TF|Flax)?Bert[A-Z]\w*")  # BertModel, BertForMaskedLM, TFBertForPreTraining, ...
 PositionType = Literal["absolute", "sinusoidal", "none"]
 POSITION_TYPES: tuple[str, ...] = ("absolute", "sinusoidal", "none")
 
@@ -134,3 +135,35 @@ def _shown(value: Any) -> str:
     """A value and its type for an error message, cut short (a config.json may hold a long or deep one)."""
     text = repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__}"
     return f"{text[:60]} ({type(value).__name__})"
+
+
+def read_json(path: str | Path, what: str = "an object") -> dict:
+    """A JSON object from a checkpoint's file; ValueError naming the file when it is broken or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, PermissionError):
+        raise  # (their messages name the file)
+    except OSError as err:  # a folder under the file's name, an I/O error
+        raise ValueError(f"cannot read {path} ({err.strerror or err}); re-download or fix the file") from err
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a number too long to convert, nesting too deep
+        raise ValueError(f"{path} is not valid JSON ({str(err)[:200]}); re-download or fix the file") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected {what}")
+    return data
+
+
+def check_config_family(config: dict[str, Any], where: str) -> None:
+    """ValueError unless a config.json dict describes BERT: `model_type` "bert" or absent, and `architectures`
+    (when given) all BERT classes."""
+    model_type = config.get("model_type")
+    if model_type is not None and model_type != "bert":
+        raise ValueError(f"{where} has model_type {model_type!r}: {SUPPORTED}")
+    architectures = config.get("architectures")
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
+                         f"fix the file")
+    foreign = [a for a in architectures if not _BERT_CLASS.fullmatch(a)]
+    if foreign:
+        raise ValueError(f"{where} names architecture {foreign[0]!r}, not a BERT class: {SUPPORTED}")

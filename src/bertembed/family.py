@@ -16,12 +16,10 @@ its embedding layer computes exactly BERT's.)
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from typing import Any
 
-SUPPORTED = "only BERT checkpoints (model_type 'bert') are supported for now"
-_BERT_CLASS = re.compile(r"(TF|Flax)?Bert[A-Z]\w*")  # BertModel, BertForMaskedLM, TFBertForPreTraining, ...
+from bertembed.config import SUPPORTED
+
 # parts of tensor names that only other families use, and the family each one means
 FOREIGN_NAME_PARTS = {
     "roberta": "RoBERTa", "xlm_roberta": "XLM-RoBERTa", "camembert": "CamemBERT", "distilbert": "DistilBERT",
@@ -29,23 +27,6 @@ FOREIGN_NAME_PARTS = {
     "embeddings_project": "ELECTRA", "deberta": "DeBERTa", "rel_embeddings": "DeBERTa", "mpnet": "MPNet",
     "relative_attention_bias": "MPNet", "tok_embeddings": "ModernBERT", "emb_ln": "NomicBERT",
 }
-
-
-def check_config_family(config: dict[str, Any], where: str) -> None:
-    """ValueError unless a config.json dict describes BERT: `model_type` "bert" or absent, and `architectures`
-    (when given) all BERT classes."""
-    model_type = config.get("model_type")
-    if model_type is not None and model_type != "bert":
-        raise ValueError(f"{where} has model_type {model_type!r}: {SUPPORTED}")
-    architectures = config.get("architectures")
-    if architectures is None:
-        return
-    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
-                         f"fix the file")
-    foreign = [a for a in architectures if not _BERT_CLASS.fullmatch(a)]
-    if foreign:
-        raise ValueError(f"{where} names architecture {foreign[0]!r}, not a BERT class: {SUPPORTED}")
 
 
 def check_key_family(keys: Iterable[str], where: str) -> None:

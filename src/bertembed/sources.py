@@ -6,7 +6,6 @@ reader and the tokenizer never care where the files live. Nothing here imports t
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -58,21 +57,6 @@ class Source:
                 raise ValueError(f"{path} is not a regular file; the checkpoint is broken: remove it or re-download")
             return None
         return _hub_file(self.name, filename, self.revision, self.local_files_only)
-
-
-def read_json(path: str | Path, what: str = "an object") -> dict:
-    """A JSON object from a checkpoint's file; ValueError naming the file when it is broken or not an object."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, PermissionError):
-        raise  # (their messages name the file)
-    except OSError as err:  # a folder under the file's name, an I/O error
-        raise ValueError(f"cannot read {path} ({err.strerror or err}); re-download or fix the file") from err
-    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a number too long to convert, nesting too deep
-        raise ValueError(f"{path} is not valid JSON ({str(err)[:200]}); re-download or fix the file") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected {what}")
-    return data
 
 
 def bundled_folder() -> Path:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bertembed.sources import Source, read_json, resolve
+from bertembed.config import read_json
+from bertembed.sources import Source, resolve
 
 log = logging.getLogger(__name__)
 

@@ -103,13 +103,13 @@ def img_tag(png: bytes, alt: str) -> str:
 
 def repr_html(result: Any) -> str:
     """Notebook view of a result: its summary as a table, then its figures when matplotlib is installed."""
-    from bertembed.explain import figures
+    from bertembed.explain.figures import specs_for
 
     title = html.escape(type(result).__name__)
     rows = [{"measure": k, "value": v} for k, v in result.summary().items() if not isinstance(v, (list, dict))]
     parts = [f"<h4>{title}</h4>", html_table(rows)]
     try:
-        for spec in figures.specs_for(result):
+        for spec in specs_for(result):
             parts.append(img_tag(figure_png(spec.draw(result)), spec.title))
             parts.append(f"<p>{html.escape(spec.caption(result))}</p>")
     except ImportError:

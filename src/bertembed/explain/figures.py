@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from bertembed.explain import captions
+import bertembed.explain.captions as captions
 
 PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B

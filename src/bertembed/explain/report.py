@@ -105,9 +105,9 @@ INTROS = {
 
 def render_figures(result: Any) -> list[tuple[Any, bytes]]:
     """Every figure of one result as (FigureSpec, PNG bytes)."""
-    from bertembed.explain import figures
+    from bertembed.explain.figures import specs_for
 
-    return [(s, figure_png(s.draw(result))) for s in figures.specs_for(result)]
+    return [(s, figure_png(s.draw(result))) for s in specs_for(result)]
 
 
 def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Section:
@@ -193,9 +193,9 @@ def combined_png(result: Any) -> bytes:
     import matplotlib.image as mpimg
     import numpy as np
 
-    from bertembed.explain import figures
+    from bertembed.explain.figures import specs_for
 
-    images = [mpimg.imread(io.BytesIO(figure_png(s.draw(result))), format="png") for s in figures.specs_for(result)]
+    images = [mpimg.imread(io.BytesIO(figure_png(s.draw(result))), format="png") for s in specs_for(result)]
     width = max(im.shape[1] for im in images)
     padded = [np.pad(im[..., :3], ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0) for im in images]
     buf = io.BytesIO()
