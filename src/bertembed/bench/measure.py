@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ class Options:
     bandwidth_bytes: int = 1 << 30
     vocab: int = cands.VOCAB
     warmup: int = 3
-    env: dict[str, str] = field(default_factory=dict)  # added to a child's environment
 
     def __post_init__(self) -> None:
         self.allocator = self.allocator or ("steady" if self.quick or self.device == "cuda" else "both")
@@ -100,7 +99,7 @@ def run(options: Options) -> dict[str, Any]:
 
 def _child(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in STEADY_ENV}
-    env.update(STEADY_ENV if condition == "steady" else {}, **options.env)
+    env.update(STEADY_ENV if condition == "steady" else {})
     env.update({k: str(options.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[2]), env.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory(prefix="bertembed-bench-") as folder:
