@@ -17,8 +17,8 @@ Many = Optional[list[str]]
 
 @app.command()
 def bench(
-    quick: Annotated[bool, typer.Option(help="hidden 768, (B, L) = (1, 11) and (32, 128), float32, short timers, "
-                                        "the steady allocator only")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="hidden 768, (B, L) = (1, 11) and (32, 128), float32, short "
+                                        "timers, the steady allocator only")] = False,
     threads: Annotated[int, typer.Option(help="torch / ORT / numba threads")] = 2,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="write every measurement as JSON")] = None,
     markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="write the markdown report")] = None,
@@ -35,7 +35,7 @@ def bench(
                                         "(repeat); default float32 and bfloat16, float32 with --quick")] = None,
     repeat: Annotated[int, typer.Option(help="rounds per case, each candidate timed once a round, in rotated "
                                         "order")] = 3,
-    reference: Annotated[bool, typer.Option(help="time bertembed's reference layer too")] = False,
+    reference: Annotated[bool, typer.Option("--reference", help="time bertembed's reference layer too")] = False,
 ) -> None:
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op and bertembed's
     fused layer, interleaved in one process, with ratios against eager; check the issue's targets."""
