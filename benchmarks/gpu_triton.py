@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bertembed.bench.candidates import Workload, _hf_module, make_workload
-from bertembed.bench.cases import Case, bound_bytes
+from bertembed.bench.candidates import Case, bound_bytes, inputs
+from bertembed.config import EmbeddingConfig
 from bertembed.embeddings import BertEmbeddings
 from bertembed.kernels import triton as triton_kernels
 
@@ -32,6 +33,40 @@ CASES = [Case(1024, 64, 512), Case(1024, 64, 512, dtype="bfloat16"), Case(1024, 
 # (rows per program, num_warps) of the raw forward kernel
 VARIANTS = [(1, 2), (1, 4), (2, 2), (2, 8)]  # the best of (1, 2, 4) x (2, 4, 8) in an earlier run
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Workload:
+    """Weights (float32, CPU, Hugging Face names) and inputs of one case."""
+
+    case: Case
+    config: EmbeddingConfig
+    state_dict: dict
+    input_ids: torch.Tensor
+    token_type_ids: torch.Tensor
+    grad_output: torch.Tensor
+
+
+def make_workload(case: Case, vocab_size: int = 30522) -> Workload:
+    """Random BERT-like weights (LayerNorm off the identity) and the bench's ids and output gradient."""
+    torch.manual_seed(0)
+    config = EmbeddingConfig(vocab_size=vocab_size, hidden_size=case.hidden)
+    ref = BertEmbeddings(config)
+    with torch.no_grad():
+        ref.LayerNorm.weight.add_(0.1 * torch.randn(case.hidden))
+        ref.LayerNorm.bias.add_(0.1 * torch.randn(case.hidden))
+    return Workload(case, config, ref.state_dict(), *inputs(case, vocab=vocab_size))
+
+
+def _hf_module(work: Workload):
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings as HFBertEmbeddings
+
+    c = work.config
+    hf = HFBertEmbeddings(BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, pad_token_id=c.pad_token_id,
+                                     layer_norm_eps=c.layer_norm_eps))
+    hf.load_state_dict(work.state_dict)
+    return hf
 
 
 def median_ms(fn) -> float:
@@ -158,8 +193,7 @@ def main() -> None:
         on_device = Case(case.hidden, case.batch, case.length, case.mode, case.dtype, device)
         work = make_workload(on_device, vocab_size=30522)
         ours, hf, ref = modules(work, device)
-        row = {"case": case.key.replace("cpu ", ""), "bound_ms": bound_bytes(case.batch, case.length, case.hidden,
-                                                                            case.itemsize) / report["bandwidth"] * 1e3}
+        row = {"case": case.key.replace("cpu ", ""), "bound_ms": bound_bytes(case) / report["bandwidth"] * 1e3}
         if case.mode == "fwd":
             row.update(check(ours, ref, work))
             row.update(time_forward(case, work, ours, hf, device))

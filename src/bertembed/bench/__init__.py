@@ -1,17 +1,8 @@
-"""`bertembed bench`: the embedding layer against what users would pick instead, on the same weights and ids.
+"""`bertembed bench`: BERT's embedding layer against what users would run instead, on the same weights and ids.
 
-    cases.py       what is measured (shapes, modes, dtypes) and the bandwidth-bound byte count
-    candidates.py  transformers eager, torch.compile, ONNX Runtime's fused op, bertembed reference and fused
-    onnx_graph.py  the hand-built com.microsoft.EmbedLayerNormalization graph
-    measure.py     timers, peak memory, copy bandwidth, glibc allocator settings
-    worker.py      one allocator condition in its own process
-    runner.py      the parent: conditions, machine and versions
-    report.py      targets, markdown
+    candidates.py  the cases (shapes, modes, dtypes) and the candidates: transformers eager and torch.compile,
+                   ONNX Runtime's fused op, bertembed's reference and fused layers
+    measure.py     interleaved timing in one process, peak memory, copy bandwidth; an allocator condition the
+                   process is not in runs in a child process
+    report.py      machine, commit and versions, the issue's targets, markdown and the terminal table
 """
-
-from __future__ import annotations
-
-from bertembed.bench.cases import Case, bound_bytes, bound_seconds, default_cases
-from bertembed.bench.runner import BenchOptions, run_bench
-
-__all__ = ["BenchOptions", "Case", "bound_bytes", "bound_seconds", "default_cases", "run_bench"]

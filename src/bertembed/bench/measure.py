@@ -1,63 +1,214 @@
-"""Timers, peak memory, copy bandwidth and the allocator condition, the measuring half of `bertembed bench`."""
+"""How `bertembed bench` measures: every candidate of a case in one process, timed in interleaved rounds.
+
+The allocator condition is glibc's environment, which holds only from a process's start: a condition the running
+process is not in runs in a child, `python -m bertembed.bench.measure SPEC_JSON`, with the environment set.
+"""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
+import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import benchmark
 
-log = logging.getLogger(__name__)
+from bertembed.bench import candidates as cands
+from bertembed.bench.candidates import CANDIDATES, DTYPES, Case
 
-# glibc mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
-STEADY_TRIM_THRESHOLD = 1 << 40  # never give freed heap memory back to the kernel
-# The same settings as environment variables, read by glibc before the first malloc: the clean way to set them.
-STEADY_ENV = {"MALLOC_TRIM_THRESHOLD_": str(STEADY_TRIM_THRESHOLD), "MALLOC_MMAP_MAX_": "0"}
-
-PEAK_METHOD_CPU = ("torch.profiler(profile_memory=True): running sum of the allocator's alloc/free events during one "
-                   "call, max above the level before it; sees torch tensors only (not ORT's or numpy's buffers)")
-PEAK_METHOD_CUDA = "torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus the level before the call"
+STEADY_ENV = {"MALLOC_TRIM_THRESHOLD_": "1099511627776", "MALLOC_MMAP_MAX_": "0"}  # glibc keeps freed memory
+CONDITIONS = {"steady": ("steady",), "default": ("default",), "both": ("steady", "default")}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
-class Timing:
-    """Seconds per call: median and interquartile range over the timer's blocks."""
+class Options:
+    """What to run; `cases` (tests, the child process) replaces the planned sweep."""
 
-    median: float
-    iqr: float
-    runs: int
+    quick: bool = False
+    threads: int = 2
+    allocator: str | None = None  # None: "steady" (where the targets are judged) for --quick and CUDA, else "both"
+    device: str = "auto"
+    hiddens: tuple[int, ...] | None = None
+    shapes: tuple[tuple[int, int], ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    repeat: int = 3  # rounds per case, the candidates' order rotated each round
+    reference: bool = False  # time bertembed's reference layer too
+    candidates: tuple[str, ...] = CANDIDATES
+    cases: list[Case] | None = None
+    min_run_time: float | None = None  # seconds per candidate and round; None: 0.05 quick, 0.3 full
+    bandwidth_bytes: int = 1 << 30
+    vocab: int = cands.VOCAB
+    warmup: int = 3
+
+    def __post_init__(self) -> None:
+        self.allocator = self.allocator or ("steady" if self.quick or self.device == "cuda" else "both")
+        checks = [(self.allocator in CONDITIONS,
+                   f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}"),
+                  (self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}"),
+                  (self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
+                  (self.repeat >= 1, f"--repeat must be at least 1, got {self.repeat}"),
+                  (not self.hiddens or min(self.hiddens) >= 1, f"--hidden must be positive, got {self.hiddens}"),
+                  (not self.shapes or min(min(s) for s in self.shapes) >= 1,
+                   f"--shape must be positive BxL, got {self.shapes}"),
+                  (not self.shapes or max(n for _, n in self.shapes) <= 512,
+                   f"--shape lengths stop at 512, the rows of BERT's position table; got {self.shapes}"),
+                  (set(self.dtypes or ()) <= set(DTYPES), f"--dtype must be among {tuple(DTYPES)}, got {self.dtypes}"),
+                  (set(self.candidates) <= set(CANDIDATES), f"candidates must be among {CANDIDATES}")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+
+    def planned(self) -> list[Case]:
+        if self.cases is not None:
+            return list(self.cases)
+        gpu = ("cuda",) if torch.cuda.is_available() else ()
+        devices = {"cpu": ("cpu",), "cuda": ("cuda",)}.get(self.device, ("cpu", *gpu))
+        return cands.plan(self.quick, self.hiddens, self.shapes, self.dtypes, devices)
 
 
-def time_call(fn: Callable[[], Any], threads: int, min_run_time: float, label: str = "") -> Timing:
-    """Time `fn()` with `torch.utils.benchmark.Timer.blocked_autorange` (it synchronises CUDA around blocks)."""
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads, label=label)
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
-    return Timing(median=measurement.median, iqr=measurement.iqr, runs=len(measurement.times))
+def current_condition() -> str | None:
+    """The allocator condition this process started in, from its environment; None for another glibc setting."""
+    if all(os.environ.get(k) == v for k, v in STEADY_ENV.items()):
+        return "steady"
+    return None if any(k in os.environ for k in STEADY_ENV) else "default"
 
 
-def warm_up(fn: Callable[[], Any], calls: int = 3) -> None:
-    """Run `fn` a few times: compiles, first-touch page faults and caches settle before timing."""
-    for _ in range(calls):
+def run(options: Options) -> dict[str, Any]:
+    """Every condition of `options.allocator`; the report (without targets, see `report.finish`)."""
+    from bertembed.bench.report import header
+
+    cases = options.planned()
+    report = {**header(options), "steady_env": STEADY_ENV, "conditions": {}}
+    for condition in CONDITIONS[options.allocator]:
+        if current_condition() == condition:
+            report["conditions"][condition] = {**measure_all(options, cases, condition), "in_process": True}
+        else:
+            report["conditions"][condition] = {**_child(options, cases, condition), "in_process": False}
+    return report
+
+
+def _child(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in STEADY_ENV}
+    env.update(STEADY_ENV if condition == "steady" else {})
+    env.update({k: str(options.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[2]), env.get("PYTHONPATH"))))
+    with tempfile.TemporaryDirectory(prefix="bertembed-bench-") as folder:
+        out = Path(folder) / "condition.json"
+        spec = {**asdict(options), "cases": [c.to_dict() for c in cases], "condition": condition, "out": str(out)}
+        done = subprocess.run([sys.executable, "-m", "bertembed.bench.measure", json.dumps(spec)], env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"the {condition} allocator condition's process exited with status {done.returncode}")
+        return json.loads(out.read_text())
+
+
+def measure_all(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
+    torch.set_num_threads(options.threads)
+    try:
+        import numba
+
+        numba.set_num_threads(min(options.threads, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    slow = 0.2 if options.quick else 1.0
+    meta = {"condition": condition, "threads": options.threads, "load_average": os.getloadavg(),
+            "bandwidth_bytes_per_s": {d: copy_bandwidth(d, options.bandwidth_bytes, options.threads, slow)
+                                      for d in sorted({c.device for c in cases})}}
+    results, group, built = [], None, {}
+    for i, case in enumerate(cases):
+        print(f"bench ({condition}) {i + 1}/{len(cases)}: {case.key}", file=sys.stderr, flush=True)
+        if group != (case.device, case.hidden, case.dtype):
+            group, built = None, {}  # (the last group's tables freed first)
+            built = cands.modules(case.hidden, case.device, case.dtype, vocab=options.vocab)
+            group = (case.device, case.hidden, case.dtype)
+        results += measure_case(case, built, options, meta["bandwidth_bytes_per_s"][case.device])
+    return {"meta": meta, "results": results}
+
+
+def measure_case(case: Case, built: dict[str, Any], options: Options, dram: float) -> list[dict[str, Any]]:
+    """One record per candidate: built, warmed up, checked against the float32 reference (forward), then timed in
+    `options.repeat` rounds, each candidate one `blocked_autorange` a round, the order rotated by one each round."""
+    names = [n for n in options.candidates if cands.runs(n, case) and (options.reference or "reference" not in n)]
+    ids, types, grad = cands.inputs(case, vocab=options.vocab)
+    base = {"case": case.to_dict(), "key": case.key, "output_bytes": case.output_bytes}
+    records = {n: {**base, "candidate": n} for n in names}
+    if case.mode == "fwd":
+        with torch.no_grad():
+            expected = built["reference32"].eval()(ids, types).double()
+    calls = {}
+    for name in names:
+        try:
+            fn = cands.call(name, built, case, ids, types, grad)
+            for _ in range(options.warmup):
+                fn()
+            if case.mode == "fwd":
+                diff = float((torch.as_tensor(fn()).to(expected.device).double() - expected).abs().max())
+                records[name]["max_abs_diff"] = diff
+                if diff > cands.TOLERANCE[case.dtype]:
+                    records[name]["note"] = f"OUTPUT DIFFERS from the reference by up to {diff:.2e}"
+            calls[name] = fn
+        except cands.NotAvailable as err:
+            records[name].update(status="not available", note=str(err))
+        except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
+            records[name].update(status="error", note=f"{type(err).__name__}: {str(err)[:300]}")
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    medians: dict[str, list[float]] = {n: [] for n in calls}
+    for r in range(options.repeat):
+        order = list(calls)[r % max(len(calls), 1):] + list(calls)[:r % max(len(calls), 1)]
+        for name in order:
+            timer = benchmark.Timer("fn()", globals={"fn": calls[name]}, num_threads=options.threads)
+            m = timer.blocked_autorange(min_run_time=options.min_run_time or (0.05 if options.quick else 0.3))
+            times[name] += m.times
+            medians[name].append(m.median)
+            time.sleep(0.01)  # another library's thread pool stops spinning before the next candidate starts
+    for name, fn in calls.items():
+        q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else times[name] * 3
+        records[name].update(status="ok", median_s=statistics.median(times[name]), iqr_s=q[2] - q[0],
+                             round_medians_s=medians[name], runs=len(times[name]))
+        if name != "ort-fused":  # (ORT's buffers are outside torch's allocator)
+            peak = peak_bytes(fn, case.device)
+            if case.mode != "fwd" or peak >= case.output_bytes:
+                records[name]["peak_bytes"] = peak
+            else:  # (an output allocated outside torch's allocator, or missed by the profiler)
+                note = f"peak memory not measured: torch's allocator saw {peak} bytes, less than the output"
+                records[name]["note"] = "; ".join(filter(None, (records[name].get("note"), note)))
+    eager = records.get("hf-eager", {}).get("median_s")
+    traffic = cands.bound_bytes(case)
+    copy = copy_bandwidth(case.device, max(traffic // 2, 4096), options.threads, 0.05) if case.mode == "fwd" else 0
+    for record in records.values():
+        if record.get("status") == "ok":
+            record["vs_eager"] = eager / record["median_s"] if eager else None
+            if case.mode == "fwd":
+                record.update(bound_s=traffic / copy, bound_dram_s=traffic / dram, copy_bytes_per_s=copy,
+                              achieved_bytes_per_s=traffic / record["median_s"])
+    return list(records.values())
+
+
+def peak_bytes(fn, device: str) -> int:
+    """Peak bytes torch's allocator held during one call of `fn`, above the level before it (CPU: the running sum of
+    the profiler's memory events)."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         fn()
-
-
-def peak_bytes_cpu(fn: Callable[[], Any]) -> int:
-    """Peak bytes that torch's CPU allocator held during one call of `fn`, above the level before it."""
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    del result
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
     live = peak = 0
     for event in events:
         live += event.nbytes()
@@ -65,56 +216,31 @@ def peak_bytes_cpu(fn: Callable[[], Any]) -> int:
     return peak
 
 
-def peak_bytes_cuda(fn: Callable[[], Any]) -> int:
-    """Peak bytes of the CUDA caching allocator during one call of `fn`, above the level before it."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del result
-    return peak
-
-
-def peak_bytes(fn: Callable[[], Any], device: str) -> int:
-    return peak_bytes_cuda(fn) if device.startswith("cuda") else peak_bytes_cpu(fn)
-
-
-def copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30, threads: int = 2, min_run_time: float = 0.5) -> float:
-    """Measured memory-copy bandwidth in bytes/s, counting read + write (2 x nbytes per copy): the best block of a
-    `torch.utils.benchmark` run of `dst.copy_(src)` on float32 tensors above the last-level cache (1 GiB default)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+def copy_bandwidth(device: str, nbytes: int, threads: int, min_run_time: float) -> float:
+    """Bytes/s of `dst.copy_(src)`, read + write, the best block of a `torch.utils.benchmark` run."""
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch
-    timer = benchmark.Timer(stmt="dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=threads)
-    best = min(timer.blocked_autorange(min_run_time=min_run_time).times)
-    return 2 * nbytes / best
+    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=threads)
+    return 2 * src.nbytes / min(timer.blocked_autorange(min_run_time=min_run_time).times)
 
 
-def apply_steady_malloc() -> bool:
-    """Set glibc's `M_MMAP_MAX` to 0 in this process, and `M_TRIM_THRESHOLD` to its largest int where `STEADY_ENV`
-    did not already set it from the first allocation (mallopt takes an int: it would lower the 1 TiB of the
-    environment to 2 GiB). Returns False where there is no glibc mallopt."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        ok = libc.mallopt(M_MMAP_MAX, ctypes.c_int(0))
-        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-            ok = ok and libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))
-    except (OSError, AttributeError) as err:
-        log.warning("no glibc mallopt (%s): the steady allocator condition relies on %s alone", err, STEADY_ENV)
-        return False
-    return bool(ok)
+def disturbances(threads: int, load: float, cpus: int) -> list[str]:
+    """Why a run's timings would not be the machine's own: more threads than CPUs, or other processes running."""
+    found = [f"--threads {threads} is more than the {cpus} CPUs this process may use"] if threads > cpus else []
+    if load > 0.3:
+        found.append(f"load average {load:.2f} before starting: other processes are running, so the timings will "
+                     f"be disturbed")
+    return found
 
 
-def allocator_env(condition: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a worker in `condition` ("steady": STEADY_ENV set; "default": both variables removed)."""
-    env = dict(os.environ if base is None else base)
-    for name in STEADY_ENV:
-        env.pop(name, None)
-    if condition == "steady":
-        env.update(STEADY_ENV)
-    elif condition != "default":
-        raise ValueError(f"allocator condition must be 'steady' or 'default', got {condition!r}")
-    return env
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    condition, out = spec.pop("condition"), spec.pop("out")
+    spec["cases"] = [Case(**c) for c in spec["cases"]]
+    spec["shapes"] = spec["shapes"] and tuple(map(tuple, spec["shapes"]))
+    options = Options(**spec)
+    Path(out).write_text(json.dumps(measure_all(options, options.cases, condition)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
