@@ -245,6 +245,31 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     assert (out.double() - exact).abs().max() <= 3 * (out_ref.double() - exact).abs().max()
 
 
+def test_patched_sentence_transformers_all_minilm_matches_with_gradients(bundled_path):
+    """The bundled all-MiniLM-L6-v2 as sentence-transformers loads it (Transformer, mean pooling, normalize):
+    patched, its sentence embeddings stay within 1e-5 of the unpatched model's, and so does every gradient of a
+    weighted sum of them. Run on both transformers lines by CI."""
+    st = pytest.importorskip("sentence_transformers")
+    original = st.SentenceTransformer(str(bundled_path), device="cpu").eval()
+    patched = bertembed.patch(copy.deepcopy(original), backend="cpu")
+    assert sum(isinstance(m, BertEmbeddings) for m in patched.modules()) == 1
+    texts = ["The quick brown fox jumps over the lazy dog", "a b c", "Why are the learned positions not sin/cos?"]
+    features = original.tokenize(texts)
+    results = []
+    for model in (original, patched):
+        model.zero_grad(set_to_none=True)
+        embedding = model(dict(features))["sentence_embedding"]
+        (embedding * torch.linspace(-1, 1, embedding.numel()).view(embedding.shape)).sum().backward()
+        results.append((embedding.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                             if p.grad is not None}))
+    (out_ref, grads_ref), (out, grads) = results
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-5)
+    assert grads.keys() == grads_ref.keys() and len(grads) > 90
+    assert_grads_close(grads, grads_ref)
+    torch.testing.assert_close(patched.encode(texts, convert_to_tensor=True),
+                               original.encode(texts, convert_to_tensor=True), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("adapter", ["lora", "trainable tokens"])
 def test_a_lora_adapter_on_the_word_table_runs_in_a_patched_model(adapter):
     """peft's LoRA on `word_embeddings` wraps the table in its own module, whose forward adds the low-rank update
