@@ -1,0 +1,535 @@
+"""CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward, with their torch glue.
+
+Forward, per token: gather the word row, add the segment row, then the position row (the reference's order) while
+summing the LayerNorm statistics; then normalise, scale and shift, dropout, store. Backward, per token: recompute the
+sum from the tables (no [N, H] tensor is saved), LayerNorm backward, and add the row gradient into the table gradients.
+
+Tables and outputs are float32 or bfloat16. numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern:
+widened to float32 by a shift, rounded back to nearest-even by integer arithmetic after each add, as torch rounds
+`word + segment` and then `+ position`. Helpers that differ by dtype are `overload`s, resolved when a kernel compiles.
+
+Ids are validated before any kernel runs (`bertembed.validation.check_inputs`); the kernels check them again and count
+what they skipped, so an out-of-range id never reads outside a table.
+
+Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, C chunks (one per thread).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+import torch
+from numba import errors, njit, prange, types
+from numba.extending import intrinsic, overload
+
+from bertembed.validation import skipped_ids_error
+
+
+def _launch_pool() -> None:
+    """Start numba's thread pool now, keeping torch's thread count: numba's OpenMP layer sets the OpenMP thread count
+    at launch, and torch (built with OpenMP) reads the same one."""
+    wanted = torch.get_num_threads()
+    numba.get_num_threads()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
+_launch_pool()
+POOL = numba.config.NUMBA_NUM_THREADS
+_forked: list[bool] = []
+
+
+def _lose_pool() -> None:
+    _forked.append(True)
+
+
+if numba.threading_layer() == "omp":
+    # GNU OpenMP cannot run in a process forked after it started (numba ends the child): a forked child, such as a
+    # DataLoader worker, runs the serial kernels only.
+    os.register_at_fork(after_in_child=_lose_pool)
+
+_PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
+
+
+def dropout_threshold(p: float) -> np.uint64:
+    """An element is kept when its 24 random bits are >= this; 0 means no dropout, 2**24 (p == 1) drops every one."""
+    return np.uint64(round(p * (1 << 24)))
+
+
+def dropout_scale(p: float) -> float:
+    """What a kept element is multiplied by, 1 / (1 - p); at p == 1 none is kept (torch's output is all zeros)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+@njit(cache=True, inline="always")
+def keep(seed, index, threshold):
+    """splitmix64 of (seed, element index): the same mask in forward and backward without storing it."""
+    z = seed + np.uint64(index) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
+
+
+def widen(v):
+    """A table element as float32 (identity for float32, bit shift for bfloat16 bits)."""
+
+
+@overload(widen, inline="always")
+def _widen_impl(v):
+    if isinstance(v, types.Float):
+        return lambda v: v
+    return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
+
+
+def round_like(table, x):
+    """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add in the
+    table's dtype. For bfloat16: to nearest-even, kept as float32. A NaN needs no test here: the sum of two bfloat16
+    values is a NaN only as one of them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000
+    to such bits carries nowhere (tests/test_kernels_cpu_bfloat16.py checks every NaN and infinity)."""
+
+
+@overload(round_like, inline="always")
+def _round_like_impl(table, x):
+    if isinstance(table.dtype, types.Float):
+        return lambda table, x: x
+
+    def impl(table, x):
+        u = np.float32(x).view(np.uint32)
+        u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.uint32(u).view(np.float32)
+    return impl
+
+
+@njit(cache=True, inline="always")
+def bfloat16_bits(x):
+    """float32 x as bfloat16 bits, to nearest-even as torch rounds; any NaN becomes torch's NaN, 0x7FC0."""
+    u = np.float32(x).view(np.uint32)
+    if u & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def write_row(y, out, i):
+    """out[i, :] = y (float32 [H]) for a float32 or bfloat16 (uint16) `out`."""
+
+
+@overload(write_row, inline="always")
+def _write_row_impl(y, out, i):
+    if out.dtype == types.float32:
+        def impl(y, out, i):
+            for j in range(y.size):  # (not `out[i] = y`: its shape-mismatch message is slow to compile)
+                out[i, j] = y[j]
+        return impl
+
+    def impl(y, out, i):
+        for j in range(y.size):
+            out[i, j] = bfloat16_bits(y[j])
+    return impl
+
+
+@njit(cache=True, inline="always")
+def ids_ok(w, s, q, v, t, p, has_pos):
+    return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
+
+
+def add_rounded(v, row, j):
+    """v + row[j] in float32, rounded as the row's dtype rounds (bfloat16 tables: each add, as torch rounds)."""
+
+
+@overload(add_rounded, inline="always")
+def _add_rounded_impl(v, row, j):
+    return lambda v, row, j: round_like(row, v + widen(row[j]))
+
+
+def token_rows(word, seg, pos, w, s, q, has_pos):
+    """The token's three table rows as 1-D views (`seg`'s row stands in for an absent position row, never read).
+    Loops over 1-D rows vectorise where the same loops indexing two 2-D tables do not."""
+
+
+@overload(token_rows, inline="always")
+def _token_rows_impl(word, seg, pos, w, s, q, has_pos):
+    def impl(word, seg, pos, w, s, q, has_pos):
+        srow = seg[s]
+        return word[w], srow, pos[q] if has_pos else srow
+    return impl
+
+
+@intrinsic
+def borrowed(typingctx, array):
+    """The same array without its reference to the memory's owner, so per-token code that passes it on makes no
+    atomic reference-count updates on counts that all threads share. Valid while the caller holds the original."""
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        view.meminfo = context.get_constant_null(types.MemInfoPointer(types.voidptr))
+        view.parent = context.get_constant_null(types.pyobject)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
+@intrinsic
+def hold(typingctx, array):
+    """Nothing, but a use of `array`: numba frees a local array after its last use, and a `borrowed` view of it must
+    not outlive it. Call it after the view's last use."""
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return types.void(array), codegen
+
+
+@intrinsic
+def wide_vectors(typingctx, wide):
+    """With `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where the CPU has
+    them (LLVM's x86 tuning prefers 256-bit ones on most AVX-512 CPUs); with a literal False, leaves LLVM's choice."""
+    if not isinstance(wide, types.BooleanLiteral):
+        raise errors.TypingError(f"wide_vectors takes a constant True or False, not {wide}")
+
+    def codegen(context, builder, signature, args):
+        if wide.literal_value:
+            try:  # (llvmlite writes a string attribute out as given; should that change, the hint is lost, no more)
+                set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+            except TypeError:
+                pass
+        return context.get_dummy_value()
+
+    return types.void(wide), codegen
+
+
+# The mean of the row's first entries, this many, is the shift the moments are summed around: within a fraction of a
+# spread of the row's mean, so the one-pass variance loses no digits; where it does not (`_moments`), a second pass.
+_SHIFT_FROM = 64
+
+
+# `reassoc` lets the float32 sums vectorise (many short partial sums). It would also let LLVM regroup the adds of
+# `add_rounded`, which it does not do: the tests hold the kernels to the reference's roundings. `contract`: the squares
+# are summed by fused multiply-adds.
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
+    """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
+    mean and biased variance, from sums of d = x - shift and d^2 in one pass, or from a second pass around the mean
+    where the shift lies far from it (the squares would then cancel). As close to float64 as torch's LayerNorm."""
+    wide_vectors(wide)
+    wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
+    head = min(x.size, _SHIFT_FROM)
+    shift = np.float32(0.0)
+    if has_pos:
+        for j in range(head):
+            shift += add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
+    else:
+        for j in range(head):
+            shift += add_rounded(widen(wrow[j]), srow, j)
+    shift = np.float32(shift / head)
+    total, squares = np.float32(0.0), np.float32(0.0)
+    if has_pos:
+        for j in range(x.size):
+            x[j] = v = add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
+            d = v - shift
+            total += d
+            squares += d * d
+    else:
+        for j in range(x.size):
+            x[j] = v = add_rounded(widen(wrow[j]), srow, j)
+            d = v - shift
+            total += d
+            squares += d * d
+    m = np.float32(total / x.size)
+    var = np.float32(squares / x.size - m * m)
+    if not m * m <= np.float32(0.25) * var:  # (NaN too)
+        return _moments(x, shift, total, wide)
+    return np.float32(shift + m), var
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _moments(x, shift, total, wide):
+    """(float32 mean, biased variance) of x, the variance from a second pass around the mean (x is in L1 by then)."""
+    wide_vectors(wide)
+    mean = np.float32(shift + total / x.size)
+    squares = np.float32(0.0)
+    for j in range(x.size):
+        squares += (x[j] - mean) ** 2
+    return mean, squares / x.size
+
+
+# `contract`: LayerNorm's `* weight + bias` is one fused multiply-add.
+@njit(cache=True, inline="always", fastmath={"contract"})
+def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
+                   wide):
+    """The sum with its moments, then LayerNorm and dropout into x, then x into out[i]. Inlined: as a call it passed
+    ten arrays by value per token. `wide`: 512-bit vectors, for many tokens a thread (`wide_vectors`)."""
+    h = x.size
+    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
+    # The statistics round to float32: from there on the same float32 operations in the same order as torch's
+    # LayerNorm, ((x - mean) * rstd) * weight + bias.
+    m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
+    mean[i], rstd[i] = m32, r32
+    if threshold == 0:
+        for j in range(h):
+            x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
+    else:
+        for j in range(h):
+            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+            x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
+    write_row(x, out, i)
+
+
+@njit(cache=True, fastmath={"contract"})
+def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
+                   wide):
+    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
+    has_pos = pos.shape[0] > 0
+    scratch = np.empty(out.shape[1], np.float32)
+    x = borrowed(scratch)
+    word, seg, pos, gamma, beta = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(beta)
+    out, mean, rstd = borrowed(out), borrowed(mean), borrowed(rstd)
+    bad = 0
+    for i in range(lo, hi):
+        w, s, q = ids[i], tts[i], pids[i]
+        if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
+                           rstd, wide)
+        else:
+            bad += 1
+    hold(scratch)
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
+
+    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
+    uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
+    tokens (a few per thread, so a thread that started late does not hold up the rest).
+    """
+    n = out.shape[0]
+    bad = 0
+    for c in prange(chunks):
+        bad += _forward_chunk(c * n // chunks, (c + 1) * n // chunks, ids, tts, pids, word, seg, pos, gamma, beta, eps,
+                              threshold, scale, seed, out, mean, rstd, True)
+    return bad
+
+
+@njit(cache=True)
+def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
+    """`forward` on the calling thread, for a few tokens (waking the pool costs more than the work), with LLVM's own
+    vector width (a sentence ran slower with wide vectors)."""
+    return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
+                          out, mean, rstd, False)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
+    """LayerNorm (and dropout) backward of token i, in float32: dx[:] = d loss / d sum. The sum is recomputed from the
+    tables, xhat from it as the forward did, into x; dgamma, dbeta [H] float32 partials are added into."""
+    wide_vectors(True)
+    h = x.size
+    wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
+    if has_pos:
+        for j in range(h):
+            x[j] = (add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j) - m) * r
+    else:
+        for j in range(h):
+            x[j] = (add_rounded(widen(wrow[j]), srow, j) - m) * r
+    if threshold > 0:
+        for j in range(h):
+            dx[j] = widen(gout[i, j]) * scale if keep(seed, i * h + j, threshold) else np.float32(0.0)
+    else:
+        for j in range(h):
+            dx[j] = widen(gout[i, j])
+    # float32 row sums (`reassoc`: many short partial sums) stay closer to the float64 result than torch's float32
+    # LayerNorm backward does.
+    sa, sb = np.float32(0.0), np.float32(0.0)
+    for j in range(h):
+        dgamma[j] += dx[j] * x[j]
+        dbeta[j] += dx[j]
+        g = dx[j] * gamma[j]
+        dx[j] = g
+        sa += g
+        sb += g * x[j]
+    a, b = np.float32(sa / h), np.float32(sb / h)
+    for j in range(h):
+        dx[j] = r * (dx[j] - a - x[j] * b)
+
+
+@njit(parallel=True, cache=True)
+def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+             seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    """Table and LayerNorm gradients; returns how many tokens had bad ids.
+
+    Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
+    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. It also owns
+    word-gradient rows [rows[c], rows[c+1]) and writes each once, zeros included, in id order: dword [V, H] comes
+    uninitialised, so the dense gradient costs one pass of writes, not a memset and then a scatter (shape (0, H): not
+    wanted; rows all V: dword comes zeroed, and the kernel only adds). dseg [C, T, H], dpos [C, R, H] float32
+    per-chunk partials (R = 0: not wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 partials.
+    """
+    bad = 0
+    for c in prange(bounds.size - 1):
+        bad += _backward_chunk(np.int64(c), order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
+                               rstd, gout, threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+    return bad
+
+
+@njit(cache=True)
+def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                    scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    h = gout.shape[1]
+    has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
+    scratch = np.empty((2, h), np.float32)
+    x, dx = borrowed(scratch[0]), borrowed(scratch[1])
+    word, seg, pos, gamma, gout = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(gout)
+    dword, dgamma, dbeta = borrowed(dword), borrowed(dgamma[c]), borrowed(dbeta[c])
+    dseg, dpos = borrowed(dseg[c]), borrowed(dpos[c])
+    zeroed = rows[c]  # rows below this one are written
+    bad = 0
+    for k in range(bounds[c], bounds[c + 1]):
+        i = order[k]
+        w, s, q = ids[i], tts[i], pids[i]
+        if not ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            bad += 1
+            continue
+        _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
+                      seed, dgamma, dbeta, x, dx)
+        if want_word:
+            zeroed = _word_row(dword, w, pad, dx, zeroed, rows[c + 1])
+        _add_row(dseg, s, dx, True)
+        _add_row(dpos, q - pos_lo, dx, True)  # (no-op for a [0, H] dpos: positions not wanted)
+    hold(scratch)
+    if want_word and rows[c + 1] > zeroed:
+        dword[zeroed:rows[c + 1]] = 0.0
+    return bad
+
+
+@njit(cache=True)
+def _word_row(dword, w, pad, dx, zeroed, end):
+    """Token's dx into the word gradient; returns the new `zeroed`. Rows [zeroed, end) are this chunk's and not written
+    yet: the rows between the last id and this one had no token (zeros), the first token of an id sets its row, later
+    ones add. A [PAD] row gets zeros; it may be the next chunk's (end)."""
+    wide_vectors(True)
+    if w < zeroed:
+        _add_row(dword, w, dx, w != pad)
+        return zeroed
+    if min(w, end) > zeroed:
+        dword[zeroed:min(w, end)] = 0.0
+    if w >= end:
+        return end
+    if w == pad:
+        dword[w] = 0.0
+    else:
+        for j in range(dx.size):
+            dword[w, j] = dx[j]
+    return w + 1
+
+
+@njit(cache=True)
+def _add_row(grad, row, dx, wanted):
+    wide_vectors(True)
+    if wanted and grad.shape[0] > 0:
+        for j in range(dx.size):
+            grad[row, j] += dx[j]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _threads() -> int:
+    """numba's thread count, set to torch's (`torch.set_num_threads` governs both); 1 in a forked child."""
+    if _forked:
+        return 1
+    count = max(1, min(torch.get_num_threads(), POOL))
+    numba.set_num_threads(count)
+    return count
+
+
+def _check_bad(bad: int, where: str) -> None:
+    if bad:
+        raise skipped_ids_error(bad, where)
+
+
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, shape=None, out=None):
+    """ids, tts, pids: [N] int64; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may be None.
+
+    Returns (out in the tables' dtype, of `shape` or [N, H], mean [N], rstd [N] float32); `out`: a contiguous buffer
+    of N x H elements to write into instead."""
+    n, h = ids.numel(), word.shape[1]
+    whole = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
+    out = whole.view(n, h)
+    stats = np.empty((2, n), np.float32)
+    args = (_np(ids), _np(tts), _np(pids), _np(word), _np(seg), _np(word[:0] if pos is None else pos),
+            _np(gamma.float()), _np(beta.float()), float(eps), dropout_threshold(p), dropout_scale(p),
+            np.uint64(seed), _np(out), stats[0], stats[1])
+    if n * h >= _PARALLEL_FROM and not _forked:
+        bad = forward(*args, max(1, min(n, 4 * _threads())))
+    else:
+        bad = forward_serial(*args)
+    _check_bad(bad, "bertembed cpu forward")
+    return whole, torch.from_numpy(stats[0]), torch.from_numpy(stats[1])
+
+
+def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks of the tokens sorted by id: ([C + 1] token bounds of near-equal sizes, moved so that no id but `pad`
+    spans two chunks; [C + 1] word-table row bounds, chunk c owning rows from its first id to the next chunk's)."""
+    n = sorted_ids.size
+    if chunks == 1:
+        return np.array([0, n], np.int64), np.array([0, vocab], np.int64)
+    bounds = np.linspace(0, n, chunks + 1).astype(np.int64)
+    for c in range(1, chunks):
+        b = bounds[c]
+        if 0 < b < n and sorted_ids[b] == sorted_ids[b - 1] and sorted_ids[b] != pad:
+            bounds[c] = np.searchsorted(sorted_ids, sorted_ids[b], side="right")
+    bounds = np.maximum.accumulate(bounds)
+    rows = np.append(sorted_ids, vocab)[bounds].clip(0, vocab)
+    rows[0], rows[-1] = 0, vocab
+    return bounds, np.maximum.accumulate(rows)
+
+
+def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
+                 need_word: bool = True, need_pos: bool = True):
+    """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
+    dtypes, from grad [N, H]. Always deterministic: see `backward`."""
+    n, h = grad.shape
+    chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
+    ids_np = _np(ids)
+    order = np.argsort(ids_np, kind="stable")
+    vocab = word.shape[0] if need_word else 0
+    bounds, rows = chunk_bounds(ids_np[order], chunks, pad, vocab)
+    dword = torch.empty(vocab, h)  # uninitialised: the kernel writes every row once, zeros included
+    if chunks == 1 and vocab:  # few tokens: torch's fill on all threads first, then the kernel only adds
+        dword.zero_()
+        rows = np.full_like(rows, vocab)
+    want_pos = need_pos and pos is not None
+    lo, hi = (int(pids.min()), int(pids.max())) if want_pos and n else (0, -1)
+    if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
+        lo, hi = 0, pos.shape[0] - 1
+    dseg, dpos = torch.zeros(chunks, seg.shape[0], h), torch.zeros(chunks, hi - lo + 1, h)
+    dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
+    kernel = backward if chunks > 1 else _backward_serial
+    bad = kernel(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg),
+                 _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(mean), _np(rstd),
+                 _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p), np.uint64(seed), pad, _np(dword),
+                 _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    _check_bad(bad, "bertembed cpu backward")
+    if chunks == 1:  # one chunk's partials are the sums
+        dseg, dgamma, dbeta = dseg[0], dgamma[0], dbeta[0]
+        full_pos = dpos[0] if hi >= lo else torch.zeros(pos.shape[0] if want_pos else 0, h)
+    else:
+        dseg, dgamma, dbeta = dseg.sum(0), dgamma.double().sum(0), dbeta.double().sum(0)
+        full_pos = torch.zeros(pos.shape[0] if want_pos else 0, h)
+        if hi >= lo:
+            full_pos[lo:hi + 1] = dpos.sum(0)
+    dtype = word.dtype
+    return dword.to(dtype), dseg.to(dtype), full_pos.to(dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)
+
+
+@njit(cache=True)
+def _backward_serial(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                     scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    """`backward` on the calling thread (one chunk), for a few tokens."""
+    return _backward_chunk(0, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout,
+                           threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
