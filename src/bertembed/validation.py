@@ -61,7 +61,10 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
     checks = [c for c in checks if c[1].numel() and c[1].device.type != "meta"]
     if not checks:
         return
-    bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
+    if all(c[1].device.type == "cpu" for c in checks):
+        bounds = [int(v) for c in checks for v in torch.aminmax(c[1])]
+    else:  # one transfer, one wait for the device
+        bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
     for i, (name, ids, limit, table, fix) in enumerate(checks):
         low, high = bounds[2 * i], bounds[2 * i + 1]
         if low < 0 or high >= limit:
@@ -175,12 +178,9 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
 def _check_broadcasts(name: str, ids: torch.Tensor, shape: tuple[int, int], fix: str) -> None:
     """A ValueError unless `ids` broadcasts to `shape` (transformers' layer adds the rows they pick, so any shape that
     broadcasts to the input's gives the same result as the full [B, L])."""
-    try:
-        fits = torch.broadcast_shapes(tuple(ids.shape), shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has {shape}; {fix}")
+    dims = tuple(ids.shape)
+    if len(dims) > len(shape) or any(d not in (1, s) for d, s in zip(reversed(dims), reversed(shape), strict=False)):
+        raise ValueError(f"{name} has shape {dims} but the input has {shape}; {fix}")
 
 
 def offset(past_key_values_length) -> int:

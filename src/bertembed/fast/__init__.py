@@ -120,8 +120,9 @@ def can_fuse(layer: nn.Module) -> str | None:
     if any(_GLOBAL_HOOKS):
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
+    modules = layer._modules
     for name, kinds in _PLAIN.items():
-        module = getattr(layer, name)
+        module = modules.get(name)
         if module is None and name == "position_embeddings":  # position_embedding_type="none"
             continue
         kind = f"{type(module).__module__}.{type(module).__qualname__}"
@@ -137,7 +138,7 @@ def can_fuse(layer: nn.Module) -> str | None:
             if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
                 option = "sparse=True" if module.sparse else "scale_grad_by_freq=True"
                 return f"{name} has {option} (the kernels write dense, unscaled gradients)"
-    if layer.LayerNorm.weight is None or layer.LayerNorm.bias is None:
+    if modules["LayerNorm"].weight is None or modules["LayerNorm"].bias is None:
         return "LayerNorm has no weight or no bias (elementwise_affine=False or bias=False)"
     return None
 
@@ -172,19 +173,19 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
         else can_fuse(layer)
     if reason is None:
-        positions = layer.position_embeddings
-        tables = (layer.word_embeddings.weight, layer.token_type_embeddings.weight,
-                  None if positions is None else positions.weight, layer.LayerNorm.weight, layer.LayerNorm.bias)
+        modules = layer._modules  # (checked by can_fuse: the kernel reads their tables)
+        word, positions, norm = modules["word_embeddings"], modules.get("position_embeddings"), modules["LayerNorm"]
+        tables = (word.weight, modules["token_type_embeddings"].weight, None if positions is None else positions.weight,
+                  norm.weight, norm.bias)
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:
         _fall_back(reason)
         return None
-    dropout = layer.dropout
+    dropout = modules["dropout"]
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
-    return _fused(backend, input_ids, token_type_ids, position_ids, tables, layer.LayerNorm.eps,
-                  p if dropout.training else 0.0, layer.word_embeddings.padding_idx,
-                  getattr(layer, "deterministic", False), None)
+    return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps, p if dropout.training else 0.0,
+                  word.padding_idx, getattr(layer, "deterministic", False), None)
 
 
 def _needs_autograd(tables) -> bool:

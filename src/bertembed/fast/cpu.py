@@ -434,8 +434,7 @@ def _add_row(grad, row, dx, wanted):
 
 def _np(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
-    t = t.detach()
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    return t.view(torch.int16).numpy(force=True).view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy(force=True)
 
 
 def _threads() -> int:

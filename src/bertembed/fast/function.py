@@ -34,7 +34,8 @@ def _backend_module(backend: str):
 def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
     """The three id tensors ([B, L], or segment and position ids of any shape that broadcasts to it) as [N] int64."""
     shape = input_ids.shape
-    return [t.expand(shape).reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    return [t.view(-1) if t.shape == shape and t.dtype == torch.int64 and t.is_contiguous() else
+            t.expand(shape).reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
 
 
 def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
