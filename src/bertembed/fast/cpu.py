@@ -21,7 +21,7 @@ import os
 import numba
 import numpy as np
 import torch
-from numba import errors, njit, prange, types
+from numba import carray, errors, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from bertembed.validation import skipped_ids_error
@@ -451,24 +451,60 @@ def _check_bad(bad: int, where: str) -> None:
         raise skipped_ids_error(bad, where)
 
 
+@intrinsic
+def _pointer(typingctx, address, dtype):
+    """The integer `address` as a pointer to `dtype` elements (a numpy scalar type or an array's `.dtype`), for
+    `numba.carray`: arrays over tensors handed in as `Tensor.data_ptr()`, which costs a sentence less than
+    `Tensor.numpy()` per tensor. Valid while the caller holds the tensor."""
+    if not isinstance(address, types.Integer) or not isinstance(dtype, (types.NumberClass, types.DType)):
+        return None
+    target = types.CPointer(dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(target))
+
+    return target(address, dtype), codegen
+
+
+@njit(cache=True)
+def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
+    """`forward` (chunks > 0) or `forward_serial` (chunks 0) over the tensors at the addresses `at` (ids, segment
+    ids, position ids: [N] int64; word, segment, position tables and out: `like`'s dtype; weight, bias: float32 [H];
+    mean, rstd: float32 [N]), of sizes (N, H, V, T, P)."""
+    n, h, v, t, p = sizes
+    ids, tts, pids = (carray(_pointer(at[0], np.int64), n), carray(_pointer(at[1], np.int64), n),
+                      carray(_pointer(at[2], np.int64), n))
+    word = carray(_pointer(at[3], like.dtype), (v, h))
+    seg = carray(_pointer(at[4], like.dtype), (t, h))
+    pos = carray(_pointer(at[5], like.dtype), (p, h))
+    gamma, beta = carray(_pointer(at[6], np.float32), h), carray(_pointer(at[7], np.float32), h)
+    out = carray(_pointer(at[8], like.dtype), (n, h))
+    mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
+    args = (ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd)
+    return forward(*args, chunks) if chunks > 0 else forward_serial(*args)
+
+
+_LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
+
+
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, shape=None, out=None):
     """ids, tts, pids: [N] int64; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may be None.
 
     Returns (out in the tables' dtype, of `shape` or [N, H], mean [N], rstd [N] float32); `out`: a contiguous buffer
     of N x H elements to write into instead."""
     n, h = ids.numel(), word.shape[1]
-    whole = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
-    out = whole.view(n, h)
-    stats = np.empty((2, n), np.float32)
-    args = (_np(ids), _np(tts), _np(pids), _np(word), _np(seg), _np(word[:0] if pos is None else pos),
-            _np(gamma.float()), _np(beta.float()), float(eps), dropout_threshold(p), dropout_scale(p),
-            np.uint64(seed), _np(out), stats[0], stats[1])
-    if n * h >= _PARALLEL_FROM and not _forked:
-        bad = forward(*args, max(1, min(n, 4 * _threads())))
-    else:
-        bad = forward_serial(*args)
+    out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
+    stats = torch.empty(2, n)
+    gamma, beta = gamma.float(), beta.float()  # (held until the kernel returns: it reads them by address)
+    at = (ids.data_ptr(), tts.data_ptr(), pids.data_ptr(), word.data_ptr(), seg.data_ptr(),
+          (word if pos is None else pos).data_ptr(), gamma.data_ptr(), beta.data_ptr(), out.data_ptr(),
+          stats.data_ptr(), stats.data_ptr() + 4 * n)
+    sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
+    chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
+    bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), dropout_threshold(p), dropout_scale(p),
+                      np.uint64(seed), chunks)
     _check_bad(bad, "bertembed cpu forward")
-    return whole, torch.from_numpy(stats[0]), torch.from_numpy(stats[1])
+    return out, stats[0], stats[1]
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
