@@ -265,7 +265,7 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
     """Every table dtype beside every LayerNorm dtype (and a bias apart from its weight): where torch's LayerNorm
     refuses the mix, the fused layer raises the reference's ValueError, with or without autograd and before any kernel;
     where it takes it, the two agree. (Bad input must fail the same way on every backend.)"""
-    from bertembed.fast.function import _backend_module
+    from bertembed.fast.function import backend_module
 
     mixes = [(t, n, n) for t in _NORM_DTYPES for n in _NORM_DTYPES] + [(torch.bfloat16, torch.float32, torch.bfloat16)]
     ids = awkward_ids(2, 5, 1000).to(device)
@@ -281,7 +281,7 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
                 with pytest.raises(ValueError, match="LayerNorm weight and bias are") as expected:
                     ref(ids)
                 with pytest.MonkeyPatch.context() as patch, pytest.raises(ValueError) as got:
-                    patch.setattr(_backend_module(backend), "run_forward", _no_kernel)
+                    patch.setattr(backend_module(backend), "run_forward", _no_kernel)
                     fused(ids)
                 assert str(got.value) == str(expected.value)
 

@@ -242,20 +242,33 @@ def test_dropout_keeps_the_right_fraction_and_scales():
     assert_grads_match(ref, fused)
 
 
-BAD_INPUTS = [
+BAD_IDS = [  # ids outside their tables: the kernel reads nothing for them and reports them; the layer names the first
     dict(input_ids=torch.tensor([[1, 2, 1000]])),  # id past the vocabulary
     dict(input_ids=torch.tensor([[1, -1, 3]])),
+    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
+    dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),
+]
+BAD_INPUTS = [  # shapes, dtypes, lengths: refused before any kernel runs
     dict(input_ids=torch.tensor([1, 2, 3])),  # no batch dimension
     dict(input_ids=torch.tensor([[1.0, 2.0]])),
     dict(input_ids=torch.tensor([[1, 2]], dtype=torch.uint8)),  # torch's lookup takes int64 and int32 only
-    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
     dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1, 0]])),
-    dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),
     dict(input_ids=torch.ones(1, 513, dtype=torch.long)),
     dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=511),
     dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=-1),
     dict(),
 ]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("inputs", BAD_IDS)
+def test_bad_ids_raise_the_reference_error(inputs, grad):
+    ref, fused = twins(32, "cpu")
+    with pytest.raises(ValueError) as expected:
+        ref(**inputs)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError) as got:
+        fused(**inputs)
+    assert str(got.value) == str(expected.value)
 
 
 @pytest.mark.parametrize("inputs", BAD_INPUTS)

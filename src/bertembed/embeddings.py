@@ -20,6 +20,7 @@ from torch import nn
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
     cache_offset,
+    check_id_ranges,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
@@ -113,17 +114,22 @@ class BertEmbeddings(nn.Module):
             self.token_type_ids.zero_()
         self.LayerNorm.reset_parameters()
 
-    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
-        """Check the inputs against the tables as they are now (ValueErrors that name the bad value and the fix) and
-        return (token_type_ids, position_ids), the missing ones sliced from the default-id buffers."""
+    def _tables(self) -> tuple[torch.Tensor | None, ...]:
+        """(word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H], bias [H]) as they are now."""
         positions, norm = self.position_embeddings, self.LayerNorm
-        tables = (self.word_embeddings.weight, self.token_type_embeddings.weight,
-                  None if positions is None else positions.weight, norm.weight, norm.bias)
+        return (self.word_embeddings.weight, self.token_type_embeddings.weight,
+                None if positions is None else positions.weight, norm.weight, norm.bias)
+
+    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+        """Check the inputs' shapes and dtypes against the tables as they are now (ValueErrors that name the bad value
+        and the fix) and return (token_type_ids, position_ids), the missing ones sliced from the default-id buffers.
+        The ids' values are checked where the tables are read (`_rows`; the fused kernels report any they skip)."""
+        tables = self._tables()
         check_table_shapes(tables)
         _, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                 past_key_values_length, rows=table_rows(tables))
+                                 past_key_values_length, check_ranges=False, rows=table_rows(tables))
         check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
-                          norm.weight, norm.bias)
+                          tables[3], tables[4])
         if position_ids is None:
             position_ids = self._default_ids("position_ids", offset(past_key_values_length), length)
         if token_type_ids is None:
@@ -131,7 +137,9 @@ class BertEmbeddings(nn.Module):
         return token_type_ids, position_ids
 
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
-        """The word, segment and position rows [B, L, H] of checked, explicit ids (position None: no position table)."""
+        """The word, segment and position rows [B, L, H] of checked, explicit ids (position None: no position table),
+        after a ValueError for any id outside its table."""
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self._tables()))
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         segment = self.token_type_embeddings(token_type_ids.expand(word.shape[:2]))  # (any shape that broadcasts)
         position = None if self.position_embeddings is None else self.position_embeddings(position_ids)
@@ -171,9 +179,9 @@ class BertEmbeddings(nn.Module):
         token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
                                                          cache_offset(past_key_values_length, cache_length))
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
-            from bertembed.fast import run
+            import bertembed.fast  # (the reference layer needs neither numba nor triton)
 
-            fused = run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
+            fused = bertembed.fast.run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
             if fused is not None:
                 return fused
         word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)

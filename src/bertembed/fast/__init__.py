@@ -26,9 +26,12 @@ from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
 from bertembed.config import EmbeddingConfig
+from bertembed.fast.function import EagerEmbeddings, backend_module, embeddings_op, flat_ids
 from bertembed.validation import (
+    IdsOutsideTables,
     cache_offset,
     check_dropout,
+    check_id_ranges,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
@@ -52,10 +55,9 @@ _GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forw
 # What each submodule may be for the kernel to compute what it would: its type's own forward is a row lookup of
 # `weight`, a LayerNorm or a dropout, which the kernel does in one pass. A subclass or a wrapper (a LoRA adapter, a
 # parametrized weight, which changes the module's class) runs its own forward: the reference layer.
-_PLAIN = {"word_embeddings": ("torch.nn.modules.sparse.Embedding",),
-          "token_type_embeddings": ("torch.nn.modules.sparse.Embedding",),
-          "position_embeddings": ("torch.nn.modules.sparse.Embedding", "bertembed.embeddings.SinusoidalPositions"),
-          "LayerNorm": ("torch.nn.modules.normalization.LayerNorm",), "dropout": ("torch.nn.modules.dropout.Dropout",)}
+_PLAIN = {"word_embeddings": nn.Embedding, "token_type_embeddings": nn.Embedding, "position_embeddings": nn.Embedding,
+          "LayerNorm": nn.LayerNorm, "dropout": nn.Dropout}
+_COMPUTED_TABLE = "bertembed.embeddings.SinusoidalPositions"  # a position table that is a buffer: also a lookup
 
 
 def _missing(backend: str) -> str | None:
@@ -121,13 +123,14 @@ def can_fuse(layer: nn.Module) -> str | None:
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
     modules = layer._modules
-    for name, kinds in _PLAIN.items():
+    for name, plain in _PLAIN.items():
         module = modules.get(name)
         if module is None and name == "position_embeddings":  # position_embedding_type="none"
             continue
-        kind = f"{type(module).__module__}.{type(module).__qualname__}"
-        if kind not in kinds:
-            return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
+        if type(module) is not plain:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            if not (name == "position_embeddings" and kind == _COMPUTED_TABLE):
+                return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
         if "forward" in module.__dict__:
             return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
@@ -166,8 +169,10 @@ def _fall_back(reason: str) -> None:
 def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
         inputs_embeds: Tensor | None) -> Tensor | None:
     """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
-    run. The layer has checked its inputs and made its ids explicit: input_ids [B, L], segment and position ids of
-    any shape that broadcasts to it. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
+    run. The layer has checked its inputs' shapes and dtypes and made its ids explicit: input_ids [B, L], segment and
+    position ids of any shape that broadcasts to it. Their values are checked here (`check_id_ranges`): after the
+    CPU kernel, which reads nothing for a bad id and reports it; before the Triton one, which gives it a NaN row on a
+    GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
     p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
     fixed summation order)."""
     reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
@@ -184,8 +189,14 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
         return None
     dropout = modules["dropout"]
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
-    return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps, p if dropout.training else 0.0,
-                  word.padding_idx, getattr(layer, "deterministic", False), None)
+    if backend != "cpu":
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+    try:
+        return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
+                      p if dropout.training else 0.0, word.padding_idx, vars(layer).get("deterministic", False), None)
+    except IdsOutsideTables:
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
+        raise
 
 
 def _needs_autograd(tables) -> bool:
@@ -199,16 +210,11 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
     word, segment, position, weight, bias = tables
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     if out is not None or not _needs_autograd(tables) and not is_compiling():
-        from bertembed.fast.function import _backend_module, flat_ids
-
         batch, length = input_ids.shape
-        result = _backend_module(backend).run_forward(
+        return backend_module(backend).run_forward(
             *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-            None if position is None else position.contiguous(), weight, bias, eps, p, seed,
-            shape=(batch, length, word.shape[1]), out=out, **({"stats": False} if backend == "triton" else {}))
-        return result[0]
-    from bertembed.fast.function import EagerEmbeddings, embeddings_op
-
+            None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=False,
+            shape=(batch, length, word.shape[1]))[0]
     apply = embeddings_op if is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
     pad = -1 if padding_idx is None else int(padding_idx)
     return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,

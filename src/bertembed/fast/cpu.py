@@ -487,24 +487,28 @@ def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
 _LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
 
 
-def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, shape=None, out=None):
-    """ids, tts, pids: [N] int64; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may be None.
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
+                stats: bool = True, shape=None):
+    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may
+    be None.
 
-    Returns (out in the tables' dtype, of `shape` or [N, H], mean [N], rstd [N] float32); `out`: a contiguous buffer
-    of N x H elements to write into instead."""
+    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`: that of a new `out`, returned in
+    it; `out`: a contiguous buffer of N x H elements to write into instead. `stats=False` (inference): mean and rstd
+    are not kept, and come back as None."""
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
-    stats = torch.empty(2, n)
+    mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
+    scratch = None if stats else np.empty(2 * n, np.float32)
     gamma, beta = gamma.float(), beta.float()  # (held until the kernel returns: it reads them by address)
     at = (ids.data_ptr(), tts.data_ptr(), pids.data_ptr(), word.data_ptr(), seg.data_ptr(),
           (word if pos is None else pos).data_ptr(), gamma.data_ptr(), beta.data_ptr(), out.data_ptr(),
-          stats.data_ptr(), stats.data_ptr() + 4 * n)
+          *((mean.data_ptr(), rstd.data_ptr()) if stats else (scratch.ctypes.data, scratch.ctypes.data + 4 * n)))
     sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
     chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
     bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), dropout_threshold(p), dropout_scale(p),
                       np.uint64(seed), chunks)
     _check_bad(bad, "bertembed cpu forward")
-    return out, stats[0], stats[1]
+    return out, mean, rstd
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -529,6 +533,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
     dtypes, from grad [N, H]. Always deterministic: see `backward`."""
     n, h = grad.shape
+    ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")

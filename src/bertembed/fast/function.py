@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from bertembed.validation import in_torch_func
 
 
-def _backend_module(backend: str):
+def backend_module(backend: str):
     if backend == "cpu":
         import bertembed.fast.cpu as cpu
 
@@ -32,10 +32,11 @@ def _backend_module(backend: str):
 
 
 def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
-    """The three id tensors ([B, L], or segment and position ids of any shape that broadcasts to it) as [N] int64."""
+    """The three id tensors ([B, L], or segment and position ids of any shape that broadcasts to it) as contiguous
+    int64 [B, L], which the kernels read as [N] (B x L tokens)."""
     shape = input_ids.shape
-    return [t.view(-1) if t.shape == shape and t.dtype == torch.int64 and t.is_contiguous() else
-            t.expand(shape).reshape(-1).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
+    return [t if t.shape == shape and t.dtype == torch.int64 and t.is_contiguous() else
+            t.expand(shape).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
 
 
 def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
@@ -43,7 +44,7 @@ def _forward(input_ids, token_type_ids, position_ids, word, segment, position, w
     batch, length = input_ids.shape
     # the output comes in its own shape, not as a view of the kernel's [N, H]: a view made inside an autograd Function
     # may not be changed in place afterwards (`out.mul_(2)`, a forward hook's edit), which a plain tensor may
-    out, mean, rstd = _backend_module(backend).run_forward(
+    out, mean, rstd = backend_module(backend).run_forward(
         *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
         None if position is None else position.contiguous(), weight, bias, eps, p, seed,
         shape=(batch, length, word.shape[1]))
@@ -77,7 +78,7 @@ def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, pos
                padding_idx, backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
     kwargs = {"deterministic": deterministic} if backend == "triton" else {}
-    return _backend_module(backend).run_backward(
+    return backend_module(backend).run_backward(
         grad.reshape(-1, hidden), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
         segment.contiguous(),
         None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,

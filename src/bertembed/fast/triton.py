@@ -241,6 +241,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
     """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
+    ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     dev = word.device
     want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=dev)
