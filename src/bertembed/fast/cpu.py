@@ -355,27 +355,25 @@ def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, thresh
 
 
 @njit(parallel=True, cache=True)
-def backward(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
-             seed, pad, dword, dseg, dpos, dgamma, dbeta):
+def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
+             pad, dword, dseg, dpos, dgamma, dbeta):
     """Table and LayerNorm gradients; returns how many tokens had bad ids.
 
     Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
-    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. It also owns
-    word-gradient rows [rows[c], rows[c+1]) and writes each once, zeros included, in id order: dword [V, H] comes
-    uninitialised, so the dense gradient costs one pass of writes, not a memset and then a scatter (shape (0, H): not
-    wanted; rows all V: dword comes zeroed, and the kernel only adds). dseg [C, T, H], dpos [C, R, H] float32
-    per-chunk partials (R = 0: not wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 partials.
+    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. dword [V, H]
+    comes zeroed (shape (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not
+    wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 partials.
     """
     bad = 0
     for c in prange(bounds.size - 1):
-        bad += _backward_chunk(np.int64(c), order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
-                               rstd, gout, threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+        bad += _backward_chunk(np.int64(c), order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd,
+                               gout, threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
     return bad
 
 
 @njit(cache=True)
-def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
-                    scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+def _backward_chunk(c, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+                    seed, pad, dword, dseg, dpos, dgamma, dbeta):
     h = gout.shape[1]
     has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
     scratch = np.empty((2, h), np.float32)
@@ -383,7 +381,6 @@ def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, p
     word, seg, pos, gamma, gout = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(gout)
     dword, dgamma, dbeta = borrowed(dword), borrowed(dgamma[c]), borrowed(dbeta[c])
     dseg, dpos = borrowed(dseg[c]), borrowed(dpos[c])
-    zeroed = rows[c]  # rows below this one are written
     bad = 0
     for k in range(bounds[c], bounds[c + 1]):
         i = order[k]
@@ -393,35 +390,11 @@ def _backward_chunk(c, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, p
             continue
         _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
                       seed, dgamma, dbeta, x, dx)
-        if want_word:
-            zeroed = _word_row(dword, w, pad, dx, zeroed, rows[c + 1])
+        _add_row(dword, w, dx, want_word and w != pad)  # (the [PAD] row keeps a zero gradient)
         _add_row(dseg, s, dx, True)
         _add_row(dpos, q - pos_lo, dx, True)  # (no-op for a [0, H] dpos: positions not wanted)
     hold(scratch)
-    if want_word and rows[c + 1] > zeroed:
-        dword[zeroed:rows[c + 1]] = 0.0
     return bad
-
-
-@njit(cache=True)
-def _word_row(dword, w, pad, dx, zeroed, end):
-    """Token's dx into the word gradient; returns the new `zeroed`. Rows [zeroed, end) are this chunk's and not written
-    yet: the rows between the last id and this one had no token (zeros), the first token of an id sets its row, later
-    ones add. A [PAD] row gets zeros; it may be the next chunk's (end)."""
-    wide_vectors(True)
-    if w < zeroed:
-        _add_row(dword, w, dx, w != pad)
-        return zeroed
-    if min(w, end) > zeroed:
-        dword[zeroed:min(w, end)] = 0.0
-    if w >= end:
-        return end
-    if w == pad:
-        dword[w] = 0.0
-    else:
-        for j in range(dx.size):
-            dword[w, j] = dx[j]
-    return w + 1
 
 
 @njit(cache=True)
@@ -511,21 +484,18 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     return out, mean, rstd
 
 
-def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Chunks of the tokens sorted by id: ([C + 1] token bounds of near-equal sizes, moved so that no id but `pad`
-    spans two chunks; [C + 1] word-table row bounds, chunk c owning rows from its first id to the next chunk's)."""
+def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
+    """[C + 1] bounds of chunks of the tokens sorted by id, of near-equal sizes, moved so that no id but `pad` spans
+    two chunks."""
     n = sorted_ids.size
     if chunks == 1:
-        return np.array([0, n], np.int64), np.array([0, vocab], np.int64)
+        return np.array([0, n], np.int64)
     bounds = np.linspace(0, n, chunks + 1).astype(np.int64)
     for c in range(1, chunks):
         b = bounds[c]
         if 0 < b < n and sorted_ids[b] == sorted_ids[b - 1] and sorted_ids[b] != pad:
             bounds[c] = np.searchsorted(sorted_ids, sorted_ids[b], side="right")
-    bounds = np.maximum.accumulate(bounds)
-    rows = np.append(sorted_ids, vocab)[bounds].clip(0, vocab)
-    rows[0], rows[-1] = 0, vocab
-    return bounds, np.maximum.accumulate(rows)
+    return np.maximum.accumulate(bounds)
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
@@ -537,12 +507,11 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")
-    vocab = word.shape[0] if need_word else 0
-    bounds, rows = chunk_bounds(ids_np[order], chunks, pad, vocab)
-    dword = torch.empty(vocab, h)  # uninitialised: the kernel writes every row once, zeros included
-    if chunks == 1 and vocab:  # few tokens: torch's fill on all threads first, then the kernel only adds
-        dword.zero_()
-        rows = np.full_like(rows, vocab)
+    bounds = chunk_bounds(ids_np[order], chunks, pad)
+    # numpy's zeros, not torch's: numpy asks calloc, whose large blocks are fresh pages that need no writing, where
+    # torch.zeros writes every byte of the dense gradient (94 MB for BERT-base); the kernel then adds the rows of the
+    # ids the batch holds, and only their pages are ever written.
+    dword = torch.from_numpy(np.zeros((word.shape[0] if need_word else 0, h), np.float32))
     want_pos = need_pos and pos is not None
     lo, hi = (int(pids.min()), int(pids.max())) if want_pos and n else (0, -1)
     if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
@@ -550,7 +519,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dseg, dpos = torch.zeros(chunks, seg.shape[0], h), torch.zeros(chunks, hi - lo + 1, h)
     dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
     kernel = backward if chunks > 1 else _backward_serial
-    bad = kernel(order, bounds, rows, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg),
+    bad = kernel(order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg),
                  _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(mean), _np(rstd),
                  _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p), np.uint64(seed), pad, _np(dword),
                  _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
@@ -568,8 +537,8 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
 
 
 @njit(cache=True)
-def _backward_serial(order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
-                     scale, seed, pad, dword, dseg, dpos, dgamma, dbeta):
+def _backward_serial(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+                     seed, pad, dword, dseg, dpos, dgamma, dbeta):
     """`backward` on the calling thread (one chunk), for a few tokens."""
-    return _backward_chunk(0, order, bounds, rows, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout,
-                           threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+    return _backward_chunk(0, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                           scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
