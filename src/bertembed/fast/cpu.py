@@ -443,7 +443,7 @@ def _pointer(typingctx, address, dtype):
 def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
     """`forward` (chunks > 0) or `forward_serial` (chunks 0) over the tensors at the addresses `at` (ids, segment
     ids, position ids: [N] int64; word, segment, position tables and out: `like`'s dtype; weight, bias: float32 [H];
-    mean, rstd: float32 [N]), of sizes (N, H, V, T, P)."""
+    mean, rstd: float32 [N], or 0 and 0 where they are not kept), of sizes (N, H, V, T, P)."""
     n, h, v, t, p = sizes
     ids, tts, pids = (carray(_pointer(at[0], np.int64), n), carray(_pointer(at[1], np.int64), n),
                       carray(_pointer(at[2], np.int64), n))
@@ -452,7 +452,11 @@ def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
     pos = carray(_pointer(at[5], like.dtype), (p, h))
     gamma, beta = carray(_pointer(at[6], np.float32), h), carray(_pointer(at[7], np.float32), h)
     out = carray(_pointer(at[8], like.dtype), (n, h))
-    mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
+    if at[9] == 0:
+        stats = np.empty((2, n), np.float32)
+        mean, rstd = stats[0], stats[1]
+    else:
+        mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
     args = (ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd)
     return forward(*args, chunks) if chunks > 0 else forward_serial(*args)
 
@@ -471,11 +475,10 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
     mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
-    scratch = None if stats else np.empty(2 * n, np.float32)
     gamma, beta = gamma.float(), beta.float()  # (held until the kernel returns: it reads them by address)
     at = (ids.data_ptr(), tts.data_ptr(), pids.data_ptr(), word.data_ptr(), seg.data_ptr(),
           (word if pos is None else pos).data_ptr(), gamma.data_ptr(), beta.data_ptr(), out.data_ptr(),
-          *((mean.data_ptr(), rstd.data_ptr()) if stats else (scratch.ctypes.data, scratch.ctypes.data + 4 * n)))
+          *((mean.data_ptr(), rstd.data_ptr()) if stats else (0, 0)))
     sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
     chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
     bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), dropout_threshold(p), dropout_scale(p),
