@@ -150,12 +150,13 @@ def _mixed(tables, ids) -> str | None:
     """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: they read the
     three tables in one dtype (LayerNorm's weight and bias may be any float dtype), and ids on the tables' device.
     Ids elsewhere get the reference's answer: torch's error, or for ids on the meta device what torch's lookup gives."""
-    dtypes = {t.dtype for t in tables[:3] if t is not None}
-    if len(dtypes) > 1:
+    word, segment, position = tables[:3]
+    if segment.dtype != word.dtype or position is not None and position.dtype != word.dtype:
+        dtypes = {t.dtype for t in tables[:3] if t is not None}
         return f"the tables have different dtypes {sorted(map(str, dtypes))}"
-    device = tables[0].device
+    device = word.device
     for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
-        if isinstance(given, Tensor) and given.device != device:
+        if given.device != device:
             return f"{name} is on {given.device}, the tables on {device}"
     return None
 
@@ -280,8 +281,6 @@ def fused_embeddings(
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
     past = cache_offset(past_key_values_length, cache_length)
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
-    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
-        chosen, reason = "reference", mixed
     p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
     p = p if training else 0.0
     config = EmbeddingConfig(vocab_size=word_embeddings.shape[0], hidden_size=word_embeddings.shape[-1],
@@ -302,6 +301,8 @@ def fused_embeddings(
         token_type_ids = torch.zeros((1, length), dtype=torch.int64, device=device)
     if position_ids is None:
         position_ids = torch.arange(past, past + length, device=device)[None]
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
+        chosen, reason = "reference", mixed
     if chosen != "reference":
         return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, padding_idx,
                       deterministic, out)
