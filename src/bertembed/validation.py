@@ -44,13 +44,13 @@ def check_dropout(p: float, name: str) -> float:
 
 def forward_ad_on() -> bool:
     """Whether forward-mode AD is on (inside `torch.autograd.forward_ad.dual_level()`, as `jacobian(...,
-    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped. (30 ns.)"""
+    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped."""
     return _forward_ad._current_level >= 0
 
 
 def in_torch_func() -> bool:
     """Whether a torch.func transform (`grad`, `vmap`, `jacrev`, ...) is running: its tensors wrap others, and neither
-    the host nor a kernel can read their memory. (29 ns.)"""
+    the host nor a kernel can read their memory."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 

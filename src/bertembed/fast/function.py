@@ -122,8 +122,8 @@ def _setup_context(ctx, inputs, output) -> None:
     (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
      backend, deterministic) = inputs
     _out, mean, rstd = output
-    # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step (two
-    # fill kernels on a GPU; BENCHMARKS.md, "The fifth GPU session"); backward never reads them
+    # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step;
+    # backward never reads them
     ctx.set_materialize_grads(False)
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
@@ -196,8 +196,8 @@ def _gradients_with_graph(ctx, grad):
 
 class EagerEmbeddings(torch.autograd.Function):
     """The op's forward and backward as a plain autograd.Function, for eager mode: torch.library's dispatch of a
-    custom op costs about 70 us a call in Python, more than a sentence's kernels. `torch.compile` gets the op, which it
-    can trace. `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
+    custom op costs more Python a call than a sentence's kernels. `torch.compile` gets the op, which it can trace.
+    `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
 
     @staticmethod
     def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature

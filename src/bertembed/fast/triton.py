@@ -13,8 +13,7 @@ atomics there serialise).
 Input ids are checked before a kernel runs (`bertembed.validation`, unless the layer's `id_checks` is "device");
 past that, a token whose id falls outside a table reads nothing and gets a row of NaN.
 
-Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported), and was on an
-H100; speed was measured there (BENCHMARKS.md, "GPU").
+Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported) and on a GPU.
 
 Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, G programs.
 """
@@ -46,7 +45,7 @@ else:
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
         """float32 x rounded to `dtype`, to nearest even, returned as float32: the GPU's own conversion (the integer
-        rounding the interpreter needs made the bfloat16 forward 25-30% slower than torch.compile's on an H100)."""
+        rounding the interpreter needs is slower on a GPU)."""
         if dtype == tl.float32:
             return x
         else:
@@ -194,10 +193,7 @@ def _block(hidden: int) -> int:
 
 def _warps(elements: int, itemsize: int) -> int:
     """The forward's warps for a program of `elements` row elements: one per KB of row block (four at hidden 1024 in
-    float32), but one for float16/bfloat16 rows of up to 1024 elements. On an H100 at (64, 512), GPU time a call,
-    bfloat16: hidden 768 36.5-36.8 us at one warp against 39.5-40.0 at two (three runs; float16 35.8 against 38.9),
-    hidden 1024 47.3 against 47.5-47.7, hidden 2048 94.7 at one, 96.7 at two, 93.1 at four; float32 hidden 768 74.1
-    at one against 69.9 at four (BENCHMARKS.md, "The fifth GPU session")."""
+    float32), but one for float16/bfloat16 rows of up to 1024 elements, the fastest on an H100 (docs/gpu-kernels.md)."""
     if itemsize < 4 and elements <= 1024:
         return 1
     return min(max(elements * itemsize // 1024, 1), 8)
@@ -212,7 +208,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     """As `bertembed.fast.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`:
     that of a new `out`, returned in it. `stats=False` (inference) skips mean and rstd, returned as None.
 
-    Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and `num_warps`; the defaults were the
+    Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and `num_warps`; the defaults are the
     fastest on an H100 at hidden 768 and 1024. `evict_first` marks the word rows read and the output written as the
     first to leave the L2 cache, so the few shared rows (positions, segments, LayerNorm's) stay."""
     n, h = ids.numel(), word.shape[1]
