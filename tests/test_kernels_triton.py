@@ -182,6 +182,13 @@ def test_device_id_checks_give_nan_rows_without_raising():
     assert_output_close(out[0], expected[0])
     with pytest.raises(ValueError, match="outside the word table"):
         fused_embeddings(ids, *tables, backend="triton")
+    fused.id_checks = "device"  # the layer's own switch
+    with torch.no_grad():
+        assert_output_close(fused(ids)[0], expected[0])
+        assert fused(ids)[1, 1].isnan().all()
+    fused.id_checks = "host"
+    with pytest.raises(ValueError, match="outside the word table"):
+        fused(ids)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a whole transformers model on the GPU")

@@ -175,7 +175,7 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     CPU kernel, which reads nothing for a bad id and reports it; before the Triton one, which gives it a NaN row on a
     GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
     p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
-    fixed summation order)."""
+    fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`)."""
     reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
         else can_fuse(layer)
     if reason is None:
@@ -190,7 +190,7 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
         return None
     dropout = modules["dropout"]
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
-    if backend != "cpu":
+    if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
