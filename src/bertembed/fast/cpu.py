@@ -21,7 +21,9 @@ import os
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import carray, errors, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from bertembed.validation import skipped_ids_error
@@ -51,6 +53,10 @@ if numba.threading_layer() == "omp":
     os.register_at_fork(after_in_child=_lose_pool)
 
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
+# Outputs this large (float32) are written by non-temporal stores: they leave the cache before anyone reads them, and
+# streaming skips reading each line before writing it. Measured on AMD Zen cores (docs/memory.md, "Streamed outputs");
+# Intel cores gained from 32 MiB only.
+_STREAM_FROM = 12 << 20
 
 
 def dropout_threshold(p: float) -> np.uint64:
@@ -181,6 +187,84 @@ def hold(typingctx, array):
 
 
 @intrinsic
+def prefetch_row(typingctx, table, row):
+    """Start loading every cache line of table[row, :] into the caches, and return at once (`llvm.prefetch`). A batch
+    reads word rows from all over a large table, from memory, and the hardware's own prefetcher starts on a row only
+    after its first miss: the forward asks for a coming token's row while it computes this one's."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array = context.make_array(array_type)(context, builder, args[0])
+        int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
+        first = builder.bitcast(cgutils.get_item_pointer(context, builder, array_type, array,
+                                                         [args[1], ir.Constant(int64, 0)]), byte_ptr)
+        nbytes = builder.mul(builder.extract_value(array.shape, 1),
+                             ir.Constant(int64, context.get_abi_sizeof(context.get_data_type(array_type.dtype))))
+        hints = [ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)]  # read, keep in all levels, data
+        with cgutils.for_range_slice(builder, ir.Constant(int64, 0), nbytes, ir.Constant(int64, 64),
+                                     intp=int64) as (offset, _):
+            builder.call(prefetch, [builder.gep(first, [offset]), *hints])
+        return context.get_dummy_value()
+
+    return types.void(table, row), codegen
+
+
+@intrinsic
+def _stream_float_row(typingctx, y, out, i):
+    """out[i, :] = y (float32 [H], into a C-contiguous float32 [*, H]): the whole 64-byte lines of the row by
+    non-temporal stores, which skip reading each line first and leave the cache to the table rows; the unaligned head
+    and tail by ordinary ones. Call `store_fence` before anyone reads `out`."""
+    line = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        row_type, out_type = signature.args[:2]
+        row = context.make_array(row_type)(context, builder, args[0])
+        table = context.make_array(out_type)(context, builder, args[1])
+        int64 = ir.IntType(64)
+        n = builder.extract_value(row.shape, 0)
+        dst = cgutils.get_item_pointer(context, builder, out_type, table, [args[2], int64(0)])
+        src = cgutils.get_item_pointer(context, builder, row_type, row, [int64(0)])
+        head = builder.udiv(builder.and_(builder.neg(builder.ptrtoint(dst, int64)), int64(63)), int64(4))
+        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)  # elements before a line boundary
+        lines_end = builder.add(head, builder.and_(builder.sub(n, head), int64(-16)))
+        for lo, hi in ((int64(0), head), (lines_end, n)):
+            with cgutils.for_range_slice(builder, lo, hi, int64(1), intp=int64) as (j, _):
+                builder.store(builder.load(builder.gep(src, [j])), builder.gep(dst, [j]))
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range_slice(builder, head, lines_end, int64(16), intp=int64) as (j, _):
+            value = builder.load(builder.bitcast(builder.gep(src, [j]), line.as_pointer()), align=4)
+            store = builder.store(value, builder.bitcast(builder.gep(dst, [j]), line.as_pointer()), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    if not (isinstance(out, types.Array) and out.dtype == types.float32 and out.layout == "C"):
+        return None
+    return types.void(y, out, i), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence: every store before it, non-temporal ones included, is visible before any after it."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def stream_row(y, out, i):
+    """out[i, :] = y by non-temporal stores where `out` is float32; bfloat16 rows as `write_row` writes them."""
+
+
+@overload(stream_row, inline="always")
+def _stream_row_impl(y, out, i):
+    if out.dtype == types.float32:
+        return lambda y, out, i: _stream_float_row(y, out, i)
+    return lambda y, out, i: write_row(y, out, i)
+
+
+@intrinsic
 def wide_vectors(typingctx, wide):
     """With `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where the CPU has
     them (LLVM's x86 tuning prefers 256-bit ones on most AVX-512 CPUs); with a literal False, leaves LLVM's choice."""
@@ -256,7 +340,7 @@ def _moments(x, shift, total, wide):
 # `contract`: LayerNorm's `* weight + bias` is one fused multiply-add.
 @njit(cache=True, inline="always", fastmath={"contract"})
 def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
-                   wide):
+                   wide, stream):
     """The sum with its moments, then LayerNorm and dropout into x, then x into out[i]. Inlined: as a call it passed
     ten arrays by value per token. `wide`: 512-bit vectors, for many tokens a thread (`wide_vectors`)."""
     h = x.size
@@ -272,12 +356,18 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
         for j in range(h):
             y = (x[j] - m32) * r32 * gamma[j] + beta[j]
             x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
-    write_row(x, out, i)
+    if stream:
+        stream_row(x, out, i)
+    else:
+        write_row(x, out, i)
+
+
+_AHEAD = 2  # the token whose word row is prefetched: this many ahead
 
 
 @njit(cache=True, fastmath={"contract"})
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
-                   wide):
+                   wide, stream):
     """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
     has_pos = pos.shape[0] > 0
     scratch = np.empty(out.shape[1], np.float32)
@@ -286,29 +376,34 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
     out, mean, rstd = borrowed(out), borrowed(mean), borrowed(rstd)
     bad = 0
     for i in range(lo, hi):
+        if i + _AHEAD < hi and 0 <= ids[i + _AHEAD] < word.shape[0]:
+            prefetch_row(word, ids[i + _AHEAD])
         w, s, q = ids[i], tts[i], pids[i]
         if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
             _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
-                           rstd, wide)
+                           rstd, wide, stream)
         else:
             bad += 1
     hold(scratch)
+    if stream:
+        store_fence()
     return bad
 
 
 @njit(parallel=True, cache=True)
-def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
+def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks, stream):
     """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread, so a thread that started late does not hold up the rest).
+    tokens (a few per thread, so a thread that started late does not hold up the rest). stream: float32 rows go out
+    by non-temporal stores (`_STREAM_FROM`).
     """
     n = out.shape[0]
     bad = 0
     for c in prange(chunks):
         bad += _forward_chunk(c * n // chunks, (c + 1) * n // chunks, ids, tts, pids, word, seg, pos, gamma, beta, eps,
-                              threshold, scale, seed, out, mean, rstd, True)
+                              threshold, scale, seed, out, mean, rstd, True, stream)
     return bad
 
 
@@ -317,7 +412,7 @@ def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, 
     """`forward` on the calling thread, for a few tokens (waking the pool costs more than the work), with LLVM's own
     vector width (a sentence ran slower with wide vectors)."""
     return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
-                          out, mean, rstd, False)
+                          out, mean, rstd, False, False)
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -440,7 +535,7 @@ def _pointer(typingctx, address, dtype):
 
 
 @njit(cache=True)
-def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
+def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks, stream):
     """`forward` (chunks > 0) or `forward_serial` (chunks 0) over the tensors at the addresses `at` (ids, segment
     ids, position ids: [N] int64; word, segment, position tables and out: `like`'s dtype; weight, bias: float32 [H];
     mean, rstd: float32 [N], or 0 and 0 where they are not kept), of sizes (N, H, V, T, P)."""
@@ -458,7 +553,7 @@ def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks):
     else:
         mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
     args = (ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd)
-    return forward(*args, chunks) if chunks > 0 else forward_serial(*args)
+    return forward(*args, chunks, stream) if chunks > 0 else forward_serial(*args)
 
 
 _LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
@@ -482,7 +577,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
     chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
     bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), dropout_threshold(p), dropout_scale(p),
-                      np.uint64(seed), chunks)
+                      np.uint64(seed), chunks, chunks > 0 and out.nbytes >= _STREAM_FROM)
     _check_bad(bad, "bertembed cpu forward")
     return out, mean, rstd
 
