@@ -210,13 +210,14 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
     Function for training, the custom op where torch.compile traces."""
     word, segment, position, weight, bias = tables
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
-    if out is not None or not _needs_autograd(tables) and not is_compiling():
+    compiling = is_compiling()
+    if out is not None or not _needs_autograd(tables) and not compiling:
         batch, length = input_ids.shape
         return backend_module(backend).run_forward(
             *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
             None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=False,
             shape=(batch, length, word.shape[1]))[0]
-    apply = embeddings_op if is_compiling() else EagerEmbeddings.apply  # the op only where it is traced
+    apply = embeddings_op if compiling else EagerEmbeddings.apply  # the op only where it is traced
     pad = -1 if padding_idx is None else int(padding_idx)
     return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,
                  backend, deterministic or torch.are_deterministic_algorithms_enabled())[0]

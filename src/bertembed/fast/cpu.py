@@ -557,6 +557,7 @@ def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks, stream):
 
 
 _LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
+_NO_DROPOUT = (dropout_threshold(0.0), dropout_scale(0.0), np.uint64(0))  # (threshold, scale, seed)
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
@@ -576,8 +577,9 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
           *((mean.data_ptr(), rstd.data_ptr()) if stats else (0, 0)))
     sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
     chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
-    bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), dropout_threshold(p), dropout_scale(p),
-                      np.uint64(seed), chunks, chunks > 0 and out.nbytes >= _STREAM_FROM)
+    dropout = (dropout_threshold(p), dropout_scale(p), np.uint64(seed)) if p else _NO_DROPOUT
+    bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), *dropout, chunks,
+                      chunks > 0 and out.nbytes >= _STREAM_FROM)
     _check_bad(bad, "bertembed cpu forward")
     return out, mean, rstd
 
