@@ -155,10 +155,10 @@ def check_empty_batches(backend: str, device: str = "cpu") -> None:
 
 
 def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
-    """`torch.compile(fullgraph=True)` of the custom op, forward and backward, with explicit ids and with the defaults
-    (segment and position ids None): outputs and all five gradients as the reference's. The backward op's outputs
+    """`torch.compile(fullgraph=True)` of the custom op, forward and backward, with [B, L] ids and with [1, L] ones
+    shared by the batch: outputs and all five gradients as the reference's. The backward op's outputs
     must not share storage, which only a compiled backward checks."""
-    import bertembed.kernels.function  # noqa: F401  (registers torch.ops.bertembed.embeddings)
+    import bertembed.fast.function  # noqa: F401  (registers torch.ops.bertembed.embeddings)
 
     ref, fused = twins(48, backend)
     ref, fused = ref.to(device), fused.to(device)
@@ -166,9 +166,9 @@ def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
     segments, positions = torch.zeros_like(ids), torch.arange(9, device=device)[None].expand(2, 9)
     tables = [fused.word_embeddings.weight, fused.token_type_embeddings.weight, fused.position_embeddings.weight,
               fused.LayerNorm.weight, fused.LayerNorm.bias]
-    for given in (segments, positions), (None, None):
+    for given in (segments, positions), (segments[:1], positions[:1]):
         def layer(word, seg, pos, weight, bias, given=given):
-            return torch.ops.bertembed.embeddings(ids, *given, 0, word, seg, pos, weight, bias, 1e-12, 0.0, 0, 0,
+            return torch.ops.bertembed.embeddings(ids, *given, word, seg, pos, weight, bias, 1e-12, 0.0, 0, 0,
                                                   backend, False)[0]
 
         torch._dynamo.reset()
@@ -265,7 +265,7 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
     """Every table dtype beside every LayerNorm dtype (and a bias apart from its weight): where torch's LayerNorm
     refuses the mix, the fused layer raises the reference's ValueError, with or without autograd and before any kernel;
     where it takes it, the two agree. (Bad input must fail the same way on every backend.)"""
-    from bertembed.kernels.function import _backend_module
+    from bertembed.fast.function import backend_module
 
     mixes = [(t, n, n) for t in _NORM_DTYPES for n in _NORM_DTYPES] + [(torch.bfloat16, torch.float32, torch.bfloat16)]
     ids = awkward_ids(2, 5, 1000).to(device)
@@ -281,7 +281,7 @@ def check_layer_norm_dtypes_as_torch(backend: str, device: str = "cpu") -> None:
                 with pytest.raises(ValueError, match="LayerNorm weight and bias are") as expected:
                     ref(ids)
                 with pytest.MonkeyPatch.context() as patch, pytest.raises(ValueError) as got:
-                    patch.setattr(_backend_module(backend), "run_forward", _no_kernel)
+                    patch.setattr(backend_module(backend), "run_forward", _no_kernel)
                     fused(ids)
                 assert str(got.value) == str(expected.value)
 
@@ -351,8 +351,8 @@ def check_autograd_modes(backend: str, device: str = "cpu") -> None:
 
 def check_edited_default_id_buffers(backend: str, device: str = "cpu", shapes=((2, 6, 40),)) -> None:
     """A layer whose default-id buffers were edited (a new `position_ids` tensor assigned, `token_type_ids` changed in
-    place), as transformers' may be, gives the reference's output and gradients: the kernels then read the ids from
-    the buffers instead of computing 0, 1, 2, ... and zeros. Then back to the defaults."""
+    place), as transformers' may be, gives the reference's output and gradients: the layer slices its ids from the
+    buffers on every call and hands them to the kernels. Then back to the defaults."""
     for batch, length, hidden in shapes:
         ref, fused = (layer.to(device) for layer in twins(hidden, backend, max_position_embeddings=64))
         ids = awkward_ids(batch, length, ref.config.vocab_size).to(device)

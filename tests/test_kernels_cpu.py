@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-from bertembed.kernels import cpu, cpu_elements, cpu_run, fused_embeddings, pages  # noqa: E402
+from bertembed.fast import cpu, fused_embeddings  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
@@ -59,16 +59,11 @@ def _check_on_threads(ref, fused, ids, threads: int) -> None:
     assert_grads_match(ref, fused)
 
 
-@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 16, 128), (768, 3, 16, 128), (200, 2, 16, 128), (97, 2, 1, 11), (768, 3, 1, 11)])
-def test_large_word_gradient_zeros(hidden, threads, batch, length, fresh, monkeypatch):
-    """Large word gradients get their zeros by non-temporal stores, the unaligned ends of each run of rows by ordinary
-    ones (hidden 97 and 200: rows that do not start on a cache line); or, in memory fresh from the kernel, 2 MB pages
-    and ordinary stores. Forced here for a small table. (16, 128): the parallel backward, each thread zeroing the rows
-    it owns; (1, 11): zeros on all threads, then one adds."""
-    monkeypatch.setattr(cpu_run, "_STREAM_FROM", 0)
-    monkeypatch.setattr(pages, "is_fresh", lambda table: fresh)  # advise_if_fresh asks it
+def test_word_gradient_zeros(hidden, threads, batch, length):
+    """Rows of the word gradient that no token (or only [PAD]) reached are zero. (16, 128): the parallel backward,
+    each thread writing the rows it owns, zeros included; (1, 11): zeros first, then one thread adds."""
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)  # [PAD] and repeated ids
     ids[9:, 40:] = 0  # [PAD] runs across the backward's chunks
@@ -187,14 +182,14 @@ def test_backward_is_deterministic():
 
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 2, 9), (384, 1, 3, 1), (768, 2, 2, 512), (1024, 3, 4, 40), (200, 2, 16, 128)])
-def test_streamed_outputs_match_reference(hidden, threads, batch, length, monkeypatch):
-    """Large outputs are written by non-temporal stores, whole cache lines of each row, the unaligned head and tail
-    by ordinary ones (hidden 97 and 200: rows that do not start on a line). Forced here for small outputs, in
-    training (the op's path) and in inference (the short path, serial and parallel); the word table is moved onto
-    2 MB pages at its first batch (`pages.collapse_table`), forced here too."""
-    monkeypatch.setattr(cpu_run, "_STREAM_OUT_FROM", 0)
-    monkeypatch.setattr(pages, "_COLLAPSE_FROM", 0)
-    monkeypatch.setattr(pages, "_collapsed", set())
+@pytest.mark.parametrize("streamed", [False, True])
+def test_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length, streamed, monkeypatch):
+    """Training (the autograd Function) and inference (the forward kernel alone), serial and parallel, with hidden
+    sizes whose rows do not start on a cache line (97, 200); `streamed`: the parallel kernel's float32 rows written
+    by non-temporal stores (forced here for small outputs; whole lines, the unaligned head and tail by ordinary
+    stores)."""
+    if streamed:
+        monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)
     _check_on_threads(ref, fused, ids, threads)
@@ -203,15 +198,13 @@ def test_streamed_outputs_match_reference(hidden, threads, batch, length, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_streamed_dropout_and_out_buffers(dtype, monkeypatch):
-    """Streaming with dropout (the same mask as without), into an `out=` buffer whose rows start off a cache line; a
-    bfloat16 output is streamed where the CPU converts rows (`cpu_rows.streams`), else stored as it otherwise is."""
+def test_dropout_repeats_with_the_seed_and_out_buffers_off_a_line(dtype):
+    """Dropout's mask follows torch.manual_seed; an `out=` buffer whose rows start off a cache line is filled."""
     ref, fused = twins(97, "cpu", hidden_dropout_prob=0.25, dtype=dtype)
     fused.train()
     ids = awkward_ids(4, 33, ref.config.vocab_size)
     outputs = []
-    for stream in (False, True):
-        monkeypatch.setattr(cpu_run, "stream_output", lambda out, fresh=None, on=stream: on)
+    for _ in range(2):
         torch.manual_seed(0)
         outputs.append(fused(ids))
     assert torch.equal(outputs[0], outputs[1])
@@ -254,20 +247,33 @@ def test_dropout_keeps_the_right_fraction_and_scales():
     assert_grads_match(ref, fused)
 
 
-BAD_INPUTS = [
+BAD_IDS = [  # ids outside their tables: the kernel reads nothing for them and reports them; the layer names the first
     dict(input_ids=torch.tensor([[1, 2, 1000]])),  # id past the vocabulary
     dict(input_ids=torch.tensor([[1, -1, 3]])),
+    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
+    dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),
+]
+BAD_INPUTS = [  # shapes, dtypes, lengths: refused before any kernel runs
     dict(input_ids=torch.tensor([1, 2, 3])),  # no batch dimension
     dict(input_ids=torch.tensor([[1.0, 2.0]])),
     dict(input_ids=torch.tensor([[1, 2]], dtype=torch.uint8)),  # torch's lookup takes int64 and int32 only
-    dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 2]])),
     dict(input_ids=torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1, 0]])),
-    dict(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 512]])),
     dict(input_ids=torch.ones(1, 513, dtype=torch.long)),
     dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=511),
     dict(input_ids=torch.tensor([[1, 2]]), past_key_values_length=-1),
     dict(),
 ]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("inputs", BAD_IDS)
+def test_bad_ids_raise_the_reference_error(inputs, grad):
+    ref, fused = twins(32, "cpu")
+    with pytest.raises(ValueError) as expected:
+        ref(**inputs)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError) as got:
+        fused(**inputs)
+    assert str(got.value) == str(expected.value)
 
 
 @pytest.mark.parametrize("inputs", BAD_INPUTS)
@@ -280,7 +286,8 @@ def test_bad_input_raises_reference_error_before_any_kernel(inputs, monkeypatch)
         raise AssertionError("a kernel ran on bad input")
 
     monkeypatch.setattr(cpu, "forward", no_kernel)
-    monkeypatch.setattr(cpu_run, "run_forward", no_kernel)
+    monkeypatch.setattr(cpu, "forward_serial", no_kernel)
+    monkeypatch.setattr(cpu, "run_forward", no_kernel)
     with pytest.raises(ValueError) as got:
         fused(**inputs)
     assert str(got.value) == str(expected.value)
@@ -288,7 +295,7 @@ def test_bad_input_raises_reference_error_before_any_kernel(inputs, monkeypatch)
 
 def test_kernel_itself_never_reads_outside_a_table():
     """Called directly (past validation), the kernels skip a bad id and report it instead of reading out of bounds."""
-    check_never_reads_outside_a_table(cpu_run)
+    check_never_reads_outside_a_table(cpu)
 
 
 def test_functional_matches_module_and_fills_out_buffer():
@@ -309,20 +316,6 @@ def test_functional_matches_module_and_fills_out_buffer():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="not one of"):
         twins(8, "gpu")
-
-
-def test_caches_older_than_an_inlined_file_are_dropped(tmp_path):
-    """numba would load a kernel cached before an edit to a file it inlines; such cache indexes are deleted."""
-    import os
-
-    files = {name: tmp_path / name for name in ("cpu.f-1.py311.nbi", "lean.g-2.py311.nbi", "other.h-3.py311.nbi",
-                                                 "cpu.k-4.py311.nbi")}
-    for path in files.values():
-        path.write_bytes(b"")
-        os.utime(path, (0, 0))  # 1970: older than any source file
-    os.utime(files["cpu.k-4.py311.nbi"], (4e9, 4e9))  # 2096: newer than any source file
-    cpu_elements._drop_stale_caches(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.k-4.py311.nbi", "other.h-3.py311.nbi"]
 
 
 def test_empty_batches():
@@ -362,38 +355,3 @@ def test_badly_conditioned_rows_are_about_as_close_to_float64_as_torchs(case):
     torch_error, fused_error = (out_ref - exact).abs().max().item(), (out - exact).abs().max().item()
     assert torch_error > 5e-6  # badly conditioned indeed: torch itself is far from float64
     assert fused_error <= 1.5 * torch_error, (fused_error, torch_error)
-
-
-_OTHER_PREFETCH = """
-import sys
-sys.path.insert(0, sys.argv[1])
-from bertembed.kernels import cpu_rows
-cpu_rows.WHOLE_ROWS = not cpu_rows.WHOLE_ROWS  # before any kernel is compiled (this child's numba cache is empty)
-from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins
-ref, fused = twins(384, "cpu", vocab=5000)
-for layer in (ref, fused):
-    layer.train()
-    layer.dropout.p = 0.0
-out_ref, out = run_both(ref, fused, input_ids=awkward_ids(8, 64, 5000))  # 196608 elements: the parallel kernels
-assert_output_close(out, out_ref)
-assert_grads_match(ref, fused)
-print("whole rows:", cpu_rows.WHOLE_ROWS)
-"""
-
-
-def test_the_other_prefetch_compiles_and_matches(tmp_path):
-    """`prefetch_row` asks for a row's first cache line, or on AMD's Zen cores every line (`cpu_rows.WHOLE_ROWS`, fixed
-    when the kernels compile). This machine runs one; the other is compiled in a child with a numba cache of its own,
-    and its forward and backward must match the reference there."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from bertembed.kernels import cpu_rows
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", _OTHER_PREFETCH, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"whole rows: {not cpu_rows.WHOLE_ROWS}" in done.stdout

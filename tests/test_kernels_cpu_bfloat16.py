@@ -1,15 +1,8 @@
 """bfloat16 in the numba kernels: the roundings against torch's own, bit for bit, and the layer against the reference.
 
-Output rows are rounded a line at a time: by the CPU's conversion instruction where it has AVX512-BF16
-(`cpu_rows.BF16_CONVERSION`), else by integer arithmetic. The last test runs this file again in a process compiled for
-a CPU without the instruction, so both ways are tested on a CPU that has it."""
+Sums and output rows are rounded to nearest-even by integer arithmetic (`cpu.round_like`, `cpu.write_row`)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +12,7 @@ pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast 
 
 from numba import njit  # noqa: E402
 
-from bertembed.kernels import cpu_elements, cpu_rows, cpu_run, pages  # noqa: E402
+from bertembed.fast import cpu  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     awkward_ids,
     check_low_precision,
@@ -42,7 +35,7 @@ def _as_bfloat16(bits: np.ndarray) -> torch.Tensor:
 def _round_sums(table, sums):
     out = np.empty_like(sums)
     for j in range(sums.size):
-        out[j] = cpu_elements.round_like(table, sums[j])
+        out[j] = cpu.round_like(table, sums[j])
     return out
 
 
@@ -68,18 +61,15 @@ def test_rounding_a_sum_is_torchs_for_every_bfloat16_value():
 
 
 @njit
-def _write_rows(y, out, stream):
+def _write_rows(y, out):
     for i in range(out.shape[0]):
-        cpu_rows.write_row(y[i], out, i, stream)
+        cpu.write_row(y[i], out, i)
 
 
 @pytest.mark.parametrize("hidden", [1, 31, 97, 768, 1000])
-@pytest.mark.parametrize("stream", [False, True])
-def test_rows_round_as_torch_does(hidden, stream):
-    """`write_row` into a bfloat16 output: torch's rounding for every float32 of any magnitude, NaNs of any payload
-    and infinities; rows that start on a cache line and rows that do not (odd hidden sizes). The one difference is the
-    instruction's (where `BF16_CONVERSION`): a result below bfloat16's smallest normal (1.2e-38) is a zero of the same
-    sign. The integer rounding keeps it."""
+def test_rows_round_as_torch_does(hidden):
+    """`write_row` into a bfloat16 output: torch's rounding for every float32 of any magnitude, subnormals included,
+    NaNs of any payload and infinities."""
     gen = torch.Generator().manual_seed(hidden)
     y = torch.randn(3, hidden, generator=gen) * torch.logspace(-42, 38, 3 * hidden).view(3, hidden)
     specials = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
@@ -87,21 +77,16 @@ def test_rows_round_as_torch_does(hidden, stream):
     flat = y.view(-1)
     flat[: min(flat.numel(), specials.numel())] = specials[: flat.numel()]
     out = torch.full((3, hidden), 7.0, dtype=torch.bfloat16)
-    _write_rows(y.numpy(), _bits(out), stream)
+    _write_rows(y.numpy(), _bits(out))
     want = y.to(torch.bfloat16)
     subnormal = want.float().abs() < torch.finfo(torch.bfloat16).tiny
-    assert hidden < 97 or (want[subnormal] != 0).any()  # the cases where the two roundings differ are there
-    if cpu_rows.BF16_CONVERSION:
-        want[subnormal] = torch.copysign(torch.zeros(()), y[subnormal]).to(torch.bfloat16)
+    assert hidden < 97 or (want[subnormal] != 0).any()  # subnormal results are there
     _assert_same_bfloat16(out, want)
 
 
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"), [(97, 2, 2, 9), (768, 2, 2, 512), (200, 1, 4, 40)])
-def test_streamed_bfloat16_outputs_match_reference(hidden, threads, batch, length, monkeypatch):
-    """Large bfloat16 outputs are streamed (forced here for small ones), in training and in inference."""
-    monkeypatch.setattr(cpu_run, "_STREAM_OUT_FROM", 0)
-    monkeypatch.setattr(pages, "_COLLAPSE_FROM", 0)
-    monkeypatch.setattr(pages, "_collapsed", set())
+def test_bfloat16_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length):
+    """bfloat16 outputs, serial and parallel, in training and in inference."""
     ref, fused = twins(hidden, "cpu", dtype=torch.bfloat16)
     ids = awkward_ids(batch, length, ref.config.vocab_size)
     previous = torch.get_num_threads()
@@ -133,14 +118,3 @@ def test_float32_layer_norm_with_bfloat16_tables():
         layer.LayerNorm.float()
     ids = awkward_ids(2, 9, ref.config.vocab_size)
     torch.testing.assert_close(fused(ids), ref(ids).to(torch.bfloat16))
-
-
-@pytest.mark.skipif(not cpu_rows.BF16_CONVERSION, reason="this process already runs without the instruction")
-def test_this_file_passes_on_a_cpu_without_the_conversion(tmp_path):
-    """The same tests, compiled for a CPU without AVX512-BF16 (numba's generic x86-64), into a cache of their own:
-    the integer rounding of output rows, streamed and not."""
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "skipped" in run.stdout  # this test, in the child

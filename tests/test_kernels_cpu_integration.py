@@ -27,31 +27,31 @@ from kernel_helpers import (  # noqa: E402
 
 
 def test_auto_falls_back_with_a_logged_reason(caplog, monkeypatch):
-    import bertembed.kernels as kernels
+    import bertembed.fast as kernels
 
     monkeypatch.setattr(kernels, "_told", set())  # each reason is logged once per process
     ref, fused = twins(24, "auto")
     embeds = torch.randn(2, 3, 24)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         out = fused(inputs_embeds=embeds)
     assert torch.equal(out, ref(inputs_embeds=embeds))
     assert "inputs_embeds" in caplog.text
     ref64, fused64 = ref.double(), fused.double()
     ids = awkward_ids(2, 5, 1000)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         assert torch.equal(fused64(ids), ref64(ids))
     assert "torch.float64" in caplog.text
 
 
 def test_mixed_table_dtypes_fall_back(caplog, monkeypatch):
-    import bertembed.kernels as kernels
+    import bertembed.fast as kernels
 
     monkeypatch.setattr(kernels, "_told", set())
     ref, fused = twins(32, "cpu")
     for layer in (ref, fused):
         layer.token_type_embeddings.bfloat16()
     ids = awkward_ids(2, 5, ref.config.vocab_size)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         assert torch.equal(fused(ids), ref(ids))
     assert "different dtypes" in caplog.text
 
@@ -61,7 +61,7 @@ def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
     functorch's wrapped tensors, so the layer runs the reference, with the reason logged, and gives its numbers."""
     from torch.func import functional_call, grad
 
-    import bertembed.kernels as kernels
+    import bertembed.fast as kernels
 
     monkeypatch.setattr(kernels, "_told", set())
     ref, fused = twins(24, "cpu")
@@ -72,7 +72,7 @@ def test_torch_func_transforms_run_the_reference(caplog, monkeypatch):
     def loss(tables, layer):
         return (functional_call(layer, tables, (ids,)) * upstream).sum()
 
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         got = grad(loss)(params, fused)
     assert "torch.func" in caplog.text
     expected = grad(loss)(params, ref)
@@ -143,7 +143,7 @@ def test_a_sparse_word_table_gets_sparse_gradients(caplog):
     for layer in (ref, fused):
         layer.word_embeddings.sparse = True
     ids = awkward_ids(2, 5, 1000)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         run_both(ref, fused, input_ids=ids)
     assert fused.word_embeddings.weight.grad.is_sparse
     torch.testing.assert_close(fused.word_embeddings.weight.grad.to_dense(), ref.word_embeddings.weight.grad.to_dense())
@@ -177,8 +177,9 @@ def test_opcheck():
     """torch.library's own consistency checks of the op: schema, fake tensor, autograd registration."""
     word, seg, pos = torch.randn(20, 16, requires_grad=True), torch.randn(2, 16), torch.randn(8, 16)
     ids = torch.tensor([[1, 2, 3, 0]])
-    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, "cpu", False)
-    for ids_args in ((ids, torch.zeros_like(ids), torch.arange(4)[None], 0), (ids, None, None, 3)):  # None: defaults
+    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, "cpu", False)  # ids: [B, L] or [1, L]
+    for ids_args in ((ids, torch.zeros_like(ids), torch.arange(4)[None]), (ids, torch.zeros(1, 4, dtype=torch.long),
+                                                                           torch.arange(3, 7)[None])):
         torch.library.opcheck(torch.ops.bertembed.embeddings.default, ids_args + tail,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -200,9 +201,9 @@ def test_whole_layer_traces_without_a_graph_break(backend):
 
 
 def test_eager_training_skips_the_op_and_compile_keeps_it(monkeypatch):
-    """Eager autograd runs `EagerEmbeddings` (the custom op's dispatch costs ~70 us a call); torch.compile traces the
+    """Eager autograd runs `EagerEmbeddings` (the custom op's dispatch is slower); torch.compile traces the
     op. Each is replaced by something that fails, in turn, and the other mode must still train correctly."""
-    from bertembed.kernels import function
+    from bertembed.fast import function
 
     def refuse(*args, **kwargs):
         raise AssertionError("this mode must not run this path")
@@ -236,15 +237,14 @@ def test_frozen_tables_get_no_gradient():
 
 
 def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch, caplog):
-    import bertembed.kernels as kernels
+    import bertembed.fast as kernels
 
     monkeypatch.setitem(kernels._found, "cpu", False)  # as if numba were not installed
-    monkeypatch.setattr(kernels, "_short_paths", {})
     monkeypatch.setattr(kernels, "_told", set())
     with pytest.raises(ImportError, match="numba is not installed"):
         twins(16, "cpu")
     ref, fused = twins(16, "auto")
     ids = awkward_ids(1, 4, ref.config.vocab_size)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"):
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         assert torch.equal(fused(ids), ref(ids))
     assert "numba is not installed" in caplog.text

@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-from bertembed.kernels import fused_embeddings  # noqa: E402
+from bertembed.fast import fused_embeddings  # noqa: E402
 from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, twins  # noqa: E402
 
 

@@ -19,7 +19,7 @@ SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
 if SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
 try:
-    import bertembed.kernels.triton  # noqa: E402, F401
+    import bertembed.fast.triton  # noqa: E402, F401
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -27,7 +27,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if SET_HERE:
     del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
 
-from bertembed.kernels import fused_embeddings  # noqa: E402
+from bertembed.fast import fused_embeddings  # noqa: E402
 from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins  # noqa: E402
 
 TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON or not (ON_GPU or INTERPRET),

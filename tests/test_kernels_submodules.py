@@ -1,8 +1,8 @@
 """The fused layer reads its submodules' tables and calls none of them, so it may stand in for them only while they are
 plain. Hooks (captum's layer attributions, activation capture, a global module hook), a subclass with its own forward,
-a wrapper (a LoRA adapter), an always-on dropout, and `max_norm` or a LayerNorm eps set after the first call all make
-it run the reference layer, which calls them: the outputs and gradients are then the reference's. Every case is first
-checked to change the output, so that agreeing with the reference means something."""
+a wrapper (a LoRA adapter), a parametrized weight and `max_norm` make it run the reference layer, which calls them
+(`bertembed.fast.can_fuse` says why); a LayerNorm eps or a dropout flag changed is read at the next call. Every case
+is first checked to change the output, so that agreeing with the reference means something."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-from bertembed.kernels.submodules import short_path_tables  # noqa: E402
+from bertembed.fast import can_fuse  # noqa: E402
 from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, twins  # noqa: E402
 
 VOCAB = 1000
@@ -111,7 +111,7 @@ def _outputs(layers, ids, grad: bool):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_submodule_runs_itself(change, grad):
-    """Inference takes the short path unless a submodule is changed, autograd the custom op: both must honour it."""
+    """Inference (the forward kernel alone) and autograd (the autograd Function) both honour a changed submodule."""
     ref, fused = twins(24, "cpu", vocab=VOCAB)
     plain = copy.deepcopy(ref)
     for layer in (ref, fused):
@@ -141,7 +141,7 @@ def test_a_global_module_hook_runs():
     ref, fused = twins(24, "cpu", vocab=VOCAB)
     ids = awkward_ids(2, 7, VOCAB)
     with torch.no_grad():
-        out_plain = fused(ids)  # and the short path has looked at the submodules once
+        out_plain = fused(ids)  # a call with plain submodules first
     doubled = torch.nn.modules.module.register_module_forward_hook(
         lambda m, args, out: out * 2 if isinstance(m, nn.Embedding) and m.num_embeddings == VOCAB else None)
     try:
@@ -154,20 +154,20 @@ def test_a_global_module_hook_runs():
 
 
 def test_changes_after_the_first_call_are_seen_and_undone():
-    """The short path keeps its verdict on the submodules between calls: a hook added, a table replaced by one that
-    shares its storage, `max_norm` or the LayerNorm's eps set after a call are all seen, and the fused kernel comes back
-    once the submodules are plain again."""
+    """The submodules are looked at on every call: a hook added, a table replaced by one that shares its storage,
+    `max_norm` or the LayerNorm's eps set after a call are all seen, and the fused kernel comes back once the
+    submodules are plain again."""
     ref, fused = twins(24, "cpu", vocab=VOCAB)
     ids = awkward_ids(2, 7, VOCAB)
     with torch.no_grad():
         assert_output_close(fused(ids), ref(ids))
-        assert short_path_tables(fused, fused.__dict__) is not None
+        assert can_fuse(fused) is None
         hooks = [layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2) for layer in (ref, fused)]
         assert_output_close(fused(ids), ref(ids))
-        assert short_path_tables(fused, fused.__dict__) is None
+        assert can_fuse(fused) is not None
         for hook in hooks:
             hook.remove()
-        assert short_path_tables(fused, fused.__dict__) is not None
+        assert can_fuse(fused) is None
         plain = fused(ids)
         for layer in (ref, fused):
             _subclass(layer)
@@ -175,19 +175,19 @@ def test_changes_after_the_first_call_are_seen_and_undone():
         assert (fused(ids) - plain).abs().max() > 1e-2
         for layer in (ref, fused):
             layer.word_embeddings = nn.Embedding.from_pretrained(layer.word_embeddings.weight, freeze=False)
-        assert short_path_tables(fused, fused.__dict__) is not None
+        assert can_fuse(fused) is None
         for layer in (ref, fused):
             layer.dropout.forward = lambda x: x * 2  # set on the instance: no hook is registered
         assert_output_close(fused(ids), ref(ids))
         assert (fused(ids) - plain).abs().max() > 1e-2
         for layer in (ref, fused):
             del layer.dropout.forward
-        assert short_path_tables(fused, fused.__dict__) is not None
+        assert can_fuse(fused) is None
         for layer in (ref, fused):
             layer.LayerNorm.eps = 1e-3  # the rows' variance is about 1e-3: the eps changes the output
         assert_output_close(fused(ids), ref(ids))
         assert (fused(ids) - plain).abs().max() > 1e-2
-    out_ref, out = _outputs((ref, fused), ids, grad=True)  # the general path: it runs the reference for this eps
+    out_ref, out = _outputs((ref, fused), ids, grad=True)  # the training path reads the eps too
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
     with torch.no_grad():
@@ -198,24 +198,22 @@ def test_changes_after_the_first_call_are_seen_and_undone():
 
 
 def test_the_fallback_says_why(caplog, monkeypatch):
-    monkeypatch.setattr("bertembed.kernels._told", set())  # (each reason is logged once a process)
+    monkeypatch.setattr("bertembed.fast._told", set())  # (each reason is logged once a process)
     _, fused = twins(24, "cpu", vocab=VOCAB)
     fused.LayerNorm.register_forward_hook(lambda m, args, out: out)
-    with caplog.at_level(logging.INFO, logger="bertembed.kernels"), torch.no_grad():
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"), torch.no_grad():
         fused(awkward_ids(1, 5, VOCAB))
     assert "LayerNorm has hooks" in caplog.text
 
 
-def test_copies_do_not_carry_the_verdict():
-    """A copy's submodules are new objects: the verdict, which names the original's, is not copied or pickled."""
+def test_copies_and_pickles_run_the_kernel_on_their_own_submodules():
     _, fused = twins(24, "cpu", vocab=VOCAB)
     ids = awkward_ids(2, 7, VOCAB)
     with torch.no_grad():
         expected = fused(ids)
         for twin in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
-            assert "_kernel_verdict" not in twin.__dict__
             torch.testing.assert_close(twin(ids), expected, rtol=0, atol=0)
-            assert short_path_tables(twin, twin.__dict__) is not None
+            assert can_fuse(twin) is None
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
@@ -280,17 +278,6 @@ def test_a_smaller_segment_table_at_the_same_address_is_seen():
         for layer in (ref, fused):
             with pytest.raises(ValueError, match="token_type_ids holds 1"):
                 layer(ids, token_type_ids=torch.ones_like(ids))
-
-
-def test_moving_the_layer_drops_the_kernel_cache():
-    """`.half()`, `.to()` and the like replace the tables; the cache's views of the old ones go with them, so their
-    memory is freed at once (a float16 layer never takes the CPU short path that would replace the cache)."""
-    _, fused = twins(24, "cpu", vocab=VOCAB)
-    with torch.no_grad():
-        fused(awkward_ids(1, 5, VOCAB))
-        assert "_kernel_cache" in fused.__dict__
-        fused.half()
-    assert "_kernel_cache" not in fused.__dict__
 
 
 def test_reset_parameters_refills_the_default_ids():

@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bertembed.kernels import fused_embeddings  # noqa: E402
-from bertembed.kernels import triton as triton_kernels  # noqa: E402
+from bertembed.fast import fused_embeddings  # noqa: E402
+from bertembed.fast import triton as triton_kernels  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grad_close,
     assert_grads_match,
@@ -110,30 +110,9 @@ def test_hooks_and_changed_submodules_run(grad):
         assert_output_close(out, out_ref)
 
 
-def test_launch_cache_key_tells_apart_what_triton_specialises():
-    """`triton_launch.spec` must separate every pair of argument values that Triton compiles different kernels for,
-    or a cached kernel would run with a wrong assumption (a misaligned pointer taken for an aligned one)."""
-    jit = pytest.importorskip("triton.runtime.jit")
-    if not hasattr(jit, "native_specialize_impl"):
-        pytest.skip("this Triton has no native_specialize_impl to compare against")
-    from triton.backends.compiler import BaseBackend
-
-    from bertembed.kernels.triton_launch import spec
-
-    base = torch.zeros(64)
-    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63 - 16, 2**63, True, False, 0.0, 1.0,
-              1e-12, None, base, base[1:], base[4:], base[4:].to(torch.bfloat16), base.long()[2:], base.long()[1:],
-              base.int()[3:], base.int()[4:]]
-    for a in values:
-        for b in values:
-            if spec(a) == spec(b) and type(a) is type(b):
-                triton_a, triton_b = (jit.native_specialize_impl(BaseBackend, v, False, True, True) for v in (a, b))
-                assert triton_a == triton_b, (a, b)
-
-
 def test_repeated_launches_follow_shape_and_alignment():
-    """The second call of a shape launches the kernel Triton compiled for the first (`triton_launch.Launcher`): the
-    same shape again, then a misaligned view of the ids and an odd token count, each against the reference."""
+    """The same shape twice (Triton's cached kernel), then a misaligned view of the ids and an odd token count (other
+    specialisations), each against the reference."""
     ref, fused = on_device(*twins(48, "triton"))
     ids = awkward_ids(2, 17, ref.config.vocab_size).to(DEVICE)
     tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
@@ -141,8 +120,9 @@ def test_repeated_launches_follow_shape_and_alignment():
     with torch.no_grad():
         for flat in (ids[:, :16].reshape(-1), ids[:, :16].reshape(-1), ids.reshape(-1)[1:], ids.reshape(-1)[1:]):
             n = flat.numel()
-            got, _, _ = triton_kernels.run_forward(flat, None, None, *tables, ln.weight, ln.bias, ln.eps, 0.0, 0,
-                                                   stats=False, length=n)
+            positions = torch.arange(n, device=DEVICE)
+            got, _, _ = triton_kernels.run_forward(flat, torch.zeros_like(flat), positions, *tables, ln.weight,
+                                                   ln.bias, ln.eps, 0.0, 0, stats=False)
             assert_output_close(got.view(1, n, 48), ref(flat.view(1, n)))
 
 
@@ -156,8 +136,8 @@ def test_tuning_options_match_the_default(rows, evict_first, stats):
     tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
     flat, ln = ids.reshape(-1), fused.LayerNorm
     with torch.no_grad():
-        results = [triton_kernels.run_forward(flat, torch.zeros_like(flat), None, *tables, ln.weight, ln.bias, ln.eps,
-                                              0.0, 0, stats=stats, length=9, rows=r, evict_first=e)
+        results = [triton_kernels.run_forward(flat, torch.zeros_like(flat), torch.arange(9, device=DEVICE), *tables,
+                                              ln.weight, ln.bias, ln.eps, 0.0, 0, stats=stats, rows=r, evict_first=e)
                    for r, e in ((1, True), (rows, evict_first))]
         assert_output_close(results[1][0].view(1, 9, 97), ref(ids))
     assert_output_close(results[1][0], results[0][0])
@@ -192,13 +172,20 @@ def test_a_bad_id_past_the_checks_gets_a_nan_row_and_reads_nothing():
 @pytest.mark.skipif(not ON_GPU, reason="id_checks='device' applies to CUDA tensors; on CPU ids are always checked")
 def test_device_id_checks_give_nan_rows_without_raising():
     ref, fused = on_device(*twins(32, "triton", vocab=50))
-    fused.id_checks = "device"
+    tables = [t.weight for t in (fused.word_embeddings, fused.token_type_embeddings, fused.position_embeddings)]
+    tables += [fused.LayerNorm.weight, fused.LayerNorm.bias]
     ids = torch.tensor([[3, 4, 5], [6, 50, 7]], device=DEVICE)
     with torch.no_grad():
-        out = fused(ids)
+        out = fused_embeddings(ids, *tables, backend="triton", id_checks="device")
         expected = ref(ids.clamp(max=49))
     assert out[1, 1].isnan().all() and not out[0].isnan().any()
     assert_output_close(out[0], expected[0])
+    with pytest.raises(ValueError, match="outside the word table"):
+        fused_embeddings(ids, *tables, backend="triton")
+    fused.id_checks = "device"  # the layer's own switch
+    with torch.no_grad():
+        assert_output_close(fused(ids)[0], expected[0])
+        assert fused(ids)[1, 1].isnan().all()
     fused.id_checks = "host"
     with pytest.raises(ValueError, match="outside the word table"):
         fused(ids)

@@ -14,38 +14,37 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bertembed.kernels import triton as kernels
+from bertembed.fast import triton as kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 _IDS = dict(ids="*i64", tts="*i64", pids="*i64", bad="*i64")
-_SIZES = dict(N="i32", H="i32", V="i32", T="i32", P="i32", L="i32", past="i32", seed="i32", p="fp32")
+_SIZES = dict(N="i32", H="i32", V="i32", T="i32", P="i32", seed="i32", p="fp32")
 
 
 def _forward(table: str, **constants) -> tuple:
     runtime = _IDS | _SIZES | dict(word=table, seg=table, pos=table, gamma=table, beta=table, out=table,
                                    mean="*fp32", rstd="*fp32", eps="fp32")
-    base = dict(HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=table != "*fp32", DROPOUT=False, STATS=False,
-                COUNT=False, EVICT=True, R=1, BLOCK=1024)
+    base = dict(HAS_POS=True, ROUND=table != "*fp32", DROPOUT=False, STATS=False, COUNT=False, EVICT=True, R=1,
+                BLOCK=1024)
     return kernels._forward_kernel, runtime, base | constants
 
 
 def _backward(table: str, **constants) -> tuple:
     runtime = _IDS | _SIZES | dict(grad=table, word=table, seg=table, pos=table, gamma=table, mean="*fp32",
                                    rstd="*fp32", dx_buf="*fp32", dword="*fp32", dpos="*fp32", part="*fp32", pad="i32")
-    base = dict(ROWS=4, HAS_POS=True, POS_IDS=False, HAS_TT=True, ROUND=table != "*fp32", DROPOUT=True, ATOMIC=True,
-                WANT_WORD=True, WANT_POS=True, COUNT=False, BLOCK=1024)
+    base = dict(ROWS=4, HAS_POS=True, ROUND=table != "*fp32", DROPOUT=True, ATOMIC=True, WANT_WORD=True,
+                WANT_POS=True, COUNT=False, BLOCK=1024)
     return kernels._backward_kernel, runtime, base | constants
 
 
 CASES = {
-    "forward, inference short path, float32": _forward("*fp32"),
-    "forward, training (statistics, dropout, position ids, no segment ids), H 384": _forward(
-        "*fp32", STATS=True, DROPOUT=True, POS_IDS=True, HAS_TT=False, BLOCK=512),
+    "forward, inference, float32": _forward("*fp32"),
+    "forward, training (statistics, dropout), H 384": _forward("*fp32", STATS=True, DROPOUT=True, BLOCK=512),
     "forward, bfloat16, 2 rows a program, no positions, no hints": _forward("*bf16", R=2, HAS_POS=False, EVICT=False),
     "forward, float16": _forward("*fp16"),
     "backward, float32, atomics, dropout": _backward("*fp32"),
     "backward, bfloat16, deterministic, frozen word and position tables": _backward(
-        "*bf16", ATOMIC=False, DROPOUT=False, POS_IDS=True, HAS_TT=False, WANT_WORD=False, WANT_POS=False),
+        "*bf16", ATOMIC=False, DROPOUT=False, WANT_WORD=False, WANT_POS=False),
     "segment sum (deterministic backward)": (
         kernels._segment_sum_kernel,
         dict(dx="*fp32", order="*i64", begins="*i64", ends="*i64", rows="*i64", out="*fp32", H="i32"),

@@ -20,6 +20,7 @@ from torch import nn
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
     cache_offset,
+    check_id_ranges,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
@@ -60,24 +61,15 @@ class Decomposition:
     output: torch.Tensor  # LayerNorm(sum): the layer's output in eval mode
 
 
-_imported: dict = {}
-
-
-def _kernels():
-    """bertembed.kernels, imported on first use (the reference layer needs neither numba nor triton), then kept: an
-    import statement costs 0.19 us a call, a dict lookup 0.03."""
-    if not _imported:
-        import bertembed.kernels
-
-        _imported["kernels"] = bertembed.kernels
-    return _imported["kernels"]
-
-
 def checked_backend(backend: str) -> str:
-    """Who computes forward: "reference" (this file), or the fused kernels of bertembed.kernels: "cpu" (numba),
+    """Who computes forward: "reference" (this file), or the fused kernels of `bertembed.fast`: "cpu" (numba),
     "triton", "auto" (the kernel for the device; this file when it cannot run, with a logged reason). Raises
     ValueError for any other name."""
-    return backend if backend == "reference" else _kernels().check_backend(backend)
+    if backend == "reference":
+        return backend
+    from bertembed.fast import check_backend  # (the reference layer needs neither numba nor triton)
+
+    return check_backend(backend)
 
 
 def _summed(word: torch.Tensor, segment: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
@@ -85,37 +77,6 @@ def _summed(word: torch.Tensor, segment: torch.Tensor, position: torch.Tensor | 
     bit for bit."""
     total = word + segment
     return total if position is None else total + position
-
-
-KERNEL_CACHE = "_kernel_cache"  # the attribute where the fused kernels keep what they derive from the tables
-SUBMODULE_VERDICT = "_kernel_verdict"  # and whether they may stand in for the submodules (`kernels.submodules`)
-DEFAULT_IDS = "_default_ids_verdict"  # and whether the default-id buffers still hold BERT's defaults
-
-
-def default_ids_untouched(layer) -> bool:
-    """Whether the layer's default-id buffers still hold 0, 1, 2, ... and zeros, which the fused kernels compute
-    instead of reading them (so a layer whose buffers were edited, as transformers' may be, must hand its ids to the
-    kernels). Cached on the buffers themselves and their versions (an in-place edit bumps it; an assignment or `.to()`
-    brings a new tensor), so a call costs a few attribute reads; ids on the meta device have no values to check."""
-    buffers = layer._buffers
-    positions, types = buffers["position_ids"], buffers["token_type_ids"]
-    versions = buffer_versions(positions, types)
-    cached = layer.__dict__.get(DEFAULT_IDS)
-    if cached is not None and cached[0] is positions and cached[1] is types and cached[2] == versions:
-        return cached[3]
-    counting = torch.arange(positions.shape[-1], device=positions.device)
-    untouched = positions.device.type == "meta" or (bool((positions == counting).all()) and not bool(types.any()))
-    layer.__dict__[DEFAULT_IDS] = (positions, types, versions, untouched)
-    return untouched
-
-
-def buffer_versions(positions: torch.Tensor, types: torch.Tensor) -> tuple[int, int]:
-    """The two buffers' version counters; (0, 0) for inference tensors (a layer built under `torch.inference_mode`),
-    which keep none, so an in-place edit of those under inference mode goes unseen (an assignment is still seen)."""
-    try:
-        return positions._version, types._version
-    except RuntimeError:
-        return 0, 0
 
 
 class BertEmbeddings(nn.Module):
@@ -140,25 +101,6 @@ class BertEmbeddings(nn.Module):
         self.register_buffer("token_type_ids", torch.zeros_like(self.position_ids), persistent=False)
         self.reset_parameters()
 
-    def __getstate__(self) -> dict:
-        """nn.Module's state for pickling and `copy.deepcopy`, less the kernels' caches: `KERNEL_CACHE`, numpy views of
-        the tables and their addresses, which a pickle would store as a second copy of every table and a copy would
-        carry as addresses of the original's memory; `SUBMODULE_VERDICT`, which names the original's submodules. The
-        next fused call rebuilds both."""
-        state = super().__getstate__()
-        state.pop(KERNEL_CACHE, None)
-        state.pop(SUBMODULE_VERDICT, None)
-        state.pop(DEFAULT_IDS, None)
-        return state
-
-    def _apply(self, fn, recurse=True):
-        """nn.Module's `_apply` (behind `.to()`, `.half()`, `.cuda()`, `to_empty()`), which replaces the tables: the
-        kernels' cache is dropped first, as its numpy views would keep the old tables' memory alive until the next
-        fused CPU call (never, on a layer moved to float16 or a GPU)."""
-        self.__dict__.pop(KERNEL_CACHE, None)
-        self.__dict__.pop(DEFAULT_IDS, None)
-        return super()._apply(fn, recurse)
-
     def reset_parameters(self) -> None:
         """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity; and the
         default-id buffers refilled (0, 1, 2, ... and zeros), which a layer materialised from the meta device by
@@ -172,23 +114,34 @@ class BertEmbeddings(nn.Module):
             self.token_type_ids.zero_()
         self.LayerNorm.reset_parameters()
 
-    def _parts(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
-        positions = self.position_embeddings
-        norm = self.LayerNorm
-        tables = (self.word_embeddings.weight, self.token_type_embeddings.weight,
-                  None if positions is None else positions.weight, norm.weight, norm.bias)
+    def _tables(self) -> tuple[torch.Tensor | None, ...]:
+        """(word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H], bias [H]) as they are now."""
+        positions, norm = self.position_embeddings, self.LayerNorm
+        return (self.word_embeddings.weight, self.token_type_embeddings.weight,
+                None if positions is None else positions.weight, norm.weight, norm.bias)
+
+    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+        """Check the inputs' shapes and dtypes against the tables as they are now (ValueErrors that name the bad value
+        and the fix) and return (token_type_ids, position_ids), the missing ones sliced from the default-id buffers.
+        The ids' values are checked where the tables are read (`_rows`; the fused kernels report any they skip)."""
+        tables = self._tables()
         check_table_shapes(tables)
-        batch, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                     past_key_values_length, rows=table_rows(tables))
-        past_key_values_length = offset(past_key_values_length)
+        _, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
+                                 past_key_values_length, check_ranges=False, rows=table_rows(tables))
         check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
-                          norm.weight, norm.bias)
+                          tables[3], tables[4])
         if position_ids is None:
-            position_ids = self._default_ids("position_ids", past_key_values_length, length)
-        token_type_ids = (self._default_ids("token_type_ids", 0, length) if token_type_ids is None else
-                          token_type_ids).expand(batch, length)  # (any shape that broadcasts: [1, L], [L])
+            position_ids = self._default_ids("position_ids", offset(past_key_values_length), length)
+        if token_type_ids is None:
+            token_type_ids = self._default_ids("token_type_ids", 0, length)
+        return token_type_ids, position_ids
+
+    def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+        """The word, segment and position rows [B, L, H] of checked, explicit ids (position None: no position table),
+        after a ValueError for any id outside its table."""
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self._tables()))
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        segment = self.token_type_embeddings(token_type_ids)
+        segment = self.token_type_embeddings(token_type_ids.expand(word.shape[:2]))  # (any shape that broadcasts)
         position = None if self.position_embeddings is None else self.position_embeddings(position_ids)
         return word, segment, position
 
@@ -223,14 +176,16 @@ class BertEmbeddings(nn.Module):
         Returns:
             [B, L, H]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode.
         """
-        past_key_values_length = cache_offset(past_key_values_length, cache_length)
+        token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
+                                                         cache_offset(past_key_values_length, cache_length))
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
-            fused = _kernels().module_forward(self, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                              past_key_values_length)
+            import bertembed.fast  # (the reference layer needs neither numba nor triton)
+
+            fused = bertembed.fast.run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
             if fused is not None:
                 return fused
-        parts = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length)
-        return self.dropout(self.LayerNorm(_summed(*parts)))
+        word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
+        return self.dropout(self.LayerNorm(_summed(word, segment, position)))
 
     def decompose(
         self,
@@ -246,8 +201,9 @@ class BertEmbeddings(nn.Module):
         `output` equals `forward(...)` in eval mode exactly, and `(sum - mean) / std * LayerNorm.weight +
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
-        word, segment, position = self._parts(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                              cache_offset(past_key_values_length, cache_length))
+        token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
+                                                         cache_offset(past_key_values_length, cache_length))
+        word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
         total = _summed(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
         return Decomposition(

@@ -44,13 +44,13 @@ def check_dropout(p: float, name: str) -> float:
 
 def forward_ad_on() -> bool:
     """Whether forward-mode AD is on (inside `torch.autograd.forward_ad.dual_level()`, as `jacobian(...,
-    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped. (30 ns.)"""
+    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped."""
     return _forward_ad._current_level >= 0
 
 
 def in_torch_func() -> bool:
     """Whether a torch.func transform (`grad`, `vmap`, `jacrev`, ...) is running: its tensors wrap others, and neither
-    the host nor a kernel can read their memory. (29 ns.)"""
+    the host nor a kernel can read their memory."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -61,7 +61,10 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
     checks = [c for c in checks if c[1].numel() and c[1].device.type != "meta"]
     if not checks:
         return
-    bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
+    if all(c[1].device.type == "cpu" for c in checks):
+        bounds = [int(v) for c in checks for v in torch.aminmax(c[1])]
+    else:  # one transfer, one wait for the device
+        bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
     for i, (name, ids, limit, table, fix) in enumerate(checks):
         low, high = bounds[2 * i], bounds[2 * i + 1]
         if low < 0 or high >= limit:
@@ -73,7 +76,8 @@ def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None
 
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
-    return functools.reduce(torch.promote_types, [t.dtype for t in addends if t is not None])
+    dtypes = {t.dtype for t in addends if t is not None}
+    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
 
 
 _norm_mixes: dict[tuple, bool] = {}
@@ -112,11 +116,15 @@ def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Ten
                      f"a mix torch's LayerNorm on {weight.device.type} refuses; cast them with {fix}")
 
 
-def skipped_ids_error(count: int, where: str) -> RuntimeError:
+class IdsOutsideTables(RuntimeError):
+    """A kernel found ids outside their tables and skipped those tokens, reading nothing for them."""
+
+
+def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
     """The error of a kernel that found `count` ids outside their tables and skipped those tokens."""
-    return RuntimeError(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for them). "
-                        f"The layer checks ids before its kernels and names the bad one (check_inputs), except "
-                        f"inside a torch.compile or torch.export graph; reaching here otherwise is a bug")
+    return IdsOutsideTables(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for "
+                            f"them). The layer names the bad one (check_id_ranges), except inside a torch.compile or "
+                            f"torch.export graph; reaching here otherwise is a bug")
 
 
 def table_shape_problem(tables) -> str | None:
@@ -175,12 +183,9 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
 def _check_broadcasts(name: str, ids: torch.Tensor, shape: tuple[int, int], fix: str) -> None:
     """A ValueError unless `ids` broadcasts to `shape` (transformers' layer adds the rows they pick, so any shape that
     broadcasts to the input's gives the same result as the full [B, L])."""
-    try:
-        fits = torch.broadcast_shapes(tuple(ids.shape), shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has {shape}; {fix}")
+    dims = tuple(ids.shape)
+    if len(dims) > len(shape) or any(d not in (1, s) for d, s in zip(reversed(dims), reversed(shape), strict=False)):
+        raise ValueError(f"{name} has shape {dims} but the input has {shape}; {fix}")
 
 
 def offset(past_key_values_length) -> int:
@@ -213,6 +218,29 @@ def cache_offset(past_key_values_length=None, cache_length=None):
     return cache_length
 
 
+def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, rows: tuple[int, int, int | None]) -> None:
+    """A ValueError naming the first id outside its table: `rows`, the (word, segment, position) tables' rows
+    (`table_rows`; position None: no position table, nothing read). Ids given as None are not checked. Not checked
+    under `torch.compile` and `torch.export` (a check that reads the ids would break the graph) nor inside a
+    torch.func transform, whose wrapped tensors cannot be read on the host: there, as in transformers' layer, a bad
+    id fails in the lookup (torch's IndexError; the fused kernels skip it and raise), never reading outside a table."""
+    if torch.compiler.is_compiling() or in_torch_func():
+        return
+    vocab, segments, positions = rows
+    ranges = []
+    if input_ids is not None:
+        ranges.append(("input_ids", input_ids, vocab, "word",
+                       "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
+    if token_type_ids is not None:
+        ranges.append(("token_type_ids", token_type_ids, segments, "segment",
+                       "use 0 for the first segment and 1 for the second"))
+    if position_ids is not None and positions is not None:
+        ranges.append(("position_ids", position_ids, positions, "position",
+                       f"positions count from 0 and stop at {positions - 1}; truncate the sequence"))
+    _check_ranges(ranges)
+
+
 def check_inputs(
     config: EmbeddingConfig,
     input_ids: torch.Tensor | None,
@@ -225,15 +253,12 @@ def check_inputs(
 ) -> tuple[int, int]:
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
-    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are): for the GPU kernels with
-    `id_checks="device"`, which check each id themselves and so need no wait for the device. Under `torch.compile`
-    and `torch.export` the values are not checked either: a check that reads them would break the graph; nor inside a
-    torch.func transform (`vmap`, `grad`, ...), whose wrapped tensors cannot be read on the host. There, as in
-    transformers' layer, a bad id fails in the lookup (torch's IndexError; the fused kernels skip it and raise),
-    never reading outside a table. `rows`: the rows of the word, segment and position tables the ids will index
-    (`table_rows`), which differ from the config's sizes where a table was replaced (a position table extended for
-    longer inputs, a table replaced through `.data`); the config's sizes when not given. Segment and position ids
-    may be of any shape that broadcasts to [B, L] ([1, L] or [L]: shared by the batch), as in transformers."""
+    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are), for a caller that checks
+    them where it reads them (`check_id_ranges`). `rows`: the rows of the word, segment and position tables the ids
+    will index (`table_rows`), which differ from the config's sizes where a table was replaced (a position table
+    extended for longer inputs, a table replaced through `.data`); the config's sizes when not given. Segment and
+    position ids may be of any shape that broadcasts to [B, L] ([1, L] or [L]: shared by the batch), as in
+    transformers."""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     past_key_values_length = offset(past_key_values_length)
     vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
@@ -243,20 +268,12 @@ def check_inputs(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
             f"positions up to {past_key_values_length + length - 1}, but the position table has {limit} rows: "
             f"truncate to {max(limit - past_key_values_length, 0)} tokens (the tokenizer's truncation does this)")
-    ranges = []
-    if input_ids is not None:
-        ranges.append(("input_ids", input_ids, vocab, "word",
-                       "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
     if token_type_ids is not None:
         _check_int("token_type_ids", token_type_ids)
         _check_broadcasts("token_type_ids", token_type_ids, shape, "give one segment id per token")
-        ranges.append(("token_type_ids", token_type_ids, segments, "segment",
-                       "use 0 for the first segment and 1 for the second"))
     if position_ids is not None:
         _check_int("position_ids", position_ids)
         _check_broadcasts("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
-        ranges.append(("position_ids", position_ids, limit, "position",
-                       f"positions count from 0 and stop at {limit - 1}; truncate the sequence"))
-    if check_ranges and not torch.compiler.is_compiling() and not in_torch_func():
-        _check_ranges(ranges)
+    if check_ranges:
+        check_id_ranges(input_ids, token_type_ids, position_ids, (vocab, segments, limit))
     return batch, length

@@ -3,7 +3,7 @@
 `bertembed::embeddings` runs the forward kernel of a backend ("cpu": numba, "triton"), `bertembed::embeddings_backward`
 the backward one. `torch.library.register_autograd` ties them together and `register_fake` gives `torch.compile` the
 output shapes without running a kernel. In eager mode the same forward and backward run as `EagerEmbeddings`, a plain
-`torch.autograd.Function`, which skips the custom op's dispatch (Python, about 70 us a call).
+`torch.autograd.Function`, which skips the custom op's dispatch (Python, slower than a sentence's kernels).
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
@@ -19,90 +19,80 @@ from torch.nn import functional as F
 from bertembed.validation import in_torch_func
 
 
-def _backend_module(backend: str):
+def backend_module(backend: str):
     if backend == "cpu":
-        from bertembed.kernels import cpu_run
+        import bertembed.fast.cpu as cpu
 
-        return cpu_run
+        return cpu
     if backend == "triton":
-        from bertembed.kernels import triton as triton_kernels
+        import bertembed.fast.triton as triton_kernels
 
         return triton_kernels
     raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
 
 
-def flat_ids(backend: str, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None,
-             past: int) -> tuple[list, dict]:
-    """([ids, segment ids, position ids] as [N] int64, the kernel's extra arguments). Missing segment ids mean segment
-    0, missing position ids `past + index in the sequence`: the GPU kernel takes both from the token's index (no id
-    tensors built, copied and read), the CPU kernel gets them made here."""
-    batch, length = input_ids.shape
-    if backend != "triton":
-        if token_type_ids is None:
-            token_type_ids = torch.zeros((1, 1), dtype=torch.int64, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
-    flat = [None if t is None else t.expand(batch, length).reshape(-1).to(torch.int64).contiguous()
-            for t in (input_ids, token_type_ids, position_ids)]
-    return flat, ({"length": length, "past": past} if position_ids is None else {})
+def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
+    """The three id tensors ([B, L], or segment and position ids of any shape that broadcasts to it) as contiguous
+    int64 [B, L], which the kernels read as [N] (B x L tokens)."""
+    shape = input_ids.shape
+    return [t if t.shape == shape and t.dtype == torch.int64 and t.is_contiguous() else
+            t.expand(shape).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
 
 
-def _forward(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed,
-             padding_idx, backend, deterministic):
+def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
+             backend, deterministic):
     batch, length = input_ids.shape
-    flat, extra = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
     # the output comes in its own shape, not as a view of the kernel's [N, H]: a view made inside an autograd Function
     # may not be changed in place afterwards (`out.mul_(2)`, a forward hook's edit), which a plain tensor may
-    out, mean, rstd = _backend_module(backend).run_forward(*flat, word.contiguous(), segment.contiguous(),
-                                                           None if position is None else position.contiguous(),
-                                                           weight, bias, eps, p, seed,
-                                                           shape=(batch, length, word.shape[1]), **extra)
+    out, mean, rstd = backend_module(backend).run_forward(
+        *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
+        None if position is None else position.contiguous(), weight, bias, eps, p, seed,
+        shape=(batch, length, word.shape[1]))
     return out, mean.view(batch, length), rstd.view(batch, length)
 
 
 @torch.library.custom_op("bertembed::embeddings", mutates_args=())
 def embeddings_op(
-    input_ids: Tensor, token_type_ids: Optional[Tensor], position_ids: Optional[Tensor], past: int, word: Tensor,
-    segment: Tensor, position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int,
-    padding_idx: int, backend: str, deterministic: bool,
+    input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
+    position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
+    backend: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
 
-    Ids are [B, L] (position ids may be [1, L]) and already validated; segment ids None: all 0; position ids None:
-    `past + index`. `padding_idx` (-1: none) and `deterministic` are read by the backward.
+    input_ids [B, L]; segment and position ids of any shape that broadcasts to it; all already validated.
+    `padding_idx` (-1: none) and `deterministic` are read by the backward.
     """
-    return _forward(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed,
+    return _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
                     padding_idx, backend, deterministic)
 
 
 @embeddings_op.register_fake
-def _(input_ids, token_type_ids, position_ids, past, word, segment, position, weight, bias, eps, p, seed, padding_idx,
+def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
       backend, deterministic):
     batch, length = input_ids.shape
     stats = word.new_empty((batch, length), dtype=torch.float32)
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
 
 
-def _gradients(grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p,
-               seed, padding_idx, backend, deterministic, need_word, need_position):
+def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+               padding_idx, backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
-    flat, kwargs = flat_ids(backend, input_ids, token_type_ids, position_ids, past)
-    if backend == "triton":
-        kwargs["deterministic"] = deterministic
-    return _backend_module(backend).run_backward(
-        grad.reshape(-1, hidden), *flat, word.contiguous(), segment.contiguous(),
+    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
+    return backend_module(backend).run_backward(
+        grad.reshape(-1, hidden), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
+        segment.contiguous(),
         None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,
         padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
 
 
 @torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
 def embeddings_backward_op(
-    grad: Tensor, input_ids: Tensor, token_type_ids: Optional[Tensor], position_ids: Optional[Tensor], past: int,
-    word: Tensor, segment: Tensor, position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float,
-    seed: int, padding_idx: int, backend: str, deterministic: bool, need_word: bool, need_position: bool,
+    grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
+    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
+    backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
-    return _own_storage(_gradients(grad, input_ids, token_type_ids, position_ids, past, word, segment, position,
+    return _own_storage(_gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position,
                                    weight, mean, rstd, p, seed, padding_idx, backend, deterministic, need_word,
                                    need_position))
 
@@ -120,8 +110,8 @@ def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 @embeddings_backward_op.register_fake
-def _(grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p, seed,
-      padding_idx, backend, deterministic, need_word, need_position):
+def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed, padding_idx,
+      backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
     rows_pos = position.shape[0] if position is not None and need_position else 0
     return (word.new_empty((word.shape[0] if need_word else 0, hidden)), segment.new_empty(segment.shape),
@@ -129,15 +119,15 @@ def _(grad, input_ids, token_type_ids, position_ids, past, word, segment, positi
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (input_ids, token_type_ids, position_ids, past, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
+    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
      backend, deterministic) = inputs
     _out, mean, rstd = output
-    # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step (two
-    # fill kernels on a GPU; BENCHMARKS.md, "The fifth GPU session"); backward never reads them
+    # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step;
+    # backward never reads them
     ctx.set_materialize_grads(False)
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
-    ctx.options = (past, p, seed, padding_idx, backend, deterministic)
+    ctx.options = (p, seed, padding_idx, backend, deterministic)
     ctx.eps = eps  # (for `_gradients_with_graph` alone)
 
 
@@ -145,12 +135,12 @@ def _backward_with(gradients):
     """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager)."""
     def backward(ctx, grad, _grad_mean, _grad_rstd):
         input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
-        past, p, seed, padding_idx, backend, deterministic = ctx.options
-        need = ctx.needs_input_grad[4:9]  # word, segment, position, LayerNorm weight, bias
+        p, seed, padding_idx, backend, deterministic = ctx.options
+        need = ctx.needs_input_grad[3:8]  # word, segment, position, LayerNorm weight, bias
         dword, dseg, dpos, dweight, dbias = gradients(
-            grad, input_ids, token_type_ids, position_ids, past, word, segment, position, weight, mean, rstd, p, seed,
+            grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
             padding_idx, backend, deterministic, need[0], position is not None and need[2])
-        return (None, None, None, None, dword if need[0] else None, dseg if need[1] else None,
+        return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
                 dpos if position is not None and need[2] else None, dweight if need[3] else None,
                 dbias if need[4] else None, None, None, None, None, None, None)
 
@@ -166,7 +156,7 @@ def _twice_differentiable(backward):
     be differentiated again. The kernels' gradients cannot, and leaving them as constants would drop the layer's part
     of a penalty unseen: its gradients depend on the tables and LayerNorm's weight even when the upstream gradient is
     constant. The same for a batched backward (`is_grads_batched=True`, `jacobian(vectorize=True)`), which runs under
-    vmap, where the kernels cannot read the wrapped gradient. Any other backward pays three checks (0.3 us)."""
+    vmap, where the kernels cannot read the wrapped gradient. """
 
     def run(ctx, grad, *_stats_grads):
         if torch.is_grad_enabled() or in_torch_func() or torch._C._functorch.is_legacy_batchedtensor(grad):
@@ -181,16 +171,11 @@ def _gradients_with_graph(ctx, grad):
     (embedding lookups, the two adds, `layer_norm`), then `torch.autograd.grad(create_graph=True)` through it. Its
     first-order values equal the kernels' to float32 rounding (the reference layer's tests hold both to it)."""
     input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
-    past, p, _seed, padding_idx, _backend, _deterministic = ctx.options
+    p, _seed, padding_idx, _backend, _deterministic = ctx.options
     if p > 0:
         raise RuntimeError("a double backward (create_graph=True) or batched one (is_grads_batched) through the fused "
                            "layer's dropout is not supported: its mask lives in the kernel; use backend='reference', "
                            "or dropout off (eval mode)")
-    length = input_ids.shape[1]
-    if token_type_ids is None:
-        token_type_ids = torch.zeros_like(input_ids)
-    if position_ids is None:
-        position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
     graph = torch.is_grad_enabled()  # create_graph=True; off for a batched backward without it
     with torch.enable_grad():
         summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
@@ -199,20 +184,20 @@ def _gradients_with_graph(ctx, grad):
             summed = summed + F.embedding(position_ids, position)
         out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
     chosen = [(i, t) for i, t in enumerate((word, segment, position, weight))
-              if t is not None and ctx.needs_input_grad[4 + i]]  # (the op's inputs 4-7)
+              if t is not None and ctx.needs_input_grad[3 + i]]  # (the op's inputs 3-6)
     found = torch.autograd.grad(out, [t for _, t in chosen], grad, create_graph=graph,
                                 materialize_grads=True) if chosen else ()
     tables = [None] * 4
     for (i, _), g in zip(chosen, found, strict=True):
         tables[i] = g
-    dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[8] else None
-    return (None, None, None, None, *tables, dbias, None, None, None, None, None, None)
+    dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[7] else None
+    return (None, None, None, *tables, dbias, None, None, None, None, None, None)
 
 
 class EagerEmbeddings(torch.autograd.Function):
     """The op's forward and backward as a plain autograd.Function, for eager mode: torch.library's dispatch of a
-    custom op costs about 70 us a call in Python, more than a sentence's kernels. `torch.compile` gets the op, which it
-    can trace. `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
+    custom op costs more Python a call than a sentence's kernels. `torch.compile` gets the op, which it can trace.
+    `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
 
     @staticmethod
     def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature

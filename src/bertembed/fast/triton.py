@@ -13,8 +13,7 @@ atomics there serialise).
 Input ids are checked before a kernel runs (`bertembed.validation`, unless the layer's `id_checks` is "device");
 past that, a token whose id falls outside a table reads nothing and gets a row of NaN.
 
-Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported), and was on an
-H100; speed was measured there (BENCHMARKS.md, "GPU").
+Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported) and on a GPU.
 
 Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, G programs.
 """
@@ -27,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from bertembed.kernels.triton_launch import Launcher
 from bertembed.validation import skipped_ids_error
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when @triton.jit decorates, as Triton itself reads it
@@ -47,7 +45,7 @@ else:
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
         """float32 x rounded to `dtype`, to nearest even, returned as float32: the GPU's own conversion (the integer
-        rounding the interpreter needs made the bfloat16 forward 25-30% slower than torch.compile's on an H100)."""
+        rounding the interpreter needs is slower on a GPU)."""
         if dtype == tl.float32:
             return x
         else:
@@ -55,21 +53,14 @@ else:
 
 
 @triton.jit
-def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS: tl.constexpr,
-              POS_IDS: tl.constexpr, ROUND: tl.constexpr, HAS_TT: tl.constexpr, EVICT: tl.constexpr):
+def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS: tl.constexpr,
+              ROUND: tl.constexpr, EVICT: tl.constexpr):
     """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
-    rows `rows` [R]; invalid ids load nothing. Without position ids (POS_IDS false) a token's position is
-    `past + row % L`; without segment ids (HAS_TT false) every token is in segment 0. EVICT marks the word rows as
-    the first to leave the L2 cache (see run_forward)."""
+    rows `rows` [R]; invalid ids load nothing. EVICT marks the word rows as the first to leave the L2 cache (see
+    run_forward)."""
     w = tl.load(ids + rows)
-    if HAS_TT:
-        s = tl.load(tts + rows)
-    else:
-        s = rows * 0
-    if POS_IDS:
-        q = tl.load(pids + rows)
-    else:
-        q = past + rows % L
+    s = tl.load(tts + rows)
+    q = tl.load(pids + rows)
     # each row is masked by its own id alone, so a load waits for no other id (the position row for none at all)
     ok_w, ok_s = (w >= 0) & (w < V), (s >= 0) & (s < T)
     ok = ok_w & ok_s
@@ -92,8 +83,8 @@ def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, 
 
 
 @triton.jit
-def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, N, H, V, T, P, L, past, eps,
-                    p, seed, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr, HAS_TT: tl.constexpr, ROUND: tl.constexpr,
+def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd, bad, N, H, V, T, P, eps, p, seed,
+                    HAS_POS: tl.constexpr, ROUND: tl.constexpr,
                     DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, EVICT: tl.constexpr,
                     R: tl.constexpr, BLOCK: tl.constexpr):
     """R token rows. A token with an id outside its table reads nothing and gets a row of NaN; COUNT adds it to
@@ -103,8 +94,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
     rows = tl.minimum(rows, N - 1)  # the last program's spare rows recompute row N - 1 and store nothing
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
-    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                               POS_IDS, ROUND, HAS_TT, EVICT)
+    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS, ROUND, EVICT)
     mu = tl.sum(x, axis=1) / H
     d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
     r = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / H + eps)
@@ -129,9 +119,9 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
 
 @triton.jit
 def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx_buf, dword, dpos, part, bad, N, H, V,
-                     T, P, L, past, p, seed, pad, ROWS: tl.constexpr, HAS_POS: tl.constexpr, POS_IDS: tl.constexpr,
-                     HAS_TT: tl.constexpr, ROUND: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,
-                     WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+                     T, P, p, seed, pad, ROWS: tl.constexpr, HAS_POS: tl.constexpr, ROUND: tl.constexpr,
+                     DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,                     WANT_WORD: tl.constexpr,
+                     WANT_POS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). Each program owns a [T + 2, H] slab of
     `part`: the segment gradient's T rows, zeroed here first (every token adds to one of a few segment rows: atomics
     there would serialise), then LayerNorm's weight and bias gradients; torch sums the slabs."""
@@ -149,8 +139,8 @@ def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx
         rows = prog * ROWS + k + tl.arange(0, 1)
         live = rows < N
         rows = tl.minimum(rows, N - 1)
-        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, L, past, HAS_POS,
-                                   POS_IDS, ROUND, HAS_TT, False)
+        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS, ROUND,
+                                   False)
         m = (ok & live)[:, None] & cm
         xhat = tl.where(cm, (x - tl.load(mean + rows)[:, None]) * tl.load(rstd + rows)[:, None], 0.0)
         at = rows[:, None] * H + c
@@ -190,25 +180,11 @@ def _segment_sum_kernel(dx, order, begins, ends, rows, out, H, BLOCK: tl.constex
     tl.store(out + tl.load(rows + i).to(tl.int64) * H + cols, acc, mask=cmask)
 
 
-_launch_forward, _launch_backward, _launch_segment_sum = map(Launcher, (_forward_kernel, _backward_kernel,
-                                                                    _segment_sum_kernel))
-
-
 def _check_bad(bad: torch.Tensor | None, where: str) -> None:
     """Count of tokens a kernel skipped for bad ids; kept and read only on CPU tensors (the interpreter): on a GPU the
     loads are masked, so a bad id reads nothing, and its output row is NaN; a read-back would cost a sync."""
     if bad is not None and int(bad):
         raise skipped_ids_error(int(bad), where)
-
-
-def _position_args(pids, length: int | None, past: int, where: str) -> tuple[int, int]:
-    """The kernels' (L, past): unused (1, 0) with position ids; without them positions are `past + index % L`, so L
-    (tokens per sequence) must be given; L 0 means no tokens, so no programs read it."""
-    if pids is not None:
-        return 1, 0
-    if length is None:
-        raise ValueError(f"{where} without position ids needs length= (tokens per sequence)")
-    return max(length, 1), past
 
 
 def _block(hidden: int) -> int:
@@ -217,10 +193,7 @@ def _block(hidden: int) -> int:
 
 def _warps(elements: int, itemsize: int) -> int:
     """The forward's warps for a program of `elements` row elements: one per KB of row block (four at hidden 1024 in
-    float32), but one for float16/bfloat16 rows of up to 1024 elements. On an H100 at (64, 512), GPU time a call,
-    bfloat16: hidden 768 36.5-36.8 us at one warp against 39.5-40.0 at two (three runs; float16 35.8 against 38.9),
-    hidden 1024 47.3 against 47.5-47.7, hidden 2048 94.7 at one, 96.7 at two, 93.1 at four; float32 hidden 768 74.1
-    at one against 69.9 at four (BENCHMARKS.md, "The fifth GPU session")."""
+    float32), but one for float16/bfloat16 rows of up to 1024 elements, the fastest on an H100 (docs/gpu-kernels.md)."""
     if itemsize < 4 and elements <= 1024:
         return 1
     return min(max(elements * itemsize // 1024, 1), 8)
@@ -231,21 +204,13 @@ def _bad_counter(device: torch.device) -> torch.Tensor | None:
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
-                stats: bool = True, length: int | None = None, past: int = 0, num_warps: int | None = None,
-                rows: int = 1, evict_first: bool = True, shape=None):
-    """As `bertembed.kernels.cpu_run.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32);
-    `shape`: that of a new `out`, returned in it.
+                stats: bool = True, num_warps: int | None = None, rows: int = 1, evict_first: bool = True, shape=None):
+    """As `bertembed.fast.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`:
+    that of a new `out`, returned in it. `stats=False` (inference) skips mean and rstd, returned as None.
 
-    GPU-only extras: `pids=None` with `length` (tokens per sequence) and `past` takes positions `past + i` without an id
-    tensor; `tts=None` puts every token in segment 0; `stats=False` (inference) skips mean and rstd, returned as None.
-    Tuning (benchmarks/gpu_triton.py, docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and
-    `num_warps`. The defaults, one row and a warp per KB of the (power of 2) row block, one warp for half-precision
-    rows of up to 1024 elements (`_warps`), were the fastest of 1, 2, 4 rows and 1, 2, 4, 8 warps on an H100 at hidden
-    768 and 1024 (or within 2%), and faster than persistent kernels looping over tokens. `evict_first` marks the word
-    rows read and the output written as the first to leave the L2 cache, so the few shared rows (positions, segments,
-    LayerNorm's) stay and a word row read again may still be there: 0.3-2% faster than without it at (64, 512),
-    hidden 1024, float32, 2-5% in bfloat16, on an H100 (docs/gpu-kernels.md; two identical kernels
-    differed by up to 1.5% there)."""
+    Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and `num_warps`; the defaults are the
+    fastest on an H100 at hidden 768 and 1024. `evict_first` marks the word rows read and the output written as the
+    first to leave the L2 cache, so the few shared rows (positions, segments, LayerNorm's) stay."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     if out is None:
@@ -254,18 +219,14 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     # without stats the kernel stores no mean or rstd: `out` stands in as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
     bad = _bad_counter(dev)
-    length, past = _position_args(pids, length, past, "run_forward")
     if n:
         block = _block(h)
-        _launch_forward(
-            triton.cdiv(n, rows), num_warps or _warps(rows * block, word.element_size()),
-            ids=ids, tts=ids if tts is None else tts, pids=ids if pids is None else pids, word=word, seg=seg,
-            pos=word if pos is None else pos, gamma=gamma, beta=beta, out=out, mean=mean, rstd=rstd,
-            bad=ids if bad is None else bad, N=n, H=h, V=word.shape[0], T=seg.shape[0],
-            P=0 if pos is None else pos.shape[0], L=length, past=past, eps=eps, p=p, seed=seed,
-            HAS_POS=pos is not None, POS_IDS=pids is not None, HAS_TT=tts is not None,
-            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats, COUNT=bad is not None,
-            EVICT=evict_first, R=rows, BLOCK=block)
+        _forward_kernel[(triton.cdiv(n, rows),)](
+            ids, tts, pids, word, seg, word if pos is None else pos, gamma, beta, out, mean, rstd,
+            ids if bad is None else bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], eps, p,
+            seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats,
+            COUNT=bad is not None, EVICT=evict_first, R=rows, BLOCK=block,
+            num_warps=num_warps or _warps(rows * block, word.element_size()))
     _check_bad(bad, "bertembed triton forward")
     if shape:
         out = whole
@@ -273,17 +234,15 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False,
-                 length: int | None = None, past: int = 0):
-    """As `bertembed.kernels.cpu_run.run_backward`; `deterministic` trades the atomics for a fixed summation order.
-    `tts=None`, `pids=None` with `length` and `past`: as in `run_forward`."""
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
+    """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
+    ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     dev = word.device
     want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=dev)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
-    length, past = _position_args(pids, length, past, "run_backward")
     # Unwanted gradients get one row, never read or written: a kernel argument must point at real device memory.
     dword = torch.zeros(word.shape[0] if need_word else 1, h, **f32)
     dpos = torch.zeros(pos.shape[0] if want_pos else 1, h, **f32)
@@ -292,20 +251,18 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dx = torch.empty(n if deterministic else 1, h, **f32)
     bad = _bad_counter(dev)
     if n:
-        _launch_backward(
-            programs, 4, grad=grad.contiguous(), ids=ids, tts=ids if tts is None else tts,
-            pids=ids if pids is None else pids, word=word, seg=seg, pos=word if pos is None else pos, gamma=gamma,
-            mean=mean, rstd=rstd, dx_buf=dx, dword=dword, dpos=dpos, part=part, bad=ids if bad is None else bad,
-            N=n, H=h, V=word.shape[0], T=types, P=0 if pos is None else pos.shape[0], L=length, past=past, p=p,
-            seed=seed, pad=pad, ROWS=rows, HAS_POS=pos is not None, POS_IDS=pids is not None, HAS_TT=tts is not None,
-            ROUND=word.dtype != torch.float32, DROPOUT=p > 0, ATOMIC=not deterministic, WANT_WORD=need_word,
-            WANT_POS=want_pos, COUNT=bad is not None, BLOCK=_block(h))
+        _backward_kernel[(programs,)](
+            grad.contiguous(), ids, tts, pids, word, seg, word if pos is None else pos, gamma, mean, rstd, dx, dword,
+            dpos, part, ids if bad is None else bad, n, h, word.shape[0], types, 0 if pos is None else pos.shape[0],
+            p, seed, pad, ROWS=rows, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
+            ATOMIC=not deterministic, WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None,
+            BLOCK=_block(h), num_warps=4)
     _check_bad(bad, "bertembed triton backward")
     if deterministic and n:
         if need_word:
             _segment_sum(dx, ids, dword, skip=pad)
         if want_pos:
-            _segment_sum(dx, past + torch.arange(n, device=dev) % length if pids is None else pids, dpos)
+            _segment_sum(dx, pids, dpos)
     dtype = word.dtype
     dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
     sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
@@ -323,5 +280,5 @@ def _segment_sum(dx: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: i
     keep = rows != skip  # the padding row keeps a zero gradient
     begins, ends, rows = starts[:-1][keep].contiguous(), starts[1:][keep].contiguous(), rows[keep].contiguous()
     if rows.numel():
-        _launch_segment_sum(rows.numel(), 4, dx=dx, order=order, begins=begins, ends=ends, rows=rows, out=out,
-                            H=dx.shape[1], BLOCK=_block(dx.shape[1]))
+        _segment_sum_kernel[(rows.numel(),)](dx, order, begins, ends, rows, out, dx.shape[1],
+                                             BLOCK=_block(dx.shape[1]), num_warps=4)

@@ -1,0 +1,319 @@
+"""The fast path of BERT's embedding layer: fused kernels, one pass per token instead of three gathers, two adds and a
+LayerNorm, each tested against the reference layer (`bertembed/embeddings.py`).
+
+    from bertembed.fast import fused_embeddings
+    out = fused_embeddings(input_ids, word, segment, position, ln_weight, ln_bias, eps=1e-12)  # [B, L, H]
+
+`BertEmbeddings(config, backend=...)` calls `run` with its ids made explicit. Backends: "cpu" (numba, `cpu.py`),
+"triton" (`triton.py`: CUDA, or CPU tensors under TRITON_INTERPRET=1), "reference" (the plain PyTorch layer), and
+"auto", which picks the fused kernel for the tensors' device and falls back to the reference with a logged reason.
+Inference without autograd calls the forward kernel directly; training goes through one autograd.Function
+(`function.py`), which `torch.compile` traces as a custom op.
+
+Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+
+import torch
+from torch import Tensor, nn
+from torch.compiler import is_compiling
+from torch.nn.modules import module as _torch_module
+
+from bertembed.config import EmbeddingConfig
+from bertembed.fast.function import EagerEmbeddings, backend_module, embeddings_op, flat_ids
+from bertembed.validation import (
+    IdsOutsideTables,
+    cache_offset,
+    check_dropout,
+    check_id_ranges,
+    check_inputs,
+    check_norm_dtypes,
+    check_table_shapes,
+    forward_ad_on,
+    in_torch_func,
+    offset,
+    summed_dtype,
+    table_rows,
+)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
+ID_CHECKS = ("host", "device")
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, torch.float16, torch.bfloat16)}
+_INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
+_told: set[str] = set()
+_found: dict[str, bool] = {}
+_GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
+                 _torch_module._global_backward_hooks, _torch_module._global_backward_pre_hooks)
+# What each submodule may be for the kernel to compute what it would: its type's own forward is a row lookup of
+# `weight`, a LayerNorm or a dropout, which the kernel does in one pass. A subclass or a wrapper (a LoRA adapter, a
+# parametrized weight, which changes the module's class) runs its own forward: the reference layer.
+_PLAIN = {"word_embeddings": nn.Embedding, "token_type_embeddings": nn.Embedding, "position_embeddings": nn.Embedding,
+          "LayerNorm": nn.LayerNorm, "dropout": nn.Dropout}
+_COMPUTED_TABLE = "bertembed.embeddings.SinusoidalPositions"  # a position table that is a buffer: also a lookup
+
+
+def _missing(backend: str) -> str | None:
+    """Why `backend` cannot run in this environment, or None when it can (looked up once per backend)."""
+    module = "numba" if backend == "cpu" else "triton"
+    if backend not in _found:
+        _found[backend] = importlib.util.find_spec(module) is not None
+    return None if _found[backend] else f"{module} is not installed: {_INSTALL[backend]}"
+
+
+def check_backend(backend: str) -> str:
+    """Validate a backend name at construction; an explicit fused backend must be installed. Returns the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend in ("cpu", "triton") and (reason := _missing(backend)):
+        raise ImportError(f"backend={backend!r} is unavailable: {reason}")
+    return backend
+
+
+def _device_reason(backend: str, device: torch.device) -> str | None:
+    if backend == "cpu" and device.type != "cpu":
+        return f"the 'cpu' backend runs on CPU tensors, these are on {device}"
+    if backend == "triton" and device.type != "cuda" \
+            and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1"):
+        return f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
+    return None
+
+
+def _transform_reason() -> str | None:
+    """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...), forward-mode AD or
+    `torch.jit.trace`, or None: a transform's tensors wrap others, with no memory of their own for a kernel to read;
+    the tracer records torch operations, not compiled kernels, and ONNX has no operator for them. (Under
+    torch.compile the custom op is traced instead.)"""
+    if not is_compiling():
+        if in_torch_func():
+            return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
+        if forward_ad_on():
+            return "forward-mode AD (a dual level) is on, and the fused kernels have no jvp rule"
+        if torch._C._is_tracing():
+            return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
+        return None
+    onnx = sys.modules.get("torch.onnx")  # (not imported: no export is running, and asking would import it)
+    if onnx is not None and onnx.is_in_onnx_export():
+        return "torch.onnx.export is running, and ONNX has no operator for the fused kernels"
+    return None
+
+
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """(backend that will run, reason it is the reference when a fused one was asked for or None)."""
+    if requested == "reference":
+        return "reference", None
+    backend = requested if requested != "auto" else ("cpu" if device.type == "cpu" else "triton")
+    reason = _missing(backend) or _device_reason(backend, device) or _transform_reason()
+    if reason is None and dtype not in _DTYPES[backend]:
+        reason = f"the {backend!r} kernels take {[str(d) for d in _DTYPES[backend]]} tables, not {dtype}"
+    return ("reference", reason) if reason else (backend, None)
+
+
+def can_fuse(layer: nn.Module) -> str | None:
+    """Why the fused kernel cannot stand in for `layer`'s submodules, or None when it computes what they would: each
+    runs its type's own forward (`_PLAIN`), with no hooks and no `nn.Embedding` option the kernels do not have."""
+    if any(_GLOBAL_HOOKS):
+        return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
+               "where a submodule's own forward does"
+    modules = layer._modules
+    for name, plain in _PLAIN.items():
+        module = modules.get(name)
+        if module is None and name == "position_embeddings":  # position_embedding_type="none"
+            continue
+        if type(module) is not plain:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            if not (name == "position_embeddings" and kind == _COMPUTED_TABLE):
+                return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
+        if "forward" in module.__dict__:
+            return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+            return f"{name} has hooks, which run only when its own forward does"
+        if isinstance(module, nn.Embedding):
+            if module.max_norm is not None:
+                return f"{name} has max_norm={module.max_norm} (rows renormalised as they are read)"
+            if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
+                option = "sparse=True" if module.sparse else "scale_grad_by_freq=True"
+                return f"{name} has {option} (the kernels write dense, unscaled gradients)"
+    if modules["LayerNorm"].weight is None or modules["LayerNorm"].bias is None:
+        return "LayerNorm has no weight or no bias (elementwise_affine=False or bias=False)"
+    return None
+
+
+def _mixed(tables, ids) -> str | None:
+    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: they read the
+    three tables in one dtype (LayerNorm's weight and bias may be any float dtype), and ids on the tables' device.
+    Ids elsewhere get the reference's answer: torch's error, or for ids on the meta device what torch's lookup gives."""
+    word, segment, position = tables[:3]
+    if segment.dtype != word.dtype or position is not None and position.dtype != word.dtype:
+        dtypes = {t.dtype for t in tables[:3] if t is not None}
+        return f"the tables have different dtypes {sorted(map(str, dtypes))}"
+    device = word.device
+    for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
+        if given.device != device:
+            return f"{name} is on {given.device}, the tables on {device}"
+    return None
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _told:  # once per reason, not once per call
+        _told.add(reason)
+        log.info("bertembed: running the reference layer instead of the fused kernel: %s", reason)
+
+
+def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
+        inputs_embeds: Tensor | None) -> Tensor | None:
+    """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
+    run. The layer has checked its inputs' shapes and dtypes and made its ids explicit: input_ids [B, L], segment and
+    position ids of any shape that broadcasts to it. Their values are checked here (`check_id_ranges`): after the
+    CPU kernel, which reads nothing for a bad id and reports it; before the Triton one, which gives it a NaN row on a
+    GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
+    p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
+    fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`)."""
+    reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
+        else can_fuse(layer)
+    if reason is None:
+        modules = layer._modules  # (checked by can_fuse: the kernel reads their tables)
+        word, positions, norm = modules["word_embeddings"], modules.get("position_embeddings"), modules["LayerNorm"]
+        tables = (word.weight, modules["token_type_embeddings"].weight, None if positions is None else positions.weight,
+                  norm.weight, norm.bias)
+        backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
+        reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
+    if reason:
+        _fall_back(reason)
+        return None
+    dropout = modules["dropout"]
+    p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
+    if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+    try:
+        return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
+                      p if dropout.training else 0.0, word.padding_idx, vars(layer).get("deterministic", False), None)
+    except IdsOutsideTables:
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
+        raise
+
+
+def _needs_autograd(tables) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tables)
+
+
+def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, tables: tuple, eps: float,
+           p: float, padding_idx: int | None, deterministic: bool, out: Tensor | None) -> Tensor:
+    """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd
+    Function for training, the custom op where torch.compile traces."""
+    word, segment, position, weight, bias = tables
+    seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
+    compiling = is_compiling()
+    if out is not None or not _needs_autograd(tables) and not compiling:
+        batch, length = input_ids.shape
+        return backend_module(backend).run_forward(
+            *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
+            None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=False,
+            shape=(batch, length, word.shape[1]))[0]
+    apply = embeddings_op if compiling else EagerEmbeddings.apply  # the op only where it is traced
+    pad = -1 if padding_idx is None else int(padding_idx)
+    return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,
+                 backend, deterministic or torch.are_deterministic_algorithms_enabled())[0]
+
+
+def _check_out(out: Tensor, ids_shape, tables) -> None:
+    """A ValueError unless `out` can take the output: inference only, contiguous, of the word table's dtype and
+    device, [B, L, H]. Every backend asks it, the reference included, so `out=` works or fails alike on all."""
+    if _needs_autograd(tables):
+        raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
+                         "or drop out= to get a tensor autograd can differentiate")
+    word = tables[0]
+    shape = (*ids_shape, word.shape[1])
+    if tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
+        raise ValueError(f"out= must be a contiguous {word.dtype} tensor of shape {list(shape)} on {word.device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+
+
+def fused_embeddings(
+    input_ids: Tensor,
+    word_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    position_embeddings: Tensor | None,
+    layer_norm_weight: Tensor,
+    layer_norm_bias: Tensor,
+    *,
+    token_type_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    past_key_values_length: int | None = None,
+    cache_length: int | None = None,
+    eps: float = 1e-12,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    padding_idx: int | None = 0,
+    backend: str = "auto",
+    deterministic: bool = False,
+    id_checks: str = "host",
+    out: Tensor | None = None,
+) -> Tensor:
+    """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H].
+
+    Args:
+        input_ids: [B, L] integer ids; token_type_ids [B, L] (zeros when None); position_ids [B, L] (`arange(L) +
+            past_key_values_length` when None); segment and position ids may be of any shape that broadcasts to
+            [B, L] ([1, L]: shared by the batch).
+        past_key_values_length, cache_length: the offset of the first default position, under transformers 4's
+            name and 5's (one number; both given and different: ValueError). 0 by default.
+        word_embeddings [V, H], token_type_embeddings [T, H], position_embeddings [P, H] or None (no position row),
+            layer_norm_weight [H], layer_norm_bias [H]: the tables, differentiable (autograd-aware custom op).
+        eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training (p in
+            [0, 1], checked even when not training, as F.dropout checks it; p == 1 gives zeros).
+        padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
+        backend: "auto", "cpu", "triton" or "reference" (the plain PyTorch ops, for comparison).
+        deterministic: bitwise-reproducible gradients on GPU (the CPU backward always is).
+        id_checks: "host" (ids checked before any kernel) or "device" (GPU only: no wait for the device; a token with
+            a bad id gets a row of NaN instead of an error).
+        out: a [B, L, H] buffer to write into; inference only.
+    Raises the reference layer's ValueErrors on bad input, before any kernel runs.
+    """
+    if id_checks not in ID_CHECKS:
+        raise ValueError(f"id_checks must be one of {ID_CHECKS}, got {id_checks!r}")
+    tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
+    past = cache_offset(past_key_values_length, cache_length)
+    chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
+    p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
+    p = p if training else 0.0
+    config = EmbeddingConfig(vocab_size=word_embeddings.shape[0], hidden_size=word_embeddings.shape[-1],
+                             max_position_embeddings=2**31 - 1 if position_embeddings is None else
+                             position_embeddings.shape[0], type_vocab_size=token_type_embeddings.shape[0],
+                             layer_norm_eps=float(eps), hidden_dropout_prob=0.0,
+                             position_embedding_type="none" if position_embeddings is None else "absolute")
+    device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
+    check_table_shapes(tables)
+    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past,
+                                 check_ranges=not device_checks, rows=table_rows(tables))
+    past = offset(past)  # (a numpy integer or 0-d tensor: a Python int now)
+    check_norm_dtypes(summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
+    if out is not None:
+        _check_out(out, (batch, length), tables)
+    device = word_embeddings.device
+    if token_type_ids is None:
+        token_type_ids = torch.zeros((1, length), dtype=torch.int64, device=device)
+    if position_ids is None:
+        position_ids = torch.arange(past, past + length, device=device)[None]
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
+        chosen, reason = "reference", mixed
+    if chosen != "reference":
+        return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, padding_idx,
+                      deterministic, out)
+    if reason:
+        _fall_back(reason)
+    import torch.nn.functional as F
+
+    word, segment, position, weight, bias = tables
+    x = F.embedding(input_ids, word, padding_idx) + F.embedding(token_type_ids, segment)
+    if position is not None:
+        x = x + F.embedding(position_ids, position)
+    result = F.dropout(F.layer_norm(x, (word.shape[1],), weight, bias, float(eps)), p, training=p > 0)
+    return result if out is None else out.copy_(result)

@@ -1,0 +1,644 @@
+"""CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward, with their torch glue.
+
+Forward, per token: gather the word row, add the segment row, then the position row (the reference's order) while
+summing the LayerNorm statistics; then normalise, scale and shift, dropout, store. Backward, per token: recompute the
+sum from the tables (no [N, H] tensor is saved), LayerNorm backward, and add the row gradient into the table gradients.
+
+Tables and outputs are float32 or bfloat16. numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern:
+widened to float32 by a shift, rounded back to nearest-even by integer arithmetic after each add, as torch rounds
+`word + segment` and then `+ position`. Helpers that differ by dtype are `overload`s, resolved when a kernel compiles.
+
+Ids are validated before any kernel runs (`bertembed.validation.check_inputs`); the kernels check them again and count
+what they skipped, so an out-of-range id never reads outside a table.
+
+Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, C chunks (one per thread).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import carray, errors, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from bertembed.validation import skipped_ids_error
+
+
+def _launch_pool() -> None:
+    """Start numba's thread pool now, keeping torch's thread count: numba's OpenMP layer sets the OpenMP thread count
+    at launch, and torch (built with OpenMP) reads the same one."""
+    wanted = torch.get_num_threads()
+    numba.get_num_threads()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
+_launch_pool()
+POOL = numba.config.NUMBA_NUM_THREADS
+_forked: list[bool] = []
+
+
+def _lose_pool() -> None:
+    _forked.append(True)
+
+
+if numba.threading_layer() == "omp":
+    # GNU OpenMP cannot run in a process forked after it started (numba ends the child): a forked child, such as a
+    # DataLoader worker, runs the serial kernels only.
+    os.register_at_fork(after_in_child=_lose_pool)
+
+_PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
+# Outputs this large (float32) are written by non-temporal stores: they leave the cache before anyone reads them, and
+# streaming skips reading each line before writing it. Measured on AMD Zen cores (docs/memory.md, "Streamed outputs");
+# Intel cores gained from 32 MiB only.
+_STREAM_FROM = 12 << 20
+
+
+def dropout_threshold(p: float) -> np.uint64:
+    """An element is kept when its 24 random bits are >= this; 0 means no dropout, 2**24 (p == 1) drops every one."""
+    return np.uint64(round(p * (1 << 24)))
+
+
+def dropout_scale(p: float) -> float:
+    """What a kept element is multiplied by, 1 / (1 - p); at p == 1 none is kept (torch's output is all zeros)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+@njit(cache=True, inline="always")
+def keep(seed, index, threshold):
+    """splitmix64 of (seed, element index): the same mask in forward and backward without storing it."""
+    z = seed + np.uint64(index) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
+
+
+def widen(v):
+    """A table element as float32 (identity for float32, bit shift for bfloat16 bits)."""
+
+
+@overload(widen, inline="always")
+def _widen_impl(v):
+    if isinstance(v, types.Float):
+        return lambda v: v
+    return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
+
+
+def round_like(table, x):
+    """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add in the
+    table's dtype. For bfloat16: to nearest-even, kept as float32. A NaN needs no test here: the sum of two bfloat16
+    values is a NaN only as one of them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000
+    to such bits carries nowhere (tests/test_kernels_cpu_bfloat16.py checks every NaN and infinity)."""
+
+
+@overload(round_like, inline="always")
+def _round_like_impl(table, x):
+    if isinstance(table.dtype, types.Float):
+        return lambda table, x: x
+
+    def impl(table, x):
+        u = np.float32(x).view(np.uint32)
+        u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.uint32(u).view(np.float32)
+    return impl
+
+
+@njit(cache=True, inline="always")
+def bfloat16_bits(x):
+    """float32 x as bfloat16 bits, to nearest-even as torch rounds; any NaN becomes torch's NaN, 0x7FC0."""
+    u = np.float32(x).view(np.uint32)
+    if u & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def write_row(y, out, i):
+    """out[i, :] = y (float32 [H]) for a float32 or bfloat16 (uint16) `out`."""
+
+
+@overload(write_row, inline="always")
+def _write_row_impl(y, out, i):
+    if out.dtype == types.float32:
+        def impl(y, out, i):
+            for j in range(y.size):  # (not `out[i] = y`: its shape-mismatch message is slow to compile)
+                out[i, j] = y[j]
+        return impl
+
+    def impl(y, out, i):
+        for j in range(y.size):
+            out[i, j] = bfloat16_bits(y[j])
+    return impl
+
+
+@njit(cache=True, inline="always")
+def ids_ok(w, s, q, v, t, p, has_pos):
+    return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
+
+
+def add_rounded(v, row, j):
+    """v + row[j] in float32, rounded as the row's dtype rounds (bfloat16 tables: each add, as torch rounds)."""
+
+
+@overload(add_rounded, inline="always")
+def _add_rounded_impl(v, row, j):
+    return lambda v, row, j: round_like(row, v + widen(row[j]))
+
+
+def token_rows(word, seg, pos, w, s, q, has_pos):
+    """The token's three table rows as 1-D views (`seg`'s row stands in for an absent position row, never read).
+    Loops over 1-D rows vectorise where the same loops indexing two 2-D tables do not."""
+
+
+@overload(token_rows, inline="always")
+def _token_rows_impl(word, seg, pos, w, s, q, has_pos):
+    def impl(word, seg, pos, w, s, q, has_pos):
+        srow = seg[s]
+        return word[w], srow, pos[q] if has_pos else srow
+    return impl
+
+
+@intrinsic
+def borrowed(typingctx, array):
+    """The same array without its reference to the memory's owner, so per-token code that passes it on makes no
+    atomic reference-count updates on counts that all threads share. Valid while the caller holds the original."""
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        view.meminfo = context.get_constant_null(types.MemInfoPointer(types.voidptr))
+        view.parent = context.get_constant_null(types.pyobject)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
+@intrinsic
+def hold(typingctx, array):
+    """Nothing, but a use of `array`: numba frees a local array after its last use, and a `borrowed` view of it must
+    not outlive it. Call it after the view's last use."""
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return types.void(array), codegen
+
+
+@intrinsic
+def prefetch_row(typingctx, table, row):
+    """Start loading every cache line of table[row, :] into the caches, and return at once (`llvm.prefetch`). A batch
+    reads word rows from all over a large table, from memory, and the hardware's own prefetcher starts on a row only
+    after its first miss: the forward asks for a coming token's row while it computes this one's."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array = context.make_array(array_type)(context, builder, args[0])
+        int32, int64, byte_ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, int32, int32, int32]), "llvm.prefetch.p0")
+        first = builder.bitcast(cgutils.get_item_pointer(context, builder, array_type, array,
+                                                         [args[1], ir.Constant(int64, 0)]), byte_ptr)
+        nbytes = builder.mul(builder.extract_value(array.shape, 1),
+                             ir.Constant(int64, context.get_abi_sizeof(context.get_data_type(array_type.dtype))))
+        hints = [ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)]  # read, keep in all levels, data
+        with cgutils.for_range_slice(builder, ir.Constant(int64, 0), nbytes, ir.Constant(int64, 64),
+                                     intp=int64) as (offset, _):
+            builder.call(prefetch, [builder.gep(first, [offset]), *hints])
+        return context.get_dummy_value()
+
+    return types.void(table, row), codegen
+
+
+@intrinsic
+def _stream_float_row(typingctx, y, out, i):
+    """out[i, :] = y (float32 [H], into a C-contiguous float32 [*, H]): the whole 64-byte lines of the row by
+    non-temporal stores, which skip reading each line first and leave the cache to the table rows; the unaligned head
+    and tail by ordinary ones. Call `store_fence` before anyone reads `out`."""
+    line = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        row_type, out_type = signature.args[:2]
+        row = context.make_array(row_type)(context, builder, args[0])
+        table = context.make_array(out_type)(context, builder, args[1])
+        int64 = ir.IntType(64)
+        n = builder.extract_value(row.shape, 0)
+        dst = cgutils.get_item_pointer(context, builder, out_type, table, [args[2], int64(0)])
+        src = cgutils.get_item_pointer(context, builder, row_type, row, [int64(0)])
+        head = builder.udiv(builder.and_(builder.neg(builder.ptrtoint(dst, int64)), int64(63)), int64(4))
+        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)  # elements before a line boundary
+        lines_end = builder.add(head, builder.and_(builder.sub(n, head), int64(-16)))
+        for lo, hi in ((int64(0), head), (lines_end, n)):
+            with cgutils.for_range_slice(builder, lo, hi, int64(1), intp=int64) as (j, _):
+                builder.store(builder.load(builder.gep(src, [j])), builder.gep(dst, [j]))
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range_slice(builder, head, lines_end, int64(16), intp=int64) as (j, _):
+            value = builder.load(builder.bitcast(builder.gep(src, [j]), line.as_pointer()), align=4)
+            store = builder.store(value, builder.bitcast(builder.gep(dst, [j]), line.as_pointer()), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    if not (isinstance(out, types.Array) and out.dtype == types.float32 and out.layout == "C"):
+        return None
+    return types.void(y, out, i), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence: every store before it, non-temporal ones included, is visible before any after it."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def stream_row(y, out, i):
+    """out[i, :] = y by non-temporal stores where `out` is float32; bfloat16 rows as `write_row` writes them."""
+
+
+@overload(stream_row, inline="always")
+def _stream_row_impl(y, out, i):
+    if out.dtype == types.float32:
+        return lambda y, out, i: _stream_float_row(y, out, i)
+    return lambda y, out, i: write_row(y, out, i)
+
+
+@intrinsic
+def wide_vectors(typingctx, wide):
+    """With `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where the CPU has
+    them (LLVM's x86 tuning prefers 256-bit ones on most AVX-512 CPUs); with a literal False, leaves LLVM's choice."""
+    if not isinstance(wide, types.BooleanLiteral):
+        raise errors.TypingError(f"wide_vectors takes a constant True or False, not {wide}")
+
+    def codegen(context, builder, signature, args):
+        if wide.literal_value:
+            try:  # (llvmlite writes a string attribute out as given; should that change, the hint is lost, no more)
+                set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+            except TypeError:
+                pass
+        return context.get_dummy_value()
+
+    return types.void(wide), codegen
+
+
+# The mean of the row's first entries, this many, is the shift the moments are summed around: within a fraction of a
+# spread of the row's mean, so the one-pass variance loses no digits; where it does not (`_moments`), a second pass.
+_SHIFT_FROM = 64
+
+
+# `reassoc` lets the float32 sums vectorise (many short partial sums). It would also let LLVM regroup the adds of
+# `add_rounded`, which it does not do: the tests hold the kernels to the reference's roundings. `contract`: the squares
+# are summed by fused multiply-adds.
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
+    """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
+    mean and biased variance, from sums of d = x - shift and d^2 in one pass, or from a second pass around the mean
+    where the shift lies far from it (the squares would then cancel). As close to float64 as torch's LayerNorm."""
+    wide_vectors(wide)
+    wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
+    head = min(x.size, _SHIFT_FROM)
+    shift = np.float32(0.0)
+    if has_pos:
+        for j in range(head):
+            shift += add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
+    else:
+        for j in range(head):
+            shift += add_rounded(widen(wrow[j]), srow, j)
+    shift = np.float32(shift / head)
+    total, squares = np.float32(0.0), np.float32(0.0)
+    if has_pos:
+        for j in range(x.size):
+            x[j] = v = add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
+            d = v - shift
+            total += d
+            squares += d * d
+    else:
+        for j in range(x.size):
+            x[j] = v = add_rounded(widen(wrow[j]), srow, j)
+            d = v - shift
+            total += d
+            squares += d * d
+    m = np.float32(total / x.size)
+    var = np.float32(squares / x.size - m * m)
+    if not m * m <= np.float32(0.25) * var:  # (NaN too)
+        return _moments(x, shift, total, wide)
+    return np.float32(shift + m), var
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _moments(x, shift, total, wide):
+    """(float32 mean, biased variance) of x, the variance from a second pass around the mean (x is in L1 by then)."""
+    wide_vectors(wide)
+    mean = np.float32(shift + total / x.size)
+    squares = np.float32(0.0)
+    for j in range(x.size):
+        squares += (x[j] - mean) ** 2
+    return mean, squares / x.size
+
+
+# `contract`: LayerNorm's `* weight + bias` is one fused multiply-add.
+@njit(cache=True, inline="always", fastmath={"contract"})
+def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
+                   wide, stream):
+    """The sum with its moments, then LayerNorm and dropout into x, then x into out[i]. Inlined: as a call it passed
+    ten arrays by value per token. `wide`: 512-bit vectors, for many tokens a thread (`wide_vectors`)."""
+    h = x.size
+    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
+    # The statistics round to float32: from there on the same float32 operations in the same order as torch's
+    # LayerNorm, ((x - mean) * rstd) * weight + bias.
+    m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
+    mean[i], rstd[i] = m32, r32
+    if threshold == 0:
+        for j in range(h):
+            x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
+    else:
+        for j in range(h):
+            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+            x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
+    if stream:
+        stream_row(x, out, i)
+    else:
+        write_row(x, out, i)
+
+
+_AHEAD = 2  # the token whose word row is prefetched: this many ahead
+
+
+@njit(cache=True, fastmath={"contract"})
+def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
+                   wide, stream):
+    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
+    has_pos = pos.shape[0] > 0
+    scratch = np.empty(out.shape[1], np.float32)
+    x = borrowed(scratch)
+    word, seg, pos, gamma, beta = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(beta)
+    out, mean, rstd = borrowed(out), borrowed(mean), borrowed(rstd)
+    bad = 0
+    for i in range(lo, hi):
+        if i + _AHEAD < hi and 0 <= ids[i + _AHEAD] < word.shape[0]:
+            prefetch_row(word, ids[i + _AHEAD])
+        w, s, q = ids[i], tts[i], pids[i]
+        if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
+                           rstd, wide, stream)
+        else:
+            bad += 1
+    hold(scratch)
+    if stream:
+        store_fence()
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks, stream):
+    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
+
+    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
+    uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
+    tokens (a few per thread, so a thread that started late does not hold up the rest). stream: float32 rows go out
+    by non-temporal stores (`_STREAM_FROM`).
+    """
+    n = out.shape[0]
+    bad = 0
+    for c in prange(chunks):
+        bad += _forward_chunk(c * n // chunks, (c + 1) * n // chunks, ids, tts, pids, word, seg, pos, gamma, beta, eps,
+                              threshold, scale, seed, out, mean, rstd, True, stream)
+    return bad
+
+
+@njit(cache=True)
+def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
+    """`forward` on the calling thread, for a few tokens (waking the pool costs more than the work), with LLVM's own
+    vector width (a sentence ran slower with wide vectors)."""
+    return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
+                          out, mean, rstd, False, False)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
+    """LayerNorm (and dropout) backward of token i, in float32: dx[:] = d loss / d sum. The sum is recomputed from the
+    tables, xhat from it as the forward did, into x; dgamma, dbeta [H] float32 partials are added into."""
+    wide_vectors(True)
+    h = x.size
+    wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
+    if has_pos:
+        for j in range(h):
+            x[j] = (add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j) - m) * r
+    else:
+        for j in range(h):
+            x[j] = (add_rounded(widen(wrow[j]), srow, j) - m) * r
+    if threshold > 0:
+        for j in range(h):
+            dx[j] = widen(gout[i, j]) * scale if keep(seed, i * h + j, threshold) else np.float32(0.0)
+    else:
+        for j in range(h):
+            dx[j] = widen(gout[i, j])
+    # float32 row sums (`reassoc`: many short partial sums) stay closer to the float64 result than torch's float32
+    # LayerNorm backward does.
+    sa, sb = np.float32(0.0), np.float32(0.0)
+    for j in range(h):
+        dgamma[j] += dx[j] * x[j]
+        dbeta[j] += dx[j]
+        g = dx[j] * gamma[j]
+        dx[j] = g
+        sa += g
+        sb += g * x[j]
+    a, b = np.float32(sa / h), np.float32(sb / h)
+    for j in range(h):
+        dx[j] = r * (dx[j] - a - x[j] * b)
+
+
+@njit(parallel=True, cache=True)
+def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
+             pad, dword, dseg, dpos, dgamma, dbeta):
+    """Table and LayerNorm gradients; returns how many tokens had bad ids.
+
+    Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
+    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. dword [V, H]
+    comes zeroed (shape (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not
+    wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 partials.
+    """
+    bad = 0
+    for c in prange(bounds.size - 1):
+        bad += _backward_chunk(np.int64(c), order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd,
+                               gout, threshold, scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
+    return bad
+
+
+@njit(cache=True)
+def _backward_chunk(c, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+                    seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    h = gout.shape[1]
+    has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
+    scratch = np.empty((2, h), np.float32)
+    x, dx = borrowed(scratch[0]), borrowed(scratch[1])
+    word, seg, pos, gamma, gout = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(gout)
+    dword, dgamma, dbeta = borrowed(dword), borrowed(dgamma[c]), borrowed(dbeta[c])
+    dseg, dpos = borrowed(dseg[c]), borrowed(dpos[c])
+    bad = 0
+    for k in range(bounds[c], bounds[c + 1]):
+        i = order[k]
+        w, s, q = ids[i], tts[i], pids[i]
+        if not ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+            bad += 1
+            continue
+        _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
+                      seed, dgamma, dbeta, x, dx)
+        _add_row(dword, w, dx, want_word and w != pad)  # (the [PAD] row keeps a zero gradient)
+        _add_row(dseg, s, dx, True)
+        _add_row(dpos, q - pos_lo, dx, True)  # (no-op for a [0, H] dpos: positions not wanted)
+    hold(scratch)
+    return bad
+
+
+@njit(cache=True)
+def _add_row(grad, row, dx, wanted):
+    wide_vectors(True)
+    if wanted and grad.shape[0] > 0:
+        for j in range(dx.size):
+            grad[row, j] += dx[j]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
+    return t.view(torch.int16).numpy(force=True).view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy(force=True)
+
+
+def _threads() -> int:
+    """numba's thread count, set to torch's (`torch.set_num_threads` governs both); 1 in a forked child."""
+    if _forked:
+        return 1
+    count = max(1, min(torch.get_num_threads(), POOL))
+    numba.set_num_threads(count)
+    return count
+
+
+def _check_bad(bad: int, where: str) -> None:
+    if bad:
+        raise skipped_ids_error(bad, where)
+
+
+@intrinsic
+def _pointer(typingctx, address, dtype):
+    """The integer `address` as a pointer to `dtype` elements (a numpy scalar type or an array's `.dtype`), for
+    `numba.carray`: arrays over tensors handed in as `Tensor.data_ptr()`, which costs a sentence less than
+    `Tensor.numpy()` per tensor. Valid while the caller holds the tensor."""
+    if not isinstance(address, types.Integer) or not isinstance(dtype, (types.NumberClass, types.DType)):
+        return None
+    target = types.CPointer(dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(target))
+
+    return target(address, dtype), codegen
+
+
+@njit(cache=True)
+def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks, stream):
+    """`forward` (chunks > 0) or `forward_serial` (chunks 0) over the tensors at the addresses `at` (ids, segment
+    ids, position ids: [N] int64; word, segment, position tables and out: `like`'s dtype; weight, bias: float32 [H];
+    mean, rstd: float32 [N], or 0 and 0 where they are not kept), of sizes (N, H, V, T, P)."""
+    n, h, v, t, p = sizes
+    ids, tts, pids = (carray(_pointer(at[0], np.int64), n), carray(_pointer(at[1], np.int64), n),
+                      carray(_pointer(at[2], np.int64), n))
+    word = carray(_pointer(at[3], like.dtype), (v, h))
+    seg = carray(_pointer(at[4], like.dtype), (t, h))
+    pos = carray(_pointer(at[5], like.dtype), (p, h))
+    gamma, beta = carray(_pointer(at[6], np.float32), h), carray(_pointer(at[7], np.float32), h)
+    out = carray(_pointer(at[8], like.dtype), (n, h))
+    if at[9] == 0:
+        stats = np.empty((2, n), np.float32)
+        mean, rstd = stats[0], stats[1]
+    else:
+        mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
+    args = (ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd)
+    return forward(*args, chunks, stream) if chunks > 0 else forward_serial(*args)
+
+
+_LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
+_NO_DROPOUT = (dropout_threshold(0.0), dropout_scale(0.0), np.uint64(0))  # (threshold, scale, seed)
+
+
+def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
+                stats: bool = True, shape=None):
+    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may
+    be None.
+
+    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`: that of a new `out`, returned in
+    it; `out`: a contiguous buffer of N x H elements to write into instead. `stats=False` (inference): mean and rstd
+    are not kept, and come back as None."""
+    n, h = ids.numel(), word.shape[1]
+    out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
+    mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
+    gamma, beta = gamma.float(), beta.float()  # (held until the kernel returns: it reads them by address)
+    at = (ids.data_ptr(), tts.data_ptr(), pids.data_ptr(), word.data_ptr(), seg.data_ptr(),
+          (word if pos is None else pos).data_ptr(), gamma.data_ptr(), beta.data_ptr(), out.data_ptr(),
+          *((mean.data_ptr(), rstd.data_ptr()) if stats else (0, 0)))
+    sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
+    chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
+    dropout = (dropout_threshold(p), dropout_scale(p), np.uint64(seed)) if p else _NO_DROPOUT
+    bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), *dropout, chunks,
+                      chunks > 0 and out.nbytes >= _STREAM_FROM)
+    _check_bad(bad, "bertembed cpu forward")
+    return out, mean, rstd
+
+
+def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
+    """[C + 1] bounds of chunks of the tokens sorted by id, of near-equal sizes, moved so that no id but `pad` spans
+    two chunks."""
+    n = sorted_ids.size
+    if chunks == 1:
+        return np.array([0, n], np.int64)
+    bounds = np.linspace(0, n, chunks + 1).astype(np.int64)
+    for c in range(1, chunks):
+        b = bounds[c]
+        if 0 < b < n and sorted_ids[b] == sorted_ids[b - 1] and sorted_ids[b] != pad:
+            bounds[c] = np.searchsorted(sorted_ids, sorted_ids[b], side="right")
+    return np.maximum.accumulate(bounds)
+
+
+def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
+                 need_word: bool = True, need_pos: bool = True):
+    """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
+    dtypes, from grad [N, H]. Always deterministic: see `backward`."""
+    n, h = grad.shape
+    ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
+    chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
+    ids_np = _np(ids)
+    order = np.argsort(ids_np, kind="stable")
+    bounds = chunk_bounds(ids_np[order], chunks, pad)
+    # numpy's zeros, not torch's: numpy asks calloc, whose large blocks are fresh pages that need no writing, where
+    # torch.zeros writes every byte of the dense gradient (94 MB for BERT-base); the kernel then adds the rows of the
+    # ids the batch holds, and only their pages are ever written.
+    dword = torch.from_numpy(np.zeros((word.shape[0] if need_word else 0, h), np.float32))
+    want_pos = need_pos and pos is not None
+    lo, hi = (int(pids.min()), int(pids.max())) if want_pos and n else (0, -1)
+    if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
+        lo, hi = 0, pos.shape[0] - 1
+    dseg, dpos = torch.zeros(chunks, seg.shape[0], h), torch.zeros(chunks, hi - lo + 1, h)
+    dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
+    kernel = backward if chunks > 1 else _backward_serial
+    bad = kernel(order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg),
+                 _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(mean), _np(rstd),
+                 _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p), np.uint64(seed), pad, _np(dword),
+                 _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    _check_bad(bad, "bertembed cpu backward")
+    if chunks == 1:  # one chunk's partials are the sums
+        dseg, dgamma, dbeta = dseg[0], dgamma[0], dbeta[0]
+        full_pos = dpos[0] if hi >= lo else torch.zeros(pos.shape[0] if want_pos else 0, h)
+    else:
+        dseg, dgamma, dbeta = dseg.sum(0), dgamma.double().sum(0), dbeta.double().sum(0)
+        full_pos = torch.zeros(pos.shape[0] if want_pos else 0, h)
+        if hi >= lo:
+            full_pos[lo:hi + 1] = dpos.sum(0)
+    dtype = word.dtype
+    return dword.to(dtype), dseg.to(dtype), full_pos.to(dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)
+
+
+@njit(cache=True)
+def _backward_serial(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
+                     seed, pad, dword, dseg, dpos, dgamma, dbeta):
+    """`backward` on the calling thread (one chunk), for a few tokens."""
+    return _backward_chunk(0, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
+                           scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)
