@@ -92,7 +92,7 @@ def test_inference_positions_come_from_the_row(hidden, batch, length, past):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 def test_hooks_and_changed_submodules_run(grad):
     """As on the CPU (tests/test_kernels_submodules.py): a hook on a table, or a table whose max_norm is set after the
-    first call, makes the layer run its submodules (on a GPU, inference takes `lean_gpu`'s short path first)."""
+    first call, makes the layer run its submodules (`can_fuse` says no), in inference and in training."""
     ref, fused = on_device(*twins(32, "triton"))
     ids = awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE)
     with torch.set_grad_enabled(grad):
