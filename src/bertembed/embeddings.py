@@ -19,12 +19,12 @@ from torch import nn
 
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
-    cache_offset,
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
     offset,
+    offset_given,
     summed_dtype,
     table_rows,
 )
@@ -177,7 +177,7 @@ class BertEmbeddings(nn.Module):
             [B, L, H]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode.
         """
         token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                                         cache_offset(past_key_values_length, cache_length))
+                                                         offset_given(past_key_values_length, cache_length))
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             import bertembed.fast  # (the reference layer needs neither numba nor triton)
 
@@ -202,7 +202,7 @@ class BertEmbeddings(nn.Module):
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
         token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                                         cache_offset(past_key_values_length, cache_length))
+                                                         offset_given(past_key_values_length, cache_length))
         word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
         total = _summed(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)

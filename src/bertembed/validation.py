@@ -205,7 +205,7 @@ def offset(past_key_values_length) -> int:
     return value
 
 
-def cache_offset(past_key_values_length=None, cache_length=None):
+def offset_given(past_key_values_length=None, cache_length=None):
     """The offset of the first position after a cache, under either of transformers' names for it: `cache_length`
     (transformers 5) or `past_key_values_length` (transformers 4), the same number. 0 when neither is given; a
     ValueError when both are given and differ. The value is returned as given (`offset` checks it)."""

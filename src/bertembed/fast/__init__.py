@@ -29,7 +29,6 @@ from bertembed.config import EmbeddingConfig
 from bertembed.fast.function import EagerEmbeddings, backend_module, embeddings_op, flat_ids
 from bertembed.validation import (
     IdsOutsideTables,
-    cache_offset,
     check_dropout,
     check_id_ranges,
     check_inputs,
@@ -38,6 +37,7 @@ from bertembed.validation import (
     forward_ad_on,
     in_torch_func,
     offset,
+    offset_given,
     summed_dtype,
     table_rows,
 )
@@ -280,7 +280,7 @@ def fused_embeddings(
     if id_checks not in ID_CHECKS:
         raise ValueError(f"id_checks must be one of {ID_CHECKS}, got {id_checks!r}")
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
-    past = cache_offset(past_key_values_length, cache_length)
+    past = offset_given(past_key_values_length, cache_length)
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
     p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
     p = p if training else 0.0
