@@ -184,7 +184,7 @@ def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
 
 def check_traced_whole_layer(backend: str, device: str = "cpu") -> None:
     """The whole layer under `torch.compile(fullgraph=True)` (inference and training) and `torch.export`: no graph
-    break (the id-range check and the short path stay out of traced code), the reference's outputs and gradients, and
+    break (the id-range check stays out of traced code), the reference's outputs and gradients, and
     a bad id inside the graph still reads nothing outside a table. On CPU tensors it fails, as in transformers' layer;
     on a GPU the Triton kernel gives that token a row of NaN (no read-back inside a graph) and the other rows right."""
     import pytest

@@ -79,8 +79,8 @@ def test_no_position_table(grad):
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("past", [2**31, 2**63 - 2, 2**63, 2**64 + 1])
 def test_a_huge_offset_is_refused(backend, past):
-    """An offset near 2**63 wrapped around in the short path's bound check, which then let the kernel read outside the
-    position table; past 2**64 the compiled code refused its type."""
+    """An offset near 2**63 must not wrap around in a bound check and let the kernel read outside the position table,
+    nor one past 2**64 reach compiled code: both are ValueErrors."""
     layer = twins(24, backend, vocab=500)[1]
     with torch.no_grad(), pytest.raises(ValueError, match="needs positions up to"):
         layer(awkward_ids(1, 3, 500), past_key_values_length=past)
@@ -120,9 +120,9 @@ def test_tables_of_another_hidden_size_are_refused(name, grad):
     from outside the table)."""
     ref, fused = twins(24, "cpu", vocab=500)
     ids = awkward_ids(1, 5, 500)
-    if not name.startswith("LayerNorm"):  # the short path's cache is built, then must notice. (Its key holds the
-        with torch.no_grad():  # tables' sizes, not the LayerNorm's: a LayerNorm parameter cut through `.data` to a
-            fused(ids)  # view at the same address goes on reading the old values, inside the memory the cache holds.)
+    if not name.startswith("LayerNorm"):  # a warm call first: the change below must be seen by the next call
+        with torch.no_grad():
+            fused(ids)
     for layer in (ref, fused):
         _shrunk(name)(layer)
         with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="must share one hidden size"):

@@ -135,7 +135,7 @@ def table_shape_problem(tables) -> str | None:
     hidden = (word.shape[-1],)
     if word.dim() == 2 and segment.shape[1:] == hidden and (position is None or position.shape[1:] == hidden) \
             and (weight is None or weight.shape == hidden) and (bias is None or bias.shape == hidden):
-        return None  # (the common case first: the GPU short path asks on every call)
+        return None  # (the common case first: every call asks)
     if word.dim() != 2:
         return f"the word table has shape {tuple(word.shape)}, not [V, H]"
     hidden = word.shape[1]
