@@ -151,14 +151,13 @@ def test_save_name_too_long_fails_first(tiny, tmp_path, demo_must_not_run):
 
 def _interrupt_while_writing(monkeypatch):
     """Ctrl-C in the middle of writing the weights, after the folder was made and some bytes reached the disk."""
-    from bertembed.embeddings import BertEmbeddings
+    import bertembed.checkpoint
 
-    def half_then_interrupt(self, folder):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)
+    def half_then_interrupt(staging):
+        (Path(staging) / "model.safetensors").write_bytes(b"\0" * 100)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(BertEmbeddings, "save_pretrained", half_then_interrupt)
+    monkeypatch.setattr(bertembed.checkpoint, "checkpoint_writer", lambda layer, folder: half_then_interrupt)
 
 
 def test_ctrl_c_during_save_leaves_nothing(tiny, tmp_path, monkeypatch):

@@ -169,7 +169,7 @@ def _backend(name: str, monkeypatch) -> tuple[str, str]:
     """(backend, device) for a test's name: "triton" (and "auto, interpreted") with CPU tensors in Triton's
     interpreter, as tests/test_kernels_triton.py runs them without a GPU; "triton on cuda" on the GPU."""
     if name.startswith("triton") or name.endswith("interpreted"):
-        pytest.importorskip("triton")
+        pytest.importorskip("triton", reason="triton (the gpu and dev extras) runs the 'triton' backend")
         if name != "triton on cuda":
             monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the backend selection accepts CPU tensors only with it)
     return name.split()[0].rstrip(","), "cuda" if name.endswith("cuda") else "cpu"

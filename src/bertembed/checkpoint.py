@@ -278,6 +278,15 @@ def save_checkpoint(layer, folder: str | Path) -> Path:
     nothing written). The folder is then replaced as a whole (`atomic.atomic_folder`; its other files, a tokenizer
     say, are kept): a reader, or a save killed at any moment, finds the whole old checkpoint or the whole new one.
     """
+    write = checkpoint_writer(layer, folder)  # (checks first: nothing is written for a layer that cannot be saved)
+    with atomic_folder(folder) as staging:
+        write(staging)
+    return Path(folder)
+
+
+def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
+    """Check `layer` against its config and prepare its two files (ValueError: nothing prepared); returns a function
+    that writes them into a staging folder, for `atomic_folder` to switch in as `folder` (the name in its errors)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -287,7 +296,8 @@ def save_checkpoint(layer, folder: str | Path) -> Path:
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
                          f"fix layer.config.extra") from err
-    with atomic_folder(folder) as staging:
+
+    def write(staging: Path) -> None:
         try:
             save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
             (staging / "config.json").write_text(config_text, encoding="utf-8")
@@ -295,7 +305,7 @@ def save_checkpoint(layer, folder: str | Path) -> Path:
             raise os_error(err, f"cannot save to {folder}") from err
         except SafetensorError as err:
             raise OSError(f"cannot save to {folder}: writing model.safetensors failed ({err})") from err
-    return Path(folder)
+    return write
 
 
 def _tables_to_save(layer) -> dict[str, Any]:

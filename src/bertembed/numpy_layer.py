@@ -39,13 +39,7 @@ class NumpyEmbeddings:
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, **kwargs) -> NumpyEmbeddings:
         """Same sources as `BertEmbeddings.from_pretrained`; torch is imported only for .bin or bfloat16 files."""
-        try:
-            checkpoint = load_checkpoint(name_or_path, framework="np", **kwargs)
-        except TypeError as err:  # bfloat16 tensors: numpy cannot hold them, torch converts
-            if "bfloat16" not in str(err):  # any other TypeError is not this one: reading again would hide it
-                raise
-            checkpoint = load_checkpoint(name_or_path, framework="pt", **kwargs)
-            checkpoint.tensors = {k: v.float().numpy() for k, v in checkpoint.tensors.items()}
+        checkpoint = load_checkpoint(name_or_path, framework="np", **kwargs)  # (bfloat16 tables come as float32)
         tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in checkpoint.tensors.items()}
         return cls(checkpoint.config, tensors, checkpoint.source)
 

@@ -85,6 +85,7 @@ class _SafetensorsHandle:
 
         self.path, self.framework = path, framework
         self.handle = safe_open(str(path), framework="numpy" if framework == "np" else "pt")
+        self._torch_handle = None  # opened for the first bfloat16 tensor numpy cannot hold
 
     def keys(self) -> list[str]:
         return list(self.handle.keys())
@@ -95,9 +96,11 @@ class _SafetensorsHandle:
 
     def get_tensor(self, key: str) -> Any:
         if self.framework == "np" and self.get_dtype(key) == "bfloat16":  # numpy has no bfloat16: torch reads it
-            from safetensors import safe_open
+            if self._torch_handle is None:
+                from safetensors import safe_open
 
-            return safe_open(str(self.path), framework="pt").get_tensor(key)
+                self._torch_handle = safe_open(str(self.path), framework="pt")
+            return self._torch_handle.get_tensor(key)
         return self.handle.get_tensor(key)
 
 

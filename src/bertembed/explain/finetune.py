@@ -235,11 +235,13 @@ def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
     written into a temporary folder beside `folder`, which becomes `folder` only when complete (`atomic_folder`).
     A failure or Ctrl-C leaves no folder, no partial one, and no temporary one."""
     from bertembed.atomic import atomic_folder
+    from bertembed.checkpoint import checkpoint_writer
 
     folder = check_save_folder(folder)
+    write = checkpoint_writer(layer, folder)
     try:
         with atomic_folder(folder, keep_others=False) as staging:
-            layer.save_pretrained(staging)
+            write(staging)  # (one switch for the weights and the tokenizer together)
             for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 path = source.file(name)
                 if path is not None:

@@ -15,6 +15,7 @@ Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T seg
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -236,6 +237,14 @@ def _check_out(out: Tensor, ids_shape, tables) -> None:
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
 
 
+@functools.lru_cache(maxsize=64)
+def _config(vocab: int, hidden: int, positions: int | None, types: int, eps: float) -> EmbeddingConfig:
+    """The sizes `check_inputs` reads, as a config (built once per set of sizes: building one checks every field)."""
+    return EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions or 2**31 - 1,
+                           type_vocab_size=types, layer_norm_eps=eps, hidden_dropout_prob=0.0,
+                           position_embedding_type="none" if positions is None else "absolute")
+
+
 def fused_embeddings(
     input_ids: Tensor,
     word_embeddings: Tensor,
@@ -284,11 +293,9 @@ def fused_embeddings(
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
     p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
     p = p if training else 0.0
-    config = EmbeddingConfig(vocab_size=word_embeddings.shape[0], hidden_size=word_embeddings.shape[-1],
-                             max_position_embeddings=2**31 - 1 if position_embeddings is None else
-                             position_embeddings.shape[0], type_vocab_size=token_type_embeddings.shape[0],
-                             layer_norm_eps=float(eps), hidden_dropout_prob=0.0,
-                             position_embedding_type="none" if position_embeddings is None else "absolute")
+    config = _config(word_embeddings.shape[0], word_embeddings.shape[-1],
+                     None if position_embeddings is None else position_embeddings.shape[0],
+                     token_type_embeddings.shape[0], float(eps))
     device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
     check_table_shapes(tables)
     batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past,
