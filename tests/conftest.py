@@ -73,3 +73,113 @@ def bundled_hf_embeddings(bundled_path):
     from transformers import BertModel
 
     return BertModel.from_pretrained(bundled_path).embeddings.eval()
+
+
+# The family, small: each member's real key layout, eps, padding id and embedding-width ratio, with a small
+# vocabulary, hidden size and one layer (../shared/FAMILY.md). name -> (model_type, config keyword arguments).
+_SMALL = dict(vocab_size=120, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+FAMILY = {
+    "bert": ("bert", dict(_SMALL, hidden_size=30, max_position_embeddings=40)),
+    "roberta": ("roberta", dict(_SMALL, hidden_size=30, max_position_embeddings=42, type_vocab_size=1,
+                                layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)),
+    "xlm-roberta": ("xlm-roberta", dict(_SMALL, hidden_size=30, max_position_embeddings=42, type_vocab_size=1,
+                                        layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)),
+    "camembert": ("camembert", dict(_SMALL, hidden_size=30, max_position_embeddings=42, type_vocab_size=1,
+                                    layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=5, eos_token_id=6)),
+    "distilbert": ("distilbert", dict(vocab_size=120, dim=30, n_layers=1, n_heads=2, hidden_dim=32,
+                                      max_position_embeddings=40, pad_token_id=0)),
+    "distilbert-sinusoidal": ("distilbert", dict(vocab_size=120, dim=30, n_layers=1, n_heads=2, hidden_dim=32,
+                                                 max_position_embeddings=40, sinusoidal_pos_embds=True)),
+    "albert": ("albert", dict(_SMALL, embedding_size=8, hidden_size=48, max_position_embeddings=40)),
+    "electra": ("electra", dict(_SMALL, embedding_size=12, hidden_size=24, max_position_embeddings=40)),
+    "electra-square": ("electra", dict(_SMALL, embedding_size=24, hidden_size=24, max_position_embeddings=40)),
+    "deberta": ("deberta", dict(_SMALL, hidden_size=30, max_position_embeddings=40, relative_attention=True,
+                                position_biased_input=False, pos_att_type=["c2p", "p2c"], max_relative_positions=-1,
+                                layer_norm_eps=1e-7)),
+    "deberta-v3": ("deberta-v2", dict(_SMALL, hidden_size=30, max_position_embeddings=40, relative_attention=True,
+                                      position_biased_input=False, pos_att_type=["p2c", "c2p"], position_buckets=16,
+                                      norm_rel_ebd="layer_norm", share_att_key=True, max_relative_positions=-1,
+                                      layer_norm_eps=1e-7)),
+    "deberta-v2-factorised": ("deberta-v2", dict(_SMALL, hidden_size=30, embedding_size=12,
+                                                 max_position_embeddings=40, type_vocab_size=2,
+                                                 position_biased_input=True, layer_norm_eps=1e-7)),
+    "mpnet": ("mpnet", dict(_SMALL, hidden_size=30, max_position_embeddings=42, layer_norm_eps=1e-5)),
+    "modernbert": ("modernbert", dict(_SMALL, hidden_size=32, max_position_embeddings=64, pad_token_id=3,
+                                      bos_token_id=4, eos_token_id=5, cls_token_id=4, sep_token_id=5,
+                                      norm_eps=1e-5, norm_bias=False, global_attn_every_n_layers=1,
+                                      local_attention=16)),
+}
+
+
+def make_member(name: str, seed: int = 0, head: str = "AutoModel"):
+    """A transformers model of family member `name` (FAMILY) with random tables and a random LayerNorm; None where the
+    installed transformers lacks the member (ModernBERT arrived in 4.48)."""
+    import transformers
+
+    model_type, kwargs = FAMILY[name]
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, KeyError):
+        return None
+    torch.manual_seed(seed)
+    model = getattr(transformers, head).from_config(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("LayerNorm") and getattr(module, "weight", None) is not None:
+                module.weight.uniform_(0.5, 1.5)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def member_checkpoint(tmp_path_factory):
+    """Factory: (name) -> (folder saved by transformers' save_pretrained, the transformers base model)."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = make_member(name)
+            if model is None:
+                pytest.skip(f"this transformers has no {FAMILY[name][0]}")
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder)
+            cache[name] = (folder, model)
+        return cache[name]
+
+    return get
+
+
+def write_member_tokenizer(folder: Path, config) -> None:
+    """A small tokenizer.json in the member's style (built with `tokenizers`, as the hub's are): RoBERTa's `<s> A </s>
+    </s> B </s>` for the members that count positions from the padding, BERT's `[CLS] A [SEP] B [SEP]` otherwise;
+    special tokens at the config's ids, words that fit the small vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    words = "the quick brown fox jumps over lazy dog hello world a sentence to embed".split()
+    vocab = [f"w{i}" for i in range(config.vocab_size)]
+    roberta = config.positions_from_padding
+    specials = ({"<s>": 0, "<pad>": config.pad_token_id, "</s>": 2, "<unk>": 3} if roberta else
+                {"[PAD]": config.pad_token_id, "[UNK]": config.pad_token_id + 1, "[CLS]": config.pad_token_id + 2,
+                 "[SEP]": config.pad_token_id + 3})
+    for token, i in specials.items():
+        vocab[i] = token
+    free = [i for i in range(config.vocab_size) if i not in specials.values()]
+    for word, i in zip(words, free[-len(words):], strict=True):
+        vocab[i] = word
+    unk = "<unk>" if roberta else "[UNK]"
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=unk))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if roberta:
+        tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    else:
+        b = 1 if config.type_vocab_size > 1 else 0
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair=f"[CLS] $A [SEP] $B:{b} [SEP]:{b}",
+            special_tokens=[("[CLS]", specials["[CLS]"]), ("[SEP]", specials["[SEP]"])])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    pad = "<pad>" if roberta else "[PAD]"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad, "model_max_length": 512}))

@@ -168,7 +168,7 @@ def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
               fused.LayerNorm.weight, fused.LayerNorm.bias]
     for given in (segments, positions), (segments[:1], positions[:1]):
         def layer(word, seg, pos, weight, bias, given=given):
-            return torch.ops.bertembed.embeddings(ids, *given, word, seg, pos, weight, bias, 1e-12, 0.0, 0, 0,
+            return torch.ops.bertembed.embeddings(ids, *given, word, seg, pos, weight, bias, 1e-12, 0.0, 0, 0, -1,
                                                   backend, False)[0]
 
         torch._dynamo.reset()

@@ -107,21 +107,21 @@ def test_ci_runs_the_readme_test_command():
     assert command in ci.splitlines(), "the README's test command and .ci/run differ"
 
 
-def test_a_roberta_checkpoint_is_refused_not_explained_wrong(tmp_path):
-    """A RoBERTa checkpoint (positions counted from the padding id, one token type) read as BERT gave outputs 2.8 away
-    from transformers' RobertaEmbeddings while explain's check said "equal". Until the family is supported, the
-    command line refuses it in one line, with the model type named."""
+def test_an_unsupported_checkpoint_is_refused_in_one_line(tmp_path):
+    """A member bertembed does not read (Longformer, say) is refused in one line, with the supported ones named."""
     import shutil
 
-    from transformers import RobertaConfig, RobertaModel
+    from transformers import BertConfig, BertModel
 
     from bertembed.sources import bundled_folder
 
-    RobertaModel(RobertaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=37, max_position_embeddings=514)).save_pretrained(tmp_path)
+    BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=37)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "longformer", "architectures": None}))
     shutil.copy(bundled_folder() / "vocab.txt", tmp_path)  # a tokenizer, so only the weights can be refused
     for args in (("explain", "hello world"), ("explain", "hello world", "--torch"), ("inspect", "positions")):
         done = run(*args, "--model", str(tmp_path))
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-        assert "roberta" in done.stderr and "only BERT checkpoints" in done.stderr
+        assert "longformer" in done.stderr and "supported: bert, roberta" in done.stderr

@@ -177,7 +177,7 @@ def test_opcheck():
     """torch.library's own consistency checks of the op: schema, fake tensor, autograd registration."""
     word, seg, pos = torch.randn(20, 16, requires_grad=True), torch.randn(2, 16), torch.randn(8, 16)
     ids = torch.tensor([[1, 2, 3, 0]])
-    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, "cpu", False)  # ids: [B, L] or [1, L]
+    tail = (word, seg, pos, torch.ones(16), torch.zeros(16), 1e-12, 0.0, 0, 0, -1, "cpu", False)  # ids [B, L], [1, L]
     for ids_args in ((ids, torch.zeros_like(ids), torch.arange(4)[None]), (ids, torch.zeros(1, 4, dtype=torch.long),
                                                                            torch.arange(3, 7)[None])):
         torch.library.opcheck(torch.ops.bertembed.embeddings.default, ids_args + tail,

@@ -135,7 +135,7 @@ def test_patching_twice_keeps_the_fused_layer_and_switches_its_backend():
 
 
 def test_patch_refuses_a_model_without_bert_embeddings():
-    with pytest.raises(ValueError, match="no transformers BertEmbeddings"):
+    with pytest.raises(ValueError, match="no embeddings layer of BERT.s family"):
         bertembed.patch(torch.nn.Linear(2, 2))
 
 

@@ -56,7 +56,7 @@ def test_edges_that_are_allowed():
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(hidden_size=0), "positive integer"), (dict(pad_token_id=100, vocab_size=100), "pad_token_id"),
     (dict(position_embedding_type="rotary"), "not one of"), (dict(hidden_dropout_prob=1.0), r"\[0, 1\)"),
-    (dict(position_embedding_type="sinusoidal", hidden_size=7), "even hidden_size"),
+    (dict(position_embedding_type="sinusoidal", hidden_size=7), "even width"),
 ])
 def test_bad_configs(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -1,9 +1,11 @@
-"""Reading the five embedding tensors out of a BERT checkpoint, and writing an embedding-only one.
+"""Reading the embedding tensors out of a checkpoint of BERT or its family, and writing an embedding-only one.
 
-Only the embedding tensors are read: from `.safetensors` by name (the rest of the file is never touched), from `.bin`
+Only the embedding tensors are read (`bertembed.family` says where each member keeps them): from `.safetensors` by
+name (the rest of the file is never touched), from `.bin`
 through `torch.load(weights_only=True, mmap=True)`, from sharded checkpoints only the shards that hold them. Keys are
 returned under `BertEmbeddings.state_dict()` names. With framework="np" nothing imports torch unless the file needs it.
-Everything read is checked where it enters: the family (`bertembed.family`: BERT only), every name, dtype and shape,
+Everything read is checked where it enters: the family (config.json's member, and tensors that agree with it), every
+name, dtype and shape,
 and where a sharded index points; a broken checkpoint raises ValueError or FileNotFoundError naming the file.
 """
 
@@ -20,16 +22,12 @@ from typing import Any
 
 from bertembed.atomic import atomic_folder, os_error
 from bertembed.config import EmbeddingConfig, read_json
-from bertembed.family import SUPPORTED, check_key_family, padding_row
+from bertembed.family import LEGACY, SUPPORTED, check_key_family, layout, padding_row, prefixes
 from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
 
 log = logging.getLogger(__name__)
 
-NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
-         "LayerNorm.weight", "LayerNorm.bias")
-LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}  # TF-era checkpoints
-PREFERRED_PREFIXES = ("bert.embeddings.", "embeddings.", "")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 # a position table that is computed, not read ("sinusoidal", or "none"'s id buffers), is sized by config.json alone
@@ -105,10 +103,11 @@ def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
 
 def _read(source: Source, framework: str) -> Checkpoint:
     config_path = source.file("config.json")
-    # the config first: another family is refused before any weights are read (or downloaded)
+    # the config first: an unsupported member is refused before any weights are read (or downloaded)
     config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
-    files, index = _weight_files(source)
-    tensors = _select(files, index, framework)
+    member = "bert" if config is None else config.model_type
+    files, index = _weight_files(source, member)
+    tensors = _select(files, index, framework, member)
     if config is None:
         config = _infer_config(tensors, files[0])
         log.info("no config.json beside %s: sizes read from the tensor shapes, other settings are BERT's defaults",
@@ -123,14 +122,14 @@ def _read(source: Source, framework: str) -> Checkpoint:
                      config.position_embedding_type)
     _check_shapes(tensors, config, source)
     positions = tensors.get("position_embeddings.weight")
-    if positions is not None and (row := padding_row(positions)) is not None:
+    if positions is not None and not config.positions_from_padding and (row := padding_row(positions)) is not None:
         raise ValueError(f"checkpoint {source.describe()}: row {row} of the position table is all zeros, the padding "
-                         f"row of a RoBERTa-style table that counts positions from the padding id, not BERT's: "
-                         f"{SUPPORTED}")
+                         f"row of a RoBERTa-style table that counts positions from the padding id, but its config "
+                         f"says {config.model_type!r}, which counts from 0: is config.json the checkpoint's own?")
     return Checkpoint(source, config, tensors)
 
 
-def _weight_files(source: Source) -> tuple[list[Path], dict[str, Path]]:
+def _weight_files(source: Source, member: str) -> tuple[list[Path], dict[str, Path]]:
     """The weight files to read and, for sharded checkpoints, which file holds each key."""
     if source.kind == "file":
         return [source.weights_file], {}
@@ -138,25 +137,25 @@ def _weight_files(source: Source) -> tuple[list[Path], dict[str, Path]]:
         path = source.file(candidate)
         if path is None:
             continue
-        return _sharded(source, path) if candidate.endswith(".index.json") else ([path], {})
+        return _sharded(source, path, member) if candidate.endswith(".index.json") else ([path], {})
     raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}; pass a folder with "
                             f"PyTorch weights, or the weights file itself")
 
 
-def _sharded(source: Source, index: Path) -> tuple[list[Path], dict[str, Path]]:
+def _sharded(source: Source, index: Path, member: str) -> tuple[list[Path], dict[str, Path]]:
     """The shards a sharded checkpoint's index names for the embedding tensors, each checked to lie inside it."""
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
-    check_key_family(weight_map, str(index))
-    wanted = {k: v for k, v in weight_map.items() if _embedding_name(k) is not None}
+    check_key_family(weight_map, str(index), member)
+    wanted = {k: v for k, v in weight_map.items() if _embedding_name(k, member) is not None}
     bad = next((k for k, v in wanted.items() if not isinstance(v, str)), None)
     if bad is not None:
         raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(wanted[bad]).__name__}, not a shard's file name; "
                          f"the index is corrupt: re-download the checkpoint")
     if not wanted:
-        raise ValueError(f"{index} lists no BERT embedding tensors ('*embeddings.word_embeddings.weight') among "
-                         f"{len(weight_map)} keys such as {list(weight_map)[:3]}; is it a BERT checkpoint?")
+        raise ValueError(f"{index} lists no {member} embedding tensors ({layout(member)['word_embeddings.weight']!r}) "
+                         f"among {len(weight_map)} keys such as {list(weight_map)[:3]}; is it a {member} checkpoint?")
     shards = {name: _shard(source, index, name) for name in sorted(set(wanted.values()))}
     return list(shards.values()), {k: shards[v] for k, v in wanted.items()}
 
@@ -186,41 +185,50 @@ def _inside(path: Path, folder: Path) -> bool:
     return any(real.is_relative_to(root) for root in roots)
 
 
-def _embedding_name(key: str) -> str | None:
-    """The state-dict name a checkpoint key maps to (or None): any prefix ending in 'embeddings.', legacy names."""
-    for name in (*NAMES, *LEGACY):
-        if key == name or key.endswith("embeddings." + name):
-            return LEGACY.get(name, name)
-    return None
+def _keys(member: str) -> dict[str, str]:
+    """A `member` checkpoint's key (after the model prefix) -> the layer's name, legacy names included."""
+    keys = {key: name for name, key in layout(member).items()}
+    for old, new in LEGACY.items():  # TF-era LayerNorm.gamma and .beta
+        keys |= {k.removesuffix(new) + old: new for k, name in list(keys.items()) if name == new and k.endswith(new)}
+    return keys
 
 
-def _select(files: list[Path], index: dict[str, Path], framework: str) -> dict[str, Any]:
-    """Read the embedding tensors of one BERT from the files, choosing one key prefix if several models share them."""
+def _embedding_name(key: str, member: str) -> str | None:
+    """The state-dict name a checkpoint key maps to (or None), whatever the model prefix."""
+    return next((name for suffix, name in _keys(member).items() if key == suffix or key.endswith("." + suffix)), None)
+
+
+def _select(files: list[Path], index: dict[str, Path], framework: str, member: str) -> dict[str, Any]:
+    """Read the embedding tensors of one model from the files, choosing one model prefix if several share them."""
     handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
     if not index:
-        check_key_family(keys, str(files[0]))
-    prefixes = {k[: -len("word_embeddings.weight")] for k in keys if k.endswith("word_embeddings.weight")}
-    prefixes = {p for p in prefixes if p == "" or p.endswith("embeddings.")}
-    if not prefixes:
-        raise ValueError(f"{files[0]} holds no BERT word embeddings (no '*embeddings.word_embeddings.weight' among "
-                         f"{len(keys)} keys such as {keys[:3]}); is it a BERT checkpoint?")
-    prefix = next((p for p in PREFERRED_PREFIXES if p in prefixes), None)
+        check_key_family(keys, str(files[0]), member)
+    names = _keys(member)
+    word = layout(member)["word_embeddings.weight"]
+    found = {k[: -len(word)] for k in keys if k.endswith(word)}
+    found = {p for p in found if p == "" or p.endswith(".")}
+    if not found and "word_embeddings.weight" in keys:  # a bare state dict of the layer itself
+        found, names = {""}, {n: n for n in layout(member)} | {old: new for old, new in LEGACY.items()}
+    if not found:
+        raise ValueError(f"{files[0]} holds no {member} word embeddings (no '*{word}' among {len(keys)} keys such as "
+                         f"{keys[:3]}); is it a {member} checkpoint? {SUPPORTED}")
+    prefix = next((p for p in prefixes(member) if p in found), None)
     if prefix is None:
-        if len(prefixes) > 1:
-            raise ValueError(f"{files[0]} holds several embedding layers {sorted(prefixes)}; extract one first")
-        prefix = prefixes.pop()
-    wanted = {prefix + n: n for n in NAMES} | {prefix + old: new for old, new in LEGACY.items()}
-    found: dict[str, str] = {}  # state-dict name -> the checkpoint key it was read from
+        if len(found) > 1:
+            raise ValueError(f"{files[0]} holds several embedding layers {sorted(found)}; extract one first")
+        prefix = found.pop()
+    wanted = {prefix + key: name for key, name in names.items()}
+    seen: dict[str, str] = {}  # state-dict name -> the checkpoint key it was read from
     tensors = {}
     for path, handle in handles.items():
         for key in handle.keys():
             if key in wanted and index.get(key, path) == path:
                 name = wanted[key]
-                if name in found:  # LayerNorm.gamma beside LayerNorm.weight: which one the model used is unknowable
-                    raise ValueError(f"{path} holds both {found[name]!r} and {key!r} for {name}; the checkpoint is "
+                if name in seen:  # LayerNorm.gamma beside LayerNorm.weight: which one the model used is unknowable
+                    raise ValueError(f"{path} holds both {seen[name]!r} and {key!r} for {name}; the checkpoint is "
                                      f"ambiguous: delete one of them and load again")
-                found[name] = key
+                seen[name] = key
                 tensors[name] = read_tensor(handle, path, key, framework)
     return tensors
 
@@ -250,11 +258,18 @@ def _infer_config(tensors: dict[str, Any], path: Path) -> EmbeddingConfig:
 
 def expected_shapes(config: EmbeddingConfig) -> dict[str, tuple[int, ...]]:
     """The state-dict name and shape of every tensor a layer of this config holds."""
-    h = config.hidden_size
-    expected = {"word_embeddings.weight": (config.vocab_size, h), "token_type_embeddings.weight":
-                (config.type_vocab_size, h), "LayerNorm.weight": (h,), "LayerNorm.bias": (h,)}
+    e, n = config.table_width, config.output_width
+    expected = {"word_embeddings.weight": (config.vocab_size, e), "LayerNorm.weight": (n,)}
+    if config.norm_bias:
+        expected["LayerNorm.bias"] = (n,)
+    if config.type_vocab_size:
+        expected["token_type_embeddings.weight"] = (config.type_vocab_size, e)
     if config.position_embedding_type == "absolute":
-        expected["position_embeddings.weight"] = (config.max_position_embeddings, h)
+        expected["position_embeddings.weight"] = (config.max_position_embeddings, e)
+    if config.projection != "none":
+        expected["projection.weight"] = (config.hidden_size, e)
+    if config.projection == "output":
+        expected["projection.bias"] = (config.hidden_size,)
     return expected
 
 
@@ -262,8 +277,12 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
     expected = expected_shapes(config)
     missing = [k for k in expected if k not in tensors]
     if missing:
-        raise ValueError(f"checkpoint {source.describe()} is missing embedding tensor(s) {missing}; "
-                         f"found {sorted(tensors)}. Re-download it; if it is not a BERT model: {SUPPORTED}")
+        raise ValueError(f"checkpoint {source.describe()} is missing embedding tensor(s) {missing} that its config "
+                         f"({config.model_type}) implies; found {sorted(tensors)}. Re-download it, or fix config.json")
+    unexpected = [k for k in tensors if k not in expected]
+    if unexpected:
+        raise ValueError(f"checkpoint {source.describe()} holds {unexpected}, which its config ({config.model_type}: "
+                         f"{_describe(config)}) has no place for: is config.json the checkpoint's own?")
     wrong = [f"{k} is {tuple(tensors[k].shape)}, config says {shape}"
              for k, shape in expected.items() if tuple(tensors[k].shape) != shape]
     if wrong:
@@ -271,8 +290,14 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
                          + ". The weights and the config come from different models")
 
 
+def _describe(config: EmbeddingConfig) -> str:
+    return f"type_vocab_size={config.type_vocab_size}, position_embedding_type={config.position_embedding_type!r}, " \
+        f"embedding_size={config.table_width}, hidden_size={config.hidden_size}, norm_bias={config.norm_bias}"
+
+
 def save_checkpoint(layer, folder: str | Path) -> Path:
-    """Write `config.json` and `model.safetensors` (keys `embeddings.*`, as in a transformers `BertModel`).
+    """Write `config.json` and `model.safetensors` (keys as the member's base model keeps them: `embeddings.*`, as in
+    a transformers `BertModel`).
 
     The layer is checked against its config and both files are prepared before anything is written (ValueError:
     nothing written). The folder is then replaced as a whole (`atomic.atomic_folder`; its other files, a tokenizer
@@ -334,5 +359,5 @@ def _tables_to_save(layer) -> dict[str, Any]:
         if value.untyped_storage().data_ptr() in storages:
             value = value.clone()  # safetensors refuses tensors that share memory (a table assigned twice)
         storages.add(value.untyped_storage().data_ptr())
-        tensors[f"embeddings.{key}"] = value
+        tensors[layout(config.model_type)[key]] = value
     return tensors

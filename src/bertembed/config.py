@@ -14,30 +14,76 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = "only BERT checkpoints (model_type 'bert') are supported for now"
-_BERT_CLASS = re.compile(r"(TF|Flax)?Bert[A-Z]\w*")  # BertModel, BertForMaskedLM, TFBertForPreTraining, ...
 PositionType = Literal["absolute", "sinusoidal", "none"]
 POSITION_TYPES: tuple[str, ...] = ("absolute", "sinusoidal", "none")
+_CHOICES = {"position_embedding_type": POSITION_TYPES, "projection": ("none", "output", "before_norm"),
+            "sum_order": ("type_first", "position_first")}
+
+# The family, read from transformers' own modeling and configuration files (../shared/FAMILY.md): for each
+# `model_type`, the class defaults of the keys this layer reads (what a config.json that omits one means), the keys
+# it names differently, and the facts every checkpoint of it shares. Facts that depend on a checkpoint's keys
+# (a projection only where E != H, DeBERTa's optional position table) are settled in `from_hf_config`.
+_BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
+                  "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
+_ROBERTA = ({**_BERT_DEFAULTS, "pad_token_id": 1}, {}, {"positions_from_padding": True})
+_DEBERTA = ({**_BERT_DEFAULTS, "type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": True}, {},
+            {"sum_order": "position_first", "mask_output": True})
+MEMBERS: dict[str, tuple[dict, dict, dict]] = {
+    "bert": (_BERT_DEFAULTS, {}, {}),
+    "roberta": _ROBERTA, "xlm-roberta": _ROBERTA, "camembert": _ROBERTA,
+    "distilbert": ({**_BERT_DEFAULTS, "dim": 768, "dropout": 0.1}, {"dim": "hidden_size", "dropout":
+                   "hidden_dropout_prob"}, {"type_vocab_size": 0, "layer_norm_eps": 1e-12}),  # eps fixed in its code
+    "albert": ({**_BERT_DEFAULTS, "vocab_size": 30000, "hidden_size": 4096, "embedding_size": 128,
+                "hidden_dropout_prob": 0.0}, {}, {"projection": "output"}),
+    "electra": ({**_BERT_DEFAULTS, "hidden_size": 256, "embedding_size": 128}, {}, {}),
+    "deberta": (_DEBERTA[0], {}, {**_DEBERTA[2], "norm_in_float32": True}),
+    "deberta-v2": _DEBERTA,
+    "mpnet": ({**_BERT_DEFAULTS, "vocab_size": 30527, "layer_norm_eps": 1e-12}, {},
+              {"positions_from_padding": True, "pad_token_id": 1, "type_vocab_size": 0}),  # padding index fixed at 1
+    "modernbert": ({**_BERT_DEFAULTS, "vocab_size": 50368, "max_position_embeddings": 8192, "norm_eps": 1e-5,
+                    "norm_bias": False, "embedding_dropout": 0.0, "pad_token_id": 50283},
+                   {"norm_eps": "layer_norm_eps", "embedding_dropout": "hidden_dropout_prob"},
+                   {"position_embedding_type": "none", "type_vocab_size": 0}),
+    "nomic_bert": ({**_BERT_DEFAULTS, "vocab_size": 50257, "n_embd": 768, "n_positions": 1024,
+                    "layer_norm_epsilon": 1e-5, "embd_pdrop": 0.1},
+                   {"n_embd": "hidden_size", "n_positions": "max_position_embeddings",
+                    "layer_norm_epsilon": "layer_norm_eps", "embd_pdrop": "hidden_dropout_prob"},
+                   {"position_embedding_type": "none"}),  # rotary positions, in attention
+}
+SUPPORTED = "supported: " + ", ".join(MEMBERS)
+# the derived facts: not written to config.json where the member implies them
+_FACTS = {"positions_from_padding": False, "sum_order": "type_first", "norm_bias": True, "norm_in_float32": False,
+          "projection": "none", "mask_output": False}
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """Sizes and constants of BERT's embedding layer.
+    """Sizes and constants of the embedding layer of BERT or one of its family (`MEMBERS`).
 
-    Field names are Hugging Face's config.json keys, so a config moves between the two without a table of renames.
+    Field names are Hugging Face's config.json keys where BERT has them. The rest are the facts in which the family
+    differs (../shared/FAMILY.md), which the reference layer and the kernels read: the family adds values, not paths.
     """
 
     vocab_size: int = 30522  # WordPiece vocabulary of bert-base-uncased
-    hidden_size: int = 768
-    max_position_embeddings: int = 512  # longest sequence, [CLS] and [SEP] included
-    type_vocab_size: int = 2  # segments A and B
+    hidden_size: int = 768  # H: the width the encoder takes
+    max_position_embeddings: int = 512  # rows of the position table ([CLS] and [SEP] included; RoBERTa's 2 reserved)
+    type_vocab_size: int = 2  # segments A and B; 0: no segment table (DistilBERT, MPNet, ModernBERT, DeBERTa v3)
     layer_norm_eps: float = 1e-12  # BERT's TensorFlow value, not PyTorch's default 1e-5: it changes outputs
     hidden_dropout_prob: float = 0.1
     initializer_range: float = 0.02  # std of the normal init of fresh tables, as BERT's
     pad_token_id: int = 0  # row 0 of the word table is [PAD]; nn.Embedding keeps its gradient at zero
-    # "absolute": BERT's learned table. "sinusoidal": the fixed sin/cos table of "Attention Is All You Need"
-    # (a buffer, never trained). "none": no position vector is added (checkpoints with relative positions).
+    # "absolute": a learned table. "sinusoidal": the fixed sin/cos table of "Attention Is All You Need" (a buffer,
+    # never trained). "none": no position vector is added here (relative, rotary or ALiBi positions, in attention).
     position_embedding_type: PositionType = "absolute"
+    model_type: str = "bert"  # which member: the key layout of its checkpoints and the keys of its config.json
+    embedding_size: int | None = None  # E, the tables' width, where it differs from H (ALBERT, ELECTRA, DeBERTa)
+    positions_from_padding: bool = False  # RoBERTa, MPNet: positions count from pad_token_id + 1, pads get pad's row
+    sum_order: str = "type_first"  # (word + type) + position; DeBERTa: "position_first", (word + position) + type
+    norm_bias: bool = True  # ModernBERT's LayerNorm has none
+    norm_in_float32: bool = False  # DeBERTa v1's LayerNorm computes in float32 whatever the input's dtype
+    # a Linear E -> H: "output" after the layer (ALBERT, ELECTRA: `layer.project`), "before_norm" (DeBERTa)
+    projection: str = "none"
+    mask_output: bool = False  # DeBERTa multiplies the output by the attention mask
     # The rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained so transformers
     # can still build the whole model from a saved folder. Not part of equality.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -45,12 +91,17 @@ class EmbeddingConfig:
     def __post_init__(self) -> None:
         """Every field's type and range, checked here so that every path (a config.json, the torch layer, the numpy
         copy, the kernels) gets the same checks; integers and reals from numpy are stored as Python's."""
-        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id"):
+        if self.embedding_size is None or self.embedding_size == self.hidden_size:
+            object.__setattr__(self, "embedding_size", None)
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id",
+                     "embedding_size"):
             value = getattr(self, name)
+            if value is None and name == "embedding_size":
+                continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"EmbeddingConfig.{name} must be an integer, got {_shown(value)}")
             object.__setattr__(self, name, int(value))
-            if name != "pad_token_id" and value < 1:
+            if value < (0 if name in ("pad_token_id", "type_vocab_size") else 1):
                 raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value}")
         for name in ("layer_norm_eps", "hidden_dropout_prob", "initializer_range"):
             value = getattr(self, name)
@@ -63,6 +114,17 @@ class EmbeddingConfig:
             if not math.isfinite(real):
                 raise ValueError(f"EmbeddingConfig.{name} must be a finite real number, got {_shown(value)}")
             object.__setattr__(self, name, real)
+        for name in ("positions_from_padding", "norm_bias", "norm_in_float32", "mask_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EmbeddingConfig.{name} must be True or False, got {_shown(getattr(self, name))}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        if not isinstance(self.model_type, str) or self.model_type not in MEMBERS:
+            raise ValueError(f"model_type={_shown(self.model_type)} is not a member bertembed reads; {SUPPORTED}")
+        for name, choices in _CHOICES.items():
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise ValueError(f"{name}={_shown(getattr(self, name))} is not one of {choices}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"EmbeddingConfig.pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})"
@@ -74,14 +136,28 @@ class EmbeddingConfig:
         if self.initializer_range < 0:
             raise ValueError(f"EmbeddingConfig.initializer_range is a standard deviation, >= 0; got "
                              f"{self.initializer_range}")
-        if not isinstance(self.position_embedding_type, str) or self.position_embedding_type not in POSITION_TYPES:
-            raise ValueError(
-                f"position_embedding_type={_shown(self.position_embedding_type)} is not one of {POSITION_TYPES}"
-            )
-        if self.position_embedding_type == "sinusoidal" and self.hidden_size % 2:
-            raise ValueError(f"a sinusoidal position table needs an even hidden_size, got {self.hidden_size}")
+        if self.position_embedding_type == "sinusoidal" and self.table_width % 2:
+            raise ValueError(f"a sinusoidal position table needs an even width, got {self.table_width}")
+        if self.positions_from_padding and self.position_embedding_type == "none":
+            raise ValueError("positions_from_padding needs a position table; position_embedding_type is 'none'")
         if not isinstance(self.extra, dict):
             raise ValueError(f"EmbeddingConfig.extra must be a dict of config.json keys, got {_shown(self.extra)}")
+
+    @property
+    def table_width(self) -> int:
+        """E: the width of the tables and of the layer's sum (H unless `embedding_size` says otherwise)."""
+        return self.embedding_size or self.hidden_size
+
+    @property
+    def output_width(self) -> int:
+        """The width of the layer's output: H after a projection inside the layer (DeBERTa), else E."""
+        return self.hidden_size if self.projection == "before_norm" else self.table_width
+
+    @property
+    def first_position(self) -> int:
+        """The first position row a token uses: pad_token_id + 1 where positions count from the padding, else 0. The
+        rows before it are reserved (RoBERTa's row 0 and its padding row)."""
+        return self.pad_token_id + 1 if self.positions_from_padding else 0
 
     @classmethod
     def bert_base(cls, **overrides: Any) -> EmbeddingConfig:
@@ -95,10 +171,11 @@ class EmbeddingConfig:
 
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | Path) -> EmbeddingConfig:
-        """Build from a Hugging Face config: a dict, a config.json path, or a folder holding one.
+        """Build from a Hugging Face config of any member of `MEMBERS`: a dict, a config.json path, or a folder.
 
-        Keys the embedding layer does not use (layer counts, heads, ...) are ignored. Relative position types
-        ("relative_key", "relative_key_query") put positions into attention, not into this layer, so they map to "none".
+        Keys the embedding layer does not use (layer counts, heads, ...) are kept in `extra`. Keys a config.json
+        omits take the member's own class defaults. Relative, rotary and ALiBi position types put positions into
+        attention, not into this layer, so they map to "none" (jina-bert v2 says model_type "bert" with "alibi").
         """
         where = "the config dict"
         if not isinstance(source, dict):
@@ -108,23 +185,45 @@ class EmbeddingConfig:
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
             source, where = read_json(path, "an object of config keys"), str(path)
-        check_config_family(source, where)  # never a RoBERTa read as if it were BERT
+        member = check_config_family(source, where)
+        defaults, renames, facts = MEMBERS[member]
+        given = {**defaults, **{k: v for k, v in source.items() if v is not None}}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: source[k] for k in names if source.get(k) is not None}
-        kwargs["extra"] = {k: v for k, v in source.items() if k not in names}
+        kwargs = {renames.get(k, k): v for k, v in given.items() if renames.get(k, k) in names}
+        kwargs.update(facts, model_type=member)
+        kwargs.update({k: source[k] for k in _FACTS if k in source})  # (written by to_hf_config where they differ)
+        kwargs["extra"] = {k: v for k, v in source.items() if k not in names and k not in renames}
         kind = kwargs.get("position_embedding_type", "absolute")
-        if isinstance(kind, str) and kind.startswith("relative"):
+        if isinstance(kind, str) and kind not in POSITION_TYPES:
             log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'", kind)
             kwargs["position_embedding_type"] = "none"
+        if member.startswith("deberta") and given.get("position_biased_input") is False:
+            kwargs["position_embedding_type"] = "none"
+        if member.startswith("deberta") and kwargs.get("embedding_size") not in (None, kwargs.get("hidden_size")):
+            kwargs["projection"] = "before_norm"
+        if member == "electra" and kwargs.get("embedding_size") != kwargs.get("hidden_size"):
+            kwargs["projection"] = "output"
         try:
             return cls(**kwargs)
         except ValueError as err:
             raise ValueError(f"{where}: {err}; fix the config") from err
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A config.json dict that transformers' BertConfig reads back (the encoder keys keep their defaults)."""
-        ours = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}  # (no deep copy)
-        return {"model_type": "bert", "architectures": ["BertModel"], **self.extra, **ours}
+        """A config.json dict that transformers' config class of the member reads back, and `from_hf_config` too."""
+        defaults, renames, facts = MEMBERS[self.model_type]
+        back = {v: k for k, v in renames.items()}
+        ours = {back.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("extra", "model_type", *_FACTS) and f.name not in facts}
+        ours["embedding_size"] = self.table_width if "embedding_size" in defaults else ours["embedding_size"]
+        if ours["embedding_size"] is None:
+            del ours["embedding_size"]
+        ours.update({k: getattr(self, k) for k, v in _FACTS.items() if getattr(self, k) != facts.get(k, v)
+                     and not (k == "projection" and self.embedding_size)})
+        if self.model_type == "modernbert":
+            ours["norm_bias"] = self.norm_bias
+        if self.model_type.startswith("deberta"):
+            ours["position_biased_input"] = self.position_embedding_type != "none"
+        return {"model_type": self.model_type, **self.extra, **ours}
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
         """A copy with some fields changed."""
@@ -152,18 +251,25 @@ def read_json(path: str | Path, what: str = "an object") -> dict:
     return data
 
 
-def check_config_family(config: dict[str, Any], where: str) -> None:
-    """ValueError unless a config.json dict describes BERT: `model_type` "bert" or absent, and `architectures`
-    (when given) all BERT classes."""
-    model_type = config.get("model_type")
-    if model_type is not None and model_type != "bert":
-        raise ValueError(f"{where} has model_type {model_type!r}: {SUPPORTED}")
+def check_config_family(config: dict[str, Any], where: str) -> str:
+    """The member (`MEMBERS`) a config.json dict describes, from `model_type` ("bert" when absent); ValueError naming
+    the supported members for any other, or for `architectures` (when given) that are not that member's classes."""
+    model_type = config.get("model_type", "bert")
+    if not isinstance(model_type, str) or model_type not in MEMBERS:
+        raise ValueError(f"{where} has model_type {str(model_type)[:60]!r}, which bertembed does not read; {SUPPORTED}")
     architectures = config.get("architectures")
     if architectures is None:
-        return
+        return model_type
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
                          f"fix the file")
-    foreign = [a for a in architectures if not _BERT_CLASS.fullmatch(a)]
+    stem = _CLASS_STEMS.get(model_type, model_type.replace("-", "").replace("_", ""))
+    foreign = [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}[A-Z]?\w*", a, re.IGNORECASE)]
     if foreign:
-        raise ValueError(f"{where} names architecture {foreign[0]!r}, not a BERT class: {SUPPORTED}")
+        raise ValueError(f"{where} says model_type {model_type!r} but names architecture {foreign[0]!r}, not one of "
+                         f"its classes: the config is inconsistent; fix it")
+    return model_type
+
+
+_CLASS_STEMS = {"bert": "(Jina)?Bert", "xlm-roberta": "XLMRoberta", "deberta-v2": "DebertaV2", "mpnet": "MPNet",
+                "modernbert": "ModernBert", "nomic_bert": "NomicBert"}

@@ -1,4 +1,5 @@
-"""The drop-in: swap the embedding layer of a transformers BERT model for bertembed's fused one, weights kept.
+"""The drop-in: swap the embedding layer of a transformers model of BERT's family for bertembed's fused one, weights
+kept.
 
     model = bertembed.patch(BertForSequenceClassification.from_pretrained(...))  # same outputs, fused kernel
     bertembed.unpatch(model)                                                     # transformers' layer again
@@ -6,8 +7,8 @@
 (The module is `dropin`, not `patch`: a submodule named `patch` would shadow the function `bertembed.patch`.)
 
 The new layer shares the old one's submodules (`word_embeddings`, `position_embeddings`, `token_type_embeddings`,
-`LayerNorm`, `dropout`), so parameters, tied weights, state-dict keys and optimizer state all stay as they were; and it
-takes the old layer's own hooks.
+`LayerNorm`, `dropout`; ModernBERT's `tok_embeddings`, `norm` and `drop` under their own names), so parameters, tied
+weights, state-dict keys and optimizer state all stay as they were; and it takes the old layer's own hooks.
 """
 
 from __future__ import annotations
@@ -18,23 +19,42 @@ import logging
 import torch
 from torch import nn
 
-from bertembed.config import EmbeddingConfig
+from bertembed.config import MEMBERS, EmbeddingConfig
 from bertembed.embeddings import BertEmbeddings, checked_backend
 
 log = logging.getLogger(__name__)
 
-_SHARED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
+_SHARED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout", "projection")
 _BUFFERS = ("position_ids", "token_type_ids")
 # The layer's own hooks (captum's layer attributions, activation capture, interventions) move with it: the patched
 # layer takes the dicts themselves, so the hooks' handles still remove them, and `unpatch` hands them back.
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
+# transformers' embeddings class of each member: (package under transformers.models, class) -> model_type
+_HF_LAYERS = {
+    ("bert", "BertEmbeddings"): "bert", ("roberta", "RobertaEmbeddings"): "roberta",
+    ("xlm_roberta", "XLMRobertaEmbeddings"): "xlm-roberta", ("camembert", "CamembertEmbeddings"): "camembert",
+    ("distilbert", "Embeddings"): "distilbert", ("albert", "AlbertEmbeddings"): "albert",
+    ("electra", "ElectraEmbeddings"): "electra", ("deberta", "DebertaEmbeddings"): "deberta",
+    ("deberta_v2", "DebertaV2Embeddings"): "deberta-v2", ("mpnet", "MPNetEmbeddings"): "mpnet",
+    ("modernbert", "ModernBertEmbeddings"): "modernbert",
+}
+# the submodules a member's layer names otherwise: ours -> transformers'
+_HF_NAMES = {"modernbert": {"word_embeddings": "tok_embeddings", "LayerNorm": "norm", "dropout": "drop"},
+             "deberta": {"projection": "embed_proj"}, "deberta-v2": {"projection": "embed_proj"}}
 
 
-def _is_hf_bert_embeddings(module: nn.Module) -> bool:
-    """transformers' BertEmbeddings exactly: look-alikes (RoBERTa's positions count from the padding id) are left."""
+def _member(module: nn.Module) -> str | None:
+    """The member whose transformers embeddings layer `module` is exactly (look-alikes and subclasses: None)."""
     kind = type(module)
-    return kind.__name__ == "BertEmbeddings" and kind.__module__.startswith("transformers.models.bert.")
+    parts = kind.__module__.split(".")
+    if len(parts) < 3 or parts[:2] != ["transformers", "models"]:
+        return None
+    return _HF_LAYERS.get((parts[2], kind.__name__))
+
+
+def _hf_name(member: str, name: str) -> str:
+    return _HF_NAMES.get(member, {}).get(name, name)
 
 
 def _position_type(hf: nn.Module) -> str:
@@ -52,43 +72,65 @@ def _base(module: nn.Module) -> nn.Module:
     return original if isinstance(original, nn.Module) else module
 
 
-def _config_of(hf: nn.Module) -> EmbeddingConfig:
-    """The layer's sizes and constants, read from its own tables (the model config may not be at hand). A wrapped
-    table (a LoRA adapter) is sized by the table it wraps; the fused layer then runs the wrapper's own forward."""
-    vocab, hidden = _base(hf.word_embeddings).weight.shape
-    pad = _base(hf.word_embeddings).padding_idx
-    return EmbeddingConfig(
-        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=_base(hf.position_embeddings).weight.shape[0],
-        type_vocab_size=_base(hf.token_type_embeddings).weight.shape[0], layer_norm_eps=_base(hf.LayerNorm).eps,
-        hidden_dropout_prob=hf.dropout.p, pad_token_id=0 if pad is None else pad, position_embedding_type="absolute")
+def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
+    """The layer's sizes and constants, read from its own tables (the model config may not be at hand), and the
+    member's facts. A wrapped table (a LoRA adapter) is sized by the table it wraps; the fused layer then runs the
+    wrapper's own forward."""
+    def part(name):
+        module = getattr(hf, _hf_name(member, name), None)
+        return None if module is None else _base(module)
+
+    word, positions, segments, norm, projection = (part(n) for n in ("word_embeddings", "position_embeddings",
+                                                                    "token_type_embeddings", "LayerNorm", "projection"))
+    vocab, width = word.weight.shape
+    facts = {k: v for k, v in MEMBERS[member][2].items() if k not in ("type_vocab_size", "layer_norm_eps")}
+    return EmbeddingConfig(**{
+        **facts, "model_type": member, "vocab_size": vocab, "embedding_size": width,
+        "hidden_size": width if projection is None else projection.weight.shape[0],
+        "max_position_embeddings": positions.weight.shape[0] if positions is not None else
+        getattr(hf, "position_ids", torch.empty(1, 512)).shape[-1],
+        "type_vocab_size": 0 if segments is None else segments.weight.shape[0],
+        "layer_norm_eps": getattr(norm, "eps", getattr(norm, "variance_epsilon", None)),
+        "hidden_dropout_prob": part("dropout").p, "pad_token_id": word.padding_idx or 0,
+        "position_embedding_type": "absolute" if positions is not None else "none",
+        "norm_bias": norm.bias is not None, "projection": "none" if projection is None else "before_norm"})
 
 
 # The keywords of the transformers layer that bertembed's forward understands: the cache offset is
-# `past_key_values_length` in transformers 4 and `cache_length` in 5, one number under two names.
+# `past_key_values_length` in transformers 4 and `cache_length` in 5, one number under two names; DeBERTa's `mask`.
 _UNDERSTOOD = frozenset(("input_ids", "token_type_ids", "position_ids", "inputs_embeds", "past_key_values_length",
-                         "cache_length"))
+                         "cache_length", "mask"))
 
 
 class PatchedBertEmbeddings(BertEmbeddings):
-    """bertembed's layer standing in for a transformers `BertEmbeddings`: it takes exactly the arguments that the
-    installed transformers layer's `forward` declares (read from its signature when patched, never from a list kept
-    here), so a caller written for any transformers release calls it as it called the original. An argument that
-    bertembed does not know (a later release's new keyword), given a value other than its default, is run by
-    transformers' own layer on this layer's tables, with a warning: exact, never a `TypeError` or a guess."""
+    """bertembed's layer standing in for a transformers embeddings layer of BERT's family: it takes exactly the
+    arguments that the installed transformers layer's `forward` declares (read from its signature when patched, never
+    from a list kept here), so a caller written for any transformers release calls it as it called the original. An
+    argument that bertembed does not know (a later release's new keyword), given a value other than its default, is
+    run by transformers' own layer on this layer's tables, with a warning: exact, never a `TypeError` or a guess.
+    Submodules that the member names otherwise (ModernBERT's `tok_embeddings`) keep their names, so state-dict keys do
+    not change; bertembed's names reach them here."""
 
     _hf_params: tuple[str, ...] = ()  # its parameters after self, in order
     _hf_defaults: dict = {}
+    _hf_kwargs = False  # whether it takes **kwargs (MPNet's)
+
+    def __getattr__(self, name: str):
+        modules, config = self.__dict__["_modules"], self.__dict__.get("config")
+        aliases = _HF_NAMES.get(config.model_type, {}) if config is not None and name not in modules else {}
+        return modules.get(aliases[name]) if name in aliases else super().__getattr__(name)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        given = _bind(self._hf_params, args, kwargs, type(self._bertembed_original).__name__)
-        foreign = [k for k, v in given.items() if k not in _UNDERSTOOD and not _is_default(v, self._hf_defaults[k])]
+        given = _bind(self._hf_params, self._hf_kwargs, args, kwargs, type(self._bertembed_original).__name__)
+        foreign = [k for k, v in given.items()
+                   if k not in _UNDERSTOOD and not _is_default(v, self._hf_defaults.get(k, None))]
         if foreign:
             _warn_once(type(self._bertembed_original), foreign)
             return _synced_original(self).forward(**given)
         return super().forward(**{k: v for k, v in given.items() if k in _UNDERSTOOD})
 
 
-def _bind(params: tuple[str, ...], args: tuple, kwargs: dict, owner: str) -> dict:
+def _bind(params: tuple[str, ...], takes_kwargs: bool, args: tuple, kwargs: dict, owner: str) -> dict:
     """Positional and keyword arguments by parameter name, with Python's own errors for what `owner.forward` would
     refuse (written out: `inspect.Signature.bind` is not traceable by torch.compile)."""
     if len(args) > len(params):
@@ -96,7 +138,7 @@ def _bind(params: tuple[str, ...], args: tuple, kwargs: dict, owner: str) -> dic
                         f"given")
     given = dict(zip(params, args, strict=False))  # (the first len(args) names)
     for name, value in kwargs.items():
-        if name not in params:
+        if name not in params and not takes_kwargs:
             raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
         if name in given:
             raise TypeError(f"{owner}.forward() got multiple values for argument {name!r}")
@@ -120,30 +162,37 @@ def _warn_once(kind: type, names: list[str]) -> None:
                     "runs those calls (exact, not fused)", kind.__name__, ", ".join(names))
 
 
-def _signature_of(kind: type) -> tuple[tuple[str, ...], dict]:
-    """The parameter names after self of `kind.forward`, in order, and their defaults. A forward taking *args or
-    **kwargs cannot be mirrored name for name: refused, so that no call is passed on under a guessed meaning."""
+def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
+    """The parameter names after self of `kind.forward`, in order, their defaults, and whether it takes **kwargs (any
+    keyword bertembed does not know, given, runs the original). A forward taking *args cannot be mirrored name for
+    name: refused, so that no call is passed on under a guessed meaning."""
     params = list(inspect.signature(kind.forward).parameters.values())[1:]
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args or **kwargs; bertembed.patch cannot "
-                         f"tell which arguments it passes on. Use an older transformers, or bertembed's layer directly")
-    missing = {"input_ids", "token_type_ids", "position_ids", "inputs_embeds"} - {p.name for p in params}
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
+                         f"arguments it passes on. Use an older transformers, or bertembed's layer directly")
+    named = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    missing = {"input_ids", "inputs_embeds"} - {p.name for p in named}
     if missing:
         raise ValueError(f"{kind.__module__}.{kind.__name__}.forward has no argument(s) {sorted(missing)}: this "
                          f"transformers release changed the layer's arguments, which bertembed.patch does not know")
-    return tuple(p.name for p in params), {p.name: p.default for p in params}
+    return tuple(p.name for p in named), {p.name: p.default for p in named}, len(named) < len(params)
 
 
 def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated)."""
-    config = _config_of(hf)  # outside the meta device: a wrapper may build its weight when read (peft's tokens)
-    params, defaults = _signature_of(type(hf))
+    member = _member(hf) or "bert"  # (a subclass of BERT's layer, called directly)
+    config = _config_of(hf, member)  # outside the meta device: a wrapper may build its weight when read (peft's)
+    params, defaults, takes_kwargs = _signature_of(type(hf))
     with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
         layer = PatchedBertEmbeddings(config, backend=backend)
-    layer._hf_params, layer._hf_defaults = params, defaults
-    for name in _SHARED:
-        setattr(layer, name, getattr(hf, name))
-    device = _base(hf.word_embeddings).weight.device
+    layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
+    # transformers' submodules under their own names, in their order (state-dict keys unchanged); the ones named
+    # otherwise are reached through __getattr__ under bertembed's names
+    theirs = [_hf_name(member, name) for name in _SHARED]
+    layer._modules.clear()
+    layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
+    layer._modules.update({k: None for k in theirs if k not in layer._modules})
+    device = _base(getattr(hf, _hf_name(member, "word_embeddings"))).weight.device
     positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
     for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
         setattr(layer, name, getattr(hf, name, default))  # older transformers may lack a buffer
@@ -162,17 +211,18 @@ def _move_state(old: nn.Module, new: nn.Module) -> None:
 
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Replace every transformers `BertEmbeddings` in `model` (BertModel, BertFor... heads, sentence-transformers
-    models built on them) with bertembed's fused layer, in place, keeping the weights. Returns `model`.
+    """Replace every transformers embeddings layer of BERT's family in `model` (BertModel, RobertaModel, ...,
+    ModernBertModel, their heads, sentence-transformers models built on them) with bertembed's fused layer, in place,
+    keeping the weights. Returns `model`.
 
     A model patched before keeps its fused layers, now running `backend` (patching twice, as a notebook cell run
     again does, changes nothing else). transformers 4's layers with relative position types add no position rows,
-    which the fused layer always adds: they are left as they are, with a warning."""
+    which the fused layer would: they are left as they are, with a warning."""
     swapped, left = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             where = f"{parent_name}.{name}".lstrip(".")
-            if _is_hf_bert_embeddings(child):
+            if _member(child) is not None:
                 if (kind := _position_type(child)) != "absolute":
                     left.append(f"{where} (position_embedding_type={kind!r})")
                     continue
@@ -186,9 +236,10 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
         log.warning("bertembed.patch: left transformers' layer at %s: it adds no position rows there (the positions "
                     "enter the attention), and the fused layer always adds them", ", ".join(left))
     if not swapped:
-        found = f"only layers it cannot replace: {', '.join(left)}" if left else "no transformers BertEmbeddings"
-        raise ValueError(f"{found} in {type(model).__name__}: bertembed.patch works on BERT models (BertModel, "
-                         f"BertFor..., sentence-transformers models built on them) with absolute positions")
+        found = f"only layers it cannot replace: {', '.join(left)}" if left else "no embeddings layer of BERT's family"
+        raise ValueError(f"{found} in {type(model).__name__}: bertembed.patch works on transformers models of "
+                         f"{', '.join(sorted(set(_HF_LAYERS.values())))} (and their heads, and sentence-transformers "
+                         f"models built on them)")
     log.info("bertembed.patch: fused embeddings (backend=%r) at %s", backend, ", ".join(swapped))
     return model
 
@@ -197,8 +248,11 @@ def _synced_original(layer: nn.Module) -> nn.Module:
     """The transformers layer that `layer` replaced, holding `layer`'s current tables and buffers (`.to()` or an
     assignment may have replaced them since `patch`)."""
     original = layer._bertembed_original
-    for shared in _SHARED + _BUFFERS:
-        setattr(original, shared, getattr(layer, shared))
+    member = layer.config.model_type
+    for name in _SHARED + _BUFFERS:
+        theirs = _hf_name(member, name)
+        if hasattr(original, theirs):
+            setattr(original, theirs, getattr(layer, name))
     return original
 
 

@@ -1,11 +1,16 @@
-"""BERT's input embedding layer: the reference computation.
+"""The input embedding layer of BERT and its family: the reference computation.
 
     output = Dropout(LayerNorm(word[input_ids] + segment[token_type_ids] + position[position_ids]))
 
-Everything else in bertembed (the fast kernels, the explanations, the torch-free path of the command line) is tested
-against this file. Attribute names are Hugging Face's, so `state_dict()`s move between the two untouched.
+The family's members differ in a few facts the config holds (`EmbeddingConfig`, ../shared/FAMILY.md): where position
+ids start (RoBERTa counts from the padding id), which tables exist, the order of the sum, the LayerNorm's bias and
+precision, a projection E -> H, and whether the attention mask multiplies the output (DeBERTa). Everything else in
+bertembed (the fast kernels, the explanations, the torch-free path of the command line) is tested against this file,
+and this file against each member's transformers module. Attribute names are Hugging Face's BERT names;
+`bertembed.family` maps each member's checkpoint keys onto them.
 
-Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T token types (segments).
+Dimension letters: B batch, L length, H hidden, E table width (H unless factorised), V vocabulary, P positions,
+T token types (segments).
 """
 
 from __future__ import annotations
@@ -48,14 +53,33 @@ class SinusoidalPositions(nn.Module):
         return F.embedding(position_ids, self.weight)
 
 
+class Float32LayerNorm(nn.Module):
+    """DeBERTa v1's LayerNorm: normalised in float32 whatever the input's dtype, cast back, then scaled and shifted."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width)), eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - mean) / torch.sqrt(variance + self.eps)).to(dtype) + self.bias
+
+
 @dataclass
 class Decomposition:
-    """The named parts of one forward pass (no dropout). Shapes: [B, L, H] for vectors, [B, L] for statistics."""
+    """The named parts of one forward pass (no dropout). Shapes: [B, L, W] for vectors (W: `config.output_width`; where
+    DeBERTa projects E -> H before its norm, each part is shown projected), [B, L] for statistics."""
 
     word: torch.Tensor
-    position: torch.Tensor  # zeros when the config has position_embedding_type="none"
-    segment: torch.Tensor
-    sum: torch.Tensor  # (word + segment) + position, in the order the layer adds them
+    position: torch.Tensor  # zeros where the layer has no position table
+    segment: torch.Tensor  # zeros where it has no segment table
+    sum: torch.Tensor  # in the order the layer adds them (projected to H first where DeBERTa projects)
     mean: torch.Tensor  # LayerNorm's mean over H, per token
     std: torch.Tensor  # sqrt(biased variance + eps), per token: what LayerNorm divides by
     output: torch.Tensor  # LayerNorm(sum): the layer's output in eval mode
@@ -72,77 +96,137 @@ def checked_backend(backend: str) -> str:
     return check_backend(backend)
 
 
-def _summed(word: torch.Tensor, segment: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
-    """(word + segment) + position: the same operations in the same order as transformers, so float32 results match
-    bit for bit."""
-    total = word + segment
-    return total if position is None else total + position
+def _summed(word: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor:
+    """(word + first) + second, a None skipped: the same operations in the same order as the member's transformers
+    layer, so float32 results match bit for bit."""
+    for addend in (first, second):
+        word = word if addend is None else word + addend
+    return word
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """DeBERTa's multiplication by the attention mask ([B, L], or [B, 1, 1, L] as its encoder passes it)."""
+    if mask.dim() != x.dim():
+        mask = (mask.squeeze(1).squeeze(1) if mask.dim() == 4 else mask).unsqueeze(2)
+    return x * mask.to(x.dtype)
 
 
 class BertEmbeddings(nn.Module):
-    """Word, position and segment tables, summed and layer-normalised: transformers' `BertEmbeddings`, exactly."""
+    """Word, position and segment tables, summed and layer-normalised: the embeddings module of BERT or of the family
+    member `config.model_type` names, exactly as transformers computes it."""
 
     def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
         super().__init__()
-        self.config = config = config or EmbeddingConfig()
+        self.config = c = config or EmbeddingConfig()
         self.backend = checked_backend(backend)
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        width = c.table_width
+        self.word_embeddings = nn.Embedding(c.vocab_size, width, padding_idx=c.pad_token_id)
         self.position_embeddings: nn.Module | None = {
-            "absolute": lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size),
-            "sinusoidal": lambda: SinusoidalPositions(config.max_position_embeddings, config.hidden_size),
+            "absolute": lambda: nn.Embedding(c.max_position_embeddings, width,
+                                             padding_idx=c.pad_token_id if c.positions_from_padding else None),
+            "sinusoidal": lambda: SinusoidalPositions(c.max_position_embeddings, width),
             "none": lambda: None,
-        }[config.position_embedding_type]()
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        }[c.position_embedding_type]()
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, width) if c.type_vocab_size else None
+        # E -> H: applied before the norm (DeBERTa), or kept for `project` (ALBERT and ELECTRA apply it after)
+        self.projection = None if c.projection == "none" else nn.Linear(width, c.hidden_size,
+                                                                        bias=c.projection == "output")
         # "LayerNorm", not "layer_norm": the name comes from the TensorFlow checkpoints and every state dict keeps it.
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.LayerNorm = Float32LayerNorm(c.output_width, c.layer_norm_eps) if c.norm_in_float32 else \
+            nn.LayerNorm(c.output_width, eps=c.layer_norm_eps, bias=c.norm_bias)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
         # Default ids live in buffers, sliced per call instead of allocated; non-persistent, so never saved.
-        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None], persistent=False)
+        self.register_buffer("position_ids", torch.arange(c.max_position_embeddings)[None], persistent=False)
         self.register_buffer("token_type_ids", torch.zeros_like(self.position_ids), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """BERT's initialisation: tables ~ N(0, initializer_range), the [PAD] row zero, LayerNorm the identity; and the
+        """BERT's initialisation: tables ~ N(0, initializer_range), padding rows zero, LayerNorm the identity; and the
         default-id buffers refilled (0, 1, 2, ... and zeros), which a layer materialised from the meta device by
         `to_empty()` holds as uninitialised memory."""
-        for table in (self.word_embeddings, self.position_embeddings, self.token_type_embeddings):
-            if isinstance(table, nn.Embedding):
-                nn.init.normal_(table.weight, std=self.config.initializer_range)
+        for module in (self.word_embeddings, self.position_embeddings, self.token_type_embeddings, self.projection):
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                nn.init.normal_(module.weight, std=self.config.initializer_range)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
         with torch.no_grad():
-            self.word_embeddings.weight[self.config.pad_token_id].zero_()
+            for table in (self.word_embeddings, self.position_embeddings):
+                if getattr(table, "padding_idx", None) is not None:
+                    table.weight[table.padding_idx].zero_()
             self.position_ids.copy_(torch.arange(self.position_ids.shape[-1])[None])
             self.token_type_ids.zero_()
         self.LayerNorm.reset_parameters()
 
     def _tables(self) -> tuple[torch.Tensor | None, ...]:
-        """(word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H], bias [H]) as they are now."""
-        positions, norm = self.position_embeddings, self.LayerNorm
-        return (self.word_embeddings.weight, self.token_type_embeddings.weight,
+        """(word [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm weight, bias or None) as they are
+        now."""
+        positions, segments, norm = self.position_embeddings, self.token_type_embeddings, self.LayerNorm
+        return (self.word_embeddings.weight, None if segments is None else segments.weight,
                 None if positions is None else positions.weight, norm.weight, norm.bias)
 
-    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length):
+    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
+                     cu_seqlens=None):
         """Check the inputs' shapes and dtypes against the tables as they are now (ValueErrors that name the bad value
-        and the fix) and return (token_type_ids, position_ids), the missing ones sliced from the default-id buffers.
+        and the fix) and return (token_type_ids, position_ids), the missing ones made as the member makes them.
         The ids' values are checked where the tables are read (`_rows`; the fused kernels report any they skip)."""
         tables = self._tables()
-        check_table_shapes(tables)
+        check_table_shapes(tables, self.config.output_width)
+        if cu_seqlens is not None:
+            input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens)
         _, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
                                  past_key_values_length, check_ranges=False, rows=table_rows(tables))
-        check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
-                          tables[3], tables[4])
-        if position_ids is None:
-            position_ids = self._default_ids("position_ids", offset(past_key_values_length), length)
-        if token_type_ids is None:
+        if self.projection is None:
+            check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
+                              tables[3], tables[4])
+        past = offset(past_key_values_length)
+        if position_ids is None and tables[2] is not None:
+            position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
+        if token_type_ids is None and tables[1] is not None:
             token_type_ids = self._default_ids("token_type_ids", 0, length)
-        return token_type_ids, position_ids
+        return input_ids, inputs_embeds, token_type_ids, position_ids
+
+    def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
+        """The member's default position ids: 0, 1, 2, ... from the cache offset; or, where positions count from the
+        padding (RoBERTa, MPNet), `(cumsum(ids != pad) + offset) * (ids != pad) + pad` as transformers computes them
+        (pads get the padding row, tokens count from pad + 1); from `inputs_embeds`, pad + 1 onwards (no offset)."""
+        if not self.config.positions_from_padding:
+            return self._default_ids("position_ids", past, length)
+        pad = self.config.pad_token_id
+        if input_ids is None:
+            return torch.arange(pad + 1, pad + 1 + length, device=inputs_embeds.device)[None]
+        mask = input_ids.ne(pad).int()
+        return ((torch.cumsum(mask, dim=1).type_as(mask) + past) * mask).long() + pad
+
+    def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens):
+        """Flattened documents (transformers' DataCollatorWithFlattening): ids [1, N] or [N], `cu_seqlens` [D + 1]
+        their boundaries. Positions restart per document, from the member's first position (pad + 1 in RoBERTa)."""
+        if position_ids is not None:
+            raise ValueError("pass position_ids or cu_seqlens, not both (cu_seqlens makes the position ids)")
+        if self.position_embeddings is None:
+            raise ValueError(f"cu_seqlens gives positions, but this {self.config.model_type} layer has no position "
+                             f"table (its positions enter in attention); leave cu_seqlens out")
+        given = input_ids if input_ids is not None else inputs_embeds
+        tokens = given.shape[-1 if input_ids is not None else -2] if given is not None else 0
+        bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if given is None or given.dim() > (2 if input_ids is not None else 3) or given.numel() and given.shape[0] \
+                != 1 or not bounds or bounds[0] != 0 or bounds[-1] != tokens or bounds != sorted(bounds):
+            raise ValueError(f"cu_seqlens={bounds[:8]} must rise from 0 to the number of packed tokens ({tokens}), "
+                             f"with the documents flattened into one row: input_ids [1, N] or [N]")
+        lengths = torch.diff(torch.tensor(bounds))
+        starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
+        positions = (torch.arange(tokens) - starts + self.config.first_position)[None].to(self.position_ids.device)
+        if input_ids is not None and input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        return input_ids, inputs_embeds, positions
 
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
-        """The word, segment and position rows [B, L, H] of checked, explicit ids (position None: no position table),
+        """The word [B, L, E] and the segment and position rows (None: no such table) of checked, explicit ids,
         after a ValueError for any id outside its table."""
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self._tables()))
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        segment = self.token_type_embeddings(token_type_ids.expand(word.shape[:2]))  # (any shape that broadcasts)
-        position = None if self.position_embeddings is None else self.position_embeddings(position_ids)
+        segments, positions = self.token_type_embeddings, self.position_embeddings
+        segment = None if segments is None else segments(token_type_ids.expand(word.shape[:2]))  # (broadcasts)
+        position = None if positions is None else positions(position_ids)
         return word, segment, position
 
     def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
@@ -154,6 +238,14 @@ class BertEmbeddings(nn.Module):
         ids = torch.arange(start, start + length, device=buffer.device)[None]
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
+    def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sum in the member's order, projected to H where it projects first; LayerNorm of it)."""
+        first, second = (position, segment) if self.config.sum_order == "position_first" else (segment, position)
+        total = _summed(word, first, second)
+        if self.config.projection == "before_norm":
+            total = self.projection(total)
+        return total, self.LayerNorm(total)
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -162,30 +254,59 @@ class BertEmbeddings(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         past_key_values_length: int | None = None,
         cache_length: int | None = None,
+        mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embed a batch of token ids.
 
         Args:
-            input_ids: [B, L] integer ids into the word table; or pass `inputs_embeds` [B, L, H] instead.
+            input_ids: [B, L] integer ids into the word table; or pass `inputs_embeds` [B, L, E] instead.
             token_type_ids: [B, L] segment ids (0 for A, 1 for B), or any shape that broadcasts to it ([1, L]: shared by
-                the batch); zeros when omitted.
-            position_ids: [B, L], or any shape that broadcasts to it ([1, L], [L]); `arange(L) +
-                past_key_values_length` when omitted, up to the position table's rows.
+                the batch); zeros when omitted. Refused where the member has no segment table.
+            position_ids: [B, L], or any shape that broadcasts to it; when omitted, the member's own: `arange(L) +
+                offset` (BERT), or counted from the padding id (RoBERTa, MPNet), up to the position table's rows.
             past_key_values_length, cache_length: offset of the first position, for decoding after a cache; one
                 number under transformers 4's name and 5's (both given and different: ValueError). 0 by default.
+            mask, attention_mask: [B, L] (one name or the other): DeBERTa multiplies its output by it.
+            cu_seqlens: [D + 1] boundaries of D documents packed into one row (input_ids [1, N] or [N], as
+                transformers' DataCollatorWithFlattening gives them): positions restart per document.
         Returns:
-            [B, L, H]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode.
+            [B, L, W]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode; W is
+            E, or H where the member projects before its norm (`config.output_width`).
         """
-        token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                                         offset_given(past_key_values_length, cache_length))
+        mask = self._mask(mask, attention_mask)
+        input_ids, inputs_embeds, token_type_ids, position_ids = self._checked_ids(
+            input_ids, token_type_ids, position_ids, inputs_embeds, offset_given(past_key_values_length, cache_length),
+            cu_seqlens)
+        out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             import bertembed.fast  # (the reference layer needs neither numba nor triton)
 
-            fused = bertembed.fast.run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
-            if fused is not None:
-                return fused
-        word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
-        return self.dropout(self.LayerNorm(_summed(word, segment, position)))
+            out = bertembed.fast.run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
+        if out is None:
+            _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
+            out = self.dropout(out if mask is None else _masked(out, mask))
+        elif mask is not None:  # (after the kernel's dropout: the same, for a mask of zeros and ones)
+            out = _masked(out, mask)
+        return out
+
+    def _mask(self, mask, attention_mask):
+        if mask is not None and attention_mask is not None:
+            raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
+        mask = attention_mask if mask is None else mask
+        if mask is not None and not self.config.mask_output:
+            raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
+                             f"DeBERTa's multiplies its output by the mask); leave it out")
+        return mask
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """ALBERT's and ELECTRA's Linear E -> H, which their encoder applies to this layer's output (after dropout):
+        `layer.project(layer(ids))` is what their first attention layer takes."""
+        if self.config.projection != "output":
+            raise ValueError(f"this {self.config.model_type} layer has no projection after it (only ALBERT's and "
+                             f"ELECTRA's with E != H); its output is already the encoder's input")
+        return self.projection(x)
 
     def decompose(
         self,
@@ -195,40 +316,56 @@ class BertEmbeddings(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         past_key_values_length: int | None = None,
         cache_length: int | None = None,
+        mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> Decomposition:
         """The named parts of `forward` for the same arguments (dropout is never applied).
 
         `output` equals `forward(...)` in eval mode exactly, and `(sum - mean) / std * LayerNorm.weight +
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
-        token_type_ids, position_ids = self._checked_ids(input_ids, token_type_ids, position_ids, inputs_embeds,
-                                                         offset_given(past_key_values_length, cache_length))
+        mask = self._mask(mask, attention_mask)
+        input_ids, inputs_embeds, token_type_ids, position_ids = self._checked_ids(
+            input_ids, token_type_ids, position_ids, inputs_embeds, offset_given(past_key_values_length, cache_length),
+            cu_seqlens)
         word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
-        total = _summed(word, segment, position)
+        total, output = self._normalised(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
+        zeros = torch.zeros_like(word)
+        parts = [word, zeros if position is None else position.expand_as(word), zeros if segment is None else segment]
+        if self.config.projection == "before_norm":  # the parts as they enter the norm (the projection is linear)
+            parts = [self.projection(part) for part in parts]
         return Decomposition(
-            word=word, position=torch.zeros_like(word) if position is None else position.expand_as(word),
-            segment=segment, sum=total, mean=mean, std=torch.sqrt(var + self.config.layer_norm_eps),
-            output=self.LayerNorm(total),
+            word=parts[0], position=parts[1], segment=parts[2], sum=total, mean=mean,
+            std=torch.sqrt(var + self.config.layer_norm_eps),
+            output=output if mask is None else _masked(output, mask),
         )
 
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
-        backend: str = "reference",
+        backend: str = "reference", dtype: torch.dtype | None = None,
     ) -> BertEmbeddings:
-        """Load the embedding tables of a BERT checkpoint.
+        """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
 
         `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
-        bundled default (`bertembed.DEFAULT_MODEL`). Only the five embedding tensors are read.
+        bundled default (`bertembed.DEFAULT_MODEL`). Only the embedding tensors are read.
         `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
+        `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
         The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
         to fine-tune it.
         """
         from bertembed.checkpoint import load_checkpoint
 
         checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
-        layer = cls(checkpoint.config, backend=backend)
+        with torch.device("meta"):  # (the checkpoint's tensors replace the tables at once)
+            layer = cls(checkpoint.config, backend=backend)
+        dtype = dtype or checkpoint.tensors["word_embeddings.weight"].dtype
+        layer = layer.to_empty(device="cpu").to(dtype)
+        layer.reset_parameters()  # (the buffers, and any computed table)
+        if isinstance(layer.position_embeddings, SinusoidalPositions):
+            layer.position_embeddings = SinusoidalPositions(*layer.position_embeddings.weight.shape).to(dtype)
         layer.load_state_dict(checkpoint.tensors)
         layer.source = checkpoint.source
         return layer.eval()

@@ -1,17 +1,10 @@
-"""Which model family a checkpoint is: bertembed reads BERT's, and refuses every other (for now).
+"""Where each member of BERT's family keeps its embedding tensors, and how a checkpoint's tensors tell its family.
 
-RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ALBERT, ELECTRA, DeBERTa and MPNet store their embedding tensors under
-BERT's very names, so a name match alone would load them and then compute something else: RoBERTa counts positions
-from its padding id (row 0 and its padding row 1 are never used), DistilBERT and MPNet add no segment vector, ALBERT
-and ELECTRA project the sum afterwards. The family is told from config.json (`model_type`, `architectures`) and from
-the tensors themselves (names only other families use, a padding row in the position table), so that a checkpoint
-whose config.json was edited, or that has none, is refused too. Nothing here imports torch.
-
-What counts as BERT: config.json's `model_type` is "bert" or absent, its `architectures` (if listed) are all BERT
-classes; no tensor name belongs to another family's layout; the five tensors sit under BERT's names with the config's
-shapes, a token type table included; and the position table has no padding row. A checkpoint without config.json is
-judged on its tensors alone. (An ELECTRA whose embedding and hidden sizes are equal, stripped of its config, passes:
-its embedding layer computes exactly BERT's.)
+The layer's own state-dict names are BERT's (`word_embeddings.weight`, `LayerNorm.weight`, ...; `projection.*` for a
+factorised member's Linear E -> H). A checkpoint keeps them under its member's keys, after a model prefix ("bert.",
+"roberta.", "model.", or none): `layout(model_type)` maps one onto the other, both ways. A checkpoint's family is read
+from config.json (`bertembed.config`); its tensors must agree with it: a key that only another family uses, or, in a
+table that counts positions from zero, a padding row (RoBERTa's layout), is refused. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,22 +13,55 @@ from collections.abc import Iterable
 
 from bertembed.config import SUPPORTED
 
-# parts of tensor names that only other families use, and the family each one means
-FOREIGN_NAME_PARTS = {
-    "roberta": "RoBERTa", "xlm_roberta": "XLM-RoBERTa", "camembert": "CamemBERT", "distilbert": "DistilBERT",
-    "q_lin": "DistilBERT", "albert": "ALBERT", "embedding_hidden_mapping_in": "ALBERT", "electra": "ELECTRA",
-    "embeddings_project": "ELECTRA", "deberta": "DeBERTa", "rel_embeddings": "DeBERTa", "mpnet": "MPNet",
-    "relative_attention_bias": "MPNet", "tok_embeddings": "ModernBERT", "emb_ln": "NomicBERT",
+NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+         "LayerNorm.weight", "LayerNorm.bias", "projection.weight", "projection.bias")
+LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}  # TF-era checkpoints
+_BERT = {name: "embeddings." + name for name in NAMES[:5]}
+_PROJECTIONS = {"albert": "encoder.embedding_hidden_mapping_in", "electra": "embeddings_project",
+                "deberta": "embeddings.embed_proj", "deberta-v2": "embeddings.embed_proj"}
+_RENAMED = {
+    "modernbert": {"word_embeddings.weight": "embeddings.tok_embeddings.weight",
+                   "LayerNorm.weight": "embeddings.norm.weight", "LayerNorm.bias": "embeddings.norm.bias"},
+    "nomic_bert": {"LayerNorm.weight": "emb_ln.weight", "LayerNorm.bias": "emb_ln.bias"},
+}
+# the model prefixes of heads (BertForMaskedLM: "bert."), most specific first; "" is a base model's
+PREFIXES = {"xlm-roberta": ("roberta.", "xlm_roberta."), "camembert": ("roberta.", "camembert."),
+            "deberta-v2": ("deberta.",), "modernbert": ("model.",)}
+
+# parts of tensor names, and the members whose checkpoints use them
+NAME_PARTS = {
+    "roberta": ("roberta", "xlm-roberta", "camembert"), "xlm_roberta": ("xlm-roberta",), "camembert": ("camembert",),
+    "distilbert": ("distilbert",), "q_lin": ("distilbert",), "albert": ("albert",),
+    "embedding_hidden_mapping_in": ("albert",), "electra": ("electra",), "embeddings_project": ("electra",),
+    "deberta": ("deberta", "deberta-v2"), "rel_embeddings": ("deberta", "deberta-v2"),
+    "embed_proj": ("deberta", "deberta-v2"), "mpnet": ("mpnet",), "relative_attention_bias": ("mpnet",),
+    "tok_embeddings": ("modernbert",), "emb_ln": ("nomic_bert",),
 }
 
 
-def check_key_family(keys: Iterable[str], where: str) -> None:
-    """ValueError if any tensor name belongs to another family's layout (`FOREIGN_NAME_PARTS`)."""
+def layout(model_type: str) -> dict[str, str]:
+    """The layer's state-dict name -> the key (after the model prefix) of a `model_type` checkpoint."""
+    keys = {**_BERT, **_RENAMED.get(model_type, {})}
+    if model_type in _PROJECTIONS:
+        keys.update({f"projection.{p}": f"{_PROJECTIONS[model_type]}.{p}" for p in ("weight", "bias")})
+    return keys
+
+
+def prefixes(model_type: str) -> tuple[str, ...]:
+    """Model prefixes to try, in order: the member's heads', BERT's for sentence-transformers folders, none."""
+    stem = model_type.replace("-", "_")
+    return (*PREFIXES.get(model_type, (stem + ".",)), "")
+
+
+def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") -> None:
+    """ValueError if a tensor name belongs to other members' layouts only (`NAME_PARTS`), not `model_type`'s."""
     for key in keys:
         for part in key.split("."):
-            if part in FOREIGN_NAME_PARTS:
-                raise ValueError(f"{where} holds {key!r}, a tensor of {FOREIGN_NAME_PARTS[part]} checkpoints: "
-                                 f"{SUPPORTED}")
+            members = NAME_PARTS.get(part)
+            if members is not None and model_type not in members:
+                raise ValueError(f"{where} holds {key!r}, a tensor of {'/'.join(members)} checkpoints, but its "
+                                 f"config says {model_type!r} (or there is no config.json, and the tensors alone "
+                                 f"read as BERT's): give the folder with the checkpoint's own config.json; {SUPPORTED}")
 
 
 def padding_row(positions) -> int | None:

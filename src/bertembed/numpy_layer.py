@@ -1,6 +1,8 @@
 """The reference computation again, in numpy, so the command line starts without importing torch (1-2 s alone).
 
-The three rows are summed in float32 in the same order as `embeddings.BertEmbeddings`; LayerNorm's statistics are
+Every member of the family, from the same configuration fields as the torch layer (DeBERTa v1's float32 LayerNorm is
+the one fact it does not follow: its statistics here are float64, as for every member, within the tolerance below).
+The rows are summed in float32 in the same order as `embeddings.BertEmbeddings`; LayerNorm's statistics are
 taken in float64. The tests hold it to the torch layer within 1e-6 (outputs of magnitude up to about 5 here).
 Only for inference and explanation: no dropout, no gradients.
 
@@ -30,7 +32,7 @@ def sinusoidal_table_np(positions: int, hidden: int) -> np.ndarray:
 
 @dataclass
 class NumpyEmbeddings:
-    """The five embedding tensors as float32 arrays, under `BertEmbeddings.state_dict()` names."""
+    """The embedding tensors as float32 arrays, under `BertEmbeddings.state_dict()` names."""
 
     config: EmbeddingConfig
     tensors: dict[str, np.ndarray]
@@ -44,35 +46,45 @@ class NumpyEmbeddings:
         return cls(checkpoint.config, tensors, checkpoint.source)
 
     def decompose(self, input_ids: np.ndarray, token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """word, position, segment, sum [B, L, H]; mean, std [B, L]; output [B, L, H] (LayerNorm, eval mode)."""
-        cfg = self.config
+        """word, position, segment, sum [B, L, W]; mean, std [B, L]; output [B, L, W] (LayerNorm, eval mode), each
+        member's way (`EmbeddingConfig`'s facts); an absent table's part is zeros."""
+        cfg, t = self.config, self.tensors
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be an integer array [B, L], got {ids.dtype} {ids.shape}")
         types = np.zeros_like(ids) if token_type_ids is None else np.asarray(token_type_ids)
         length = ids.shape[1]
-        for name, values, limit in (("input_ids", ids, cfg.vocab_size), ("token_type_ids", types, cfg.type_vocab_size)):
+        for name, values, limit in (("input_ids", ids, cfg.vocab_size), ("token_type_ids", types,
+                                                                          cfg.type_vocab_size or 1)):
             if values.size and (values.min() < 0 or values.max() >= limit):
                 raise ValueError(f"{name} holds values outside [0, {limit}); use ids from this checkpoint's tokenizer")
-        if length > cfg.max_position_embeddings:
+        if cfg.position_embedding_type != "none" and cfg.first_position + length > cfg.max_position_embeddings:
             raise ValueError(f"{length} tokens, but the position table has {cfg.max_position_embeddings} rows: "
                              f"shorten the text")
-        word = self.tensors["word_embeddings.weight"][ids]
-        segment = self.tensors["token_type_embeddings.weight"][types]
-        position = self._positions(length)[None].repeat(ids.shape[0], axis=0)
-        total = word + segment + position  # (word + segment) + position, left to right as in the torch layer
+        word = t["word_embeddings.weight"][ids]
+        zeros = np.zeros_like(word)
+        segment = t["token_type_embeddings.weight"][types] if cfg.type_vocab_size else zeros
+        position = self._positions(ids) if cfg.position_embedding_type != "none" else zeros
+        # in the member's order, as the torch layer adds them (an absent table adds zeros: the same numbers)
+        total = (word + position) + segment if cfg.sum_order == "position_first" else (word + segment) + position
+        if cfg.projection == "before_norm":  # (DeBERTa's E -> H: the parts shown as they enter the norm)
+            total, word, position, segment = (x @ t["projection.weight"].T for x in (total, word, position, segment))
         mean = total.mean(axis=-1, dtype=np.float64)
         var = ((total - mean[..., None]) ** 2).mean(axis=-1)
         std = np.sqrt(var + cfg.layer_norm_eps)
-        normed = (total - mean[..., None]) / std[..., None]
-        output = (normed * self.tensors["LayerNorm.weight"] + self.tensors["LayerNorm.bias"]).astype(np.float32)
+        normed = (total - mean[..., None]) / std[..., None] * t["LayerNorm.weight"]
+        output = (normed + t["LayerNorm.bias"] if cfg.norm_bias else normed).astype(np.float32)
         return {"word": word, "position": position, "segment": segment, "sum": total, "mean": mean.astype(np.float32),
                 "std": std.astype(np.float32), "output": output}
 
-    def _positions(self, length: int) -> np.ndarray:
-        kind, cfg = self.config.position_embedding_type, self.config
-        if kind == "absolute":
-            return self.tensors["position_embeddings.weight"][:length]
-        if kind == "none":
-            return np.zeros((length, cfg.hidden_size), dtype=np.float32)
-        return sinusoidal_table_np(length, cfg.hidden_size).astype(np.float32)
+    def _positions(self, ids: np.ndarray) -> np.ndarray:
+        """[B, L, E] position rows: 0, 1, 2, ...; or counted from the padding id (RoBERTa, MPNet)."""
+        cfg, length = self.config, ids.shape[1]
+        if cfg.positions_from_padding:
+            tokens = ids != cfg.pad_token_id
+            rows = np.cumsum(tokens, axis=1) * tokens + cfg.pad_token_id
+        else:
+            rows = np.broadcast_to(np.arange(length), ids.shape)
+        if cfg.position_embedding_type == "absolute":
+            return self.tensors["position_embeddings.weight"][rows]
+        return sinusoidal_table_np(int(rows.max()) + 1, cfg.table_width).astype(np.float32)[rows]

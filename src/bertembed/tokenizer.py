@@ -1,7 +1,9 @@
-"""Text in, ids out: BERT's WordPiece tokenizer, a thin wrapper around Hugging Face's `tokenizers`.
+"""Text in, ids out: a checkpoint's own tokenizer, a thin wrapper around Hugging Face's `tokenizers`.
 
-`[CLS] A [SEP]` for one text, `[CLS] A [SEP] B [SEP]` for a pair; segment (token type) 0 covers [CLS], A and its
-[SEP], segment 1 covers B and the last [SEP]. Nothing here imports torch unless tensors are asked for.
+BERT's WordPiece: `[CLS] A [SEP]` for one text, `[CLS] A [SEP] B [SEP]` for a pair; segment (token type) 0 covers
+[CLS], A and its [SEP], segment 1 covers B and the last [SEP]. The family's tokenizer.json files (RoBERTa's and XLM-R's
+BPE and SentencePiece-converted ones, ...) carry their own pair layout (`<s> A </s></s> B </s>`, all segment 0), which
+`tokenizers` applies. Nothing here imports torch unless tensors are asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bertembed.config import read_json
+from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,14 @@ class Encoding:
 class Tokenizer:
     """BERT's WordPiece tokenizer for one checkpoint; ids equal transformers' `BertTokenizerFast`."""
 
-    def __init__(self, backend, max_length: int = 512, source: Source | None = None) -> None:
+    def __init__(self, backend, max_length: int = 512, source: Source | None = None,
+                 pad_token: str | None = None) -> None:
         self.backend = backend
         self.max_length = max_length
         self.source = source
-        self.pad_token_id = backend.token_to_id("[PAD]") or 0
+        found = [t for t in (pad_token, "[PAD]", "<pad>") if t and backend.token_to_id(t) is not None]
+        self.pad_token = found[0] if found else "[PAD]"
+        self.pad_token_id = backend.token_to_id(self.pad_token) or 0
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
@@ -66,7 +71,7 @@ class Tokenizer:
             backend = _wordpiece_from_vocab(vocab, settings)
         backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
         backend.no_truncation()
-        return cls(backend, settings["max_length"], source)
+        return cls(backend, settings["max_length"], source, settings.get("pad_token"))
 
     def __call__(
         self,
@@ -94,7 +99,8 @@ class Tokenizer:
             self.backend.no_truncation()
         if padding:
             length = limit if padding == "max_length" else None
-            self.backend.enable_padding(pad_id=self.pad_token_id, pad_type_id=0, pad_token="[PAD]", length=length)
+            self.backend.enable_padding(pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token,
+                                        length=length)
         else:
             self.backend.no_padding()
         try:
@@ -184,7 +190,8 @@ def _to_tensors(out: Encoding) -> Encoding:
 
 
 def _read_settings(source: Source) -> dict[str, Any]:
-    """Lower-casing, accents, Chinese characters and the length limit, from tokenizer_config.json and config.json."""
+    """Lower-casing, accents, Chinese characters, the padding token and the length limit, from tokenizer_config.json
+    and config.json (where positions count from the padding id, as RoBERTa's, the reserved rows are not usable)."""
     settings: dict[str, Any] = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True}
     limits = []
     for name in ("tokenizer_config.json", "config.json"):
@@ -193,12 +200,24 @@ def _read_settings(source: Source) -> dict[str, Any]:
             continue
         data = read_json(path)
         settings.update({k: data[k] for k in ("do_lower_case", "strip_accents", "tokenize_chinese_chars") if k in data})
+        pad = data.get("pad_token")
+        if isinstance(pad, (str, dict)) and name == "tokenizer_config.json":
+            settings["pad_token"] = pad if isinstance(pad, str) else pad.get("content")
+        reserved = _first_position(data) if name == "config.json" else 0
         for key in ("model_max_length", "max_position_embeddings"):
             value = data.get(key)
             if isinstance(value, int) and 0 < value < 1_000_000:  # transformers writes 1e30 for "no limit"
-                limits.append(value)
+                limits.append(value - (reserved if key == "max_position_embeddings" else 0))
     settings["max_length"] = min(limits, default=512)
     return settings
+
+
+def _first_position(config: dict) -> int:
+    """The position rows a member reserves before the first token's (RoBERTa's padding id + 1), 0 if unreadable."""
+    try:
+        return EmbeddingConfig.from_hf_config(config).first_position
+    except ValueError:
+        return 0
 
 
 def _backend_from_file(path: Path):

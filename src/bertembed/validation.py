@@ -127,37 +127,39 @@ def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
                             f"torch.export graph; reaching here otherwise is a bug")
 
 
-def table_shape_problem(tables) -> str | None:
-    """What is wrong with the shapes of (word [V, H], segment [T, H], position [P, H] or None, LayerNorm weight [H],
-    bias [H] or None), or None: the fused kernels read H columns of every row and H entries of the weight and bias, so
-    any other shape would have them read outside a table."""
+def table_shape_problem(tables, norm_width: int | None = None) -> str | None:
+    """What is wrong with the shapes of (word [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm
+    weight [N], bias [N] or None), or None. N is E unless `norm_width` says otherwise (a projection before the norm).
+    The fused kernels read E columns of every row and E entries of the weight and bias, so any other shape would have
+    them read outside a table."""
     word, segment, position, weight, bias = tables[:5]
-    hidden = (word.shape[-1],)
-    if word.dim() == 2 and segment.shape[1:] == hidden and (position is None or position.shape[1:] == hidden) \
-            and (weight is None or weight.shape == hidden) and (bias is None or bias.shape == hidden):
-        return None  # (the common case first: every call asks)
     if word.dim() != 2:
-        return f"the word table has shape {tuple(word.shape)}, not [V, H]"
-    hidden = word.shape[1]
+        return f"the word table has shape {tuple(word.shape)}, not [V, E]"
+    width = word.shape[1]
+    norm = (norm_width or width,)
     for name, table, want in zip(("segment table", "position table", "LayerNorm weight", "LayerNorm bias"),
-                                 tables[1:5], ("[T, H]", "[P, H]", "[H]", "[H]"), strict=True):
-        if table is not None and tuple(table.shape[1 if want != "[H]" else 0:]) != (hidden,):
-            return f"the {name} has shape {tuple(table.shape)}, not {want} with H={hidden} as the word table's"
+                                 tables[1:5], ("[T, E]", "[P, E]", "[N]", "[N]"), strict=True):
+        if table is None:
+            continue
+        if want == "[N]" and tuple(table.shape) != norm:
+            return f"the {name} has shape {tuple(table.shape)}, not [{norm[0]}]"
+        if want != "[N]" and tuple(table.shape[1:]) != (width,):
+            return f"the {name} has shape {tuple(table.shape)}, not {want} with E={width} as the word table's"
     return None
 
 
-def check_table_shapes(tables) -> None:
+def check_table_shapes(tables, norm_width: int | None = None) -> None:
     """A ValueError, before any table is read, for tables whose shapes do not fit together (`table_shape_problem`):
     every backend raises it, where torch's ops would raise their own errors and the kernels would read too far."""
-    if problem := table_shape_problem(tables):
+    if problem := table_shape_problem(tables, norm_width):
         raise ValueError(f"{problem}; the tables and the LayerNorm must share one hidden size (was a table's .data "
                          f"replaced?)")
 
 
-def table_rows(tables) -> tuple[int, int, int | None]:
-    """(word, segment, position) rows of (word, segment, position or None, ...) tables, for `check_inputs`."""
-    word, segment, position = tables[:3]
-    return word.shape[0], segment.shape[0], None if position is None else position.shape[0]
+def table_rows(tables) -> tuple[int, int | None, int | None]:
+    """(word, segment, position) rows of (word, segment or None, position or None, ...) tables, for `check_inputs`
+    (None: no such table)."""
+    return tuple(None if t is None else t.shape[0] for t in tables[:3])
 
 
 def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int, int]:
@@ -174,8 +176,8 @@ def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int
         return tuple(input_ids.shape)
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
         raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
-    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-        raise ValueError(f"inputs_embeds must have shape [B, L, {config.hidden_size}], "
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.table_width:
+        raise ValueError(f"inputs_embeds must have shape [B, L, {config.table_width}], "
                          f"got {tuple(inputs_embeds.shape)}")
     return tuple(inputs_embeds.shape[:2])
 
@@ -232,7 +234,7 @@ def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor
     if input_ids is not None:
         ranges.append(("input_ids", input_ids, vocab, "word",
                        "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
-    if token_type_ids is not None:
+    if token_type_ids is not None and segments is not None:
         ranges.append(("token_type_ids", token_type_ids, segments, "segment",
                        "use 0 for the first segment and 1 for the second"))
     if position_ids is not None and positions is not None:
@@ -261,14 +263,16 @@ def check_inputs(
     transformers."""
     shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
     past_key_values_length = offset(past_key_values_length)
-    vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size, None)
+    vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size or None, None)
     limit = config.max_position_embeddings if positions is None else positions
-    if position_ids is None and past_key_values_length + length > limit:
+    has_table = positions is not None if rows else config.position_embedding_type != "none"
+    first = config.first_position + past_key_values_length
+    if position_ids is None and has_table and first + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
-            f"positions up to {past_key_values_length + length - 1}, but the position table has {limit} rows: "
-            f"truncate to {max(limit - past_key_values_length, 0)} tokens (the tokenizer's truncation does this)")
-    if token_type_ids is not None:
+            f"positions up to {first + length - 1}, but the position table has {limit} rows: "
+            f"truncate to {max(limit - first, 0)} tokens (the tokenizer's truncation does this)")
+    if token_type_ids is not None:  # (checked even where there is no segment table, which ignores them as DeBERTa's)
         _check_int("token_type_ids", token_type_ids)
         _check_broadcasts("token_type_ids", token_type_ids, shape, "give one segment id per token")
     if position_ids is not None:

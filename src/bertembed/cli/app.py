@@ -65,9 +65,15 @@ def _show_our_warnings() -> None:
 def user_errors() -> Iterator[None]:
     """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
     value the user gave, a checkpoint file that is broken; anything else is a bug and keeps its traceback."""
+    from rich.markup import escape
+
+    from bertembed.explain._common import NotInThisMember
+
     _show_our_warnings()
     try:
         yield
+    except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
+        console.print(escape(str(err)), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
         _fail(str(err))
     except OSError as err:

@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from bertembed.numpy_layer import NumpyEmbeddings
+from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
 
@@ -25,13 +25,27 @@ def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
     return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
 
 
+class NotInThisMember(ValueError):
+    """The analysis asked for a table this member of the family does not have (a fact to report, not an error)."""
+
+
 def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
-    """One table ("word", "position", "segment") as [rows, H] float64, for analysis."""
-    key = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
-           "segment": "token_type_embeddings.weight"}[name]
-    if key not in layer.tensors:
-        raise ValueError(f"{layer.source.name} has no learned {name} table (position_embedding_type="
-                         f"{layer.config.position_embedding_type!r}); this analysis needs one")
+    """One table ("word", "position", "segment") as [rows, E] float64, for analysis: the rows tokens use (a
+    RoBERTa-style position table's reserved rows are skipped; a sinusoidal one is computed). NotInThisMember where the
+    member has no such table."""
+    cfg, member = layer.config, f"{layer.source.name} ({layer.config.model_type})"
+    if name == "position":
+        if cfg.position_embedding_type == "none":
+            raise NotInThisMember(f"{member} has no position table: its positions enter in attention (rotary, ALiBi "
+                                  f"or relative), so there are no position vectors here to measure")
+        if cfg.position_embedding_type == "sinusoidal":
+            return sinusoidal_table_np(cfg.max_position_embeddings, cfg.table_width)
+        return layer.tensors["position_embeddings.weight"][cfg.first_position:].astype(np.float64)
+    if name == "segment" and cfg.type_vocab_size < 2:
+        what = "no segment table: it has no token types" if not cfg.type_vocab_size else \
+            "one segment row: every token gets the same segment vector, so segments A and B cannot differ"
+        raise NotInThisMember(f"{member} has {what}")
+    key = {"word": "word_embeddings.weight", "segment": "token_type_embeddings.weight"}[name]
     return layer.tensors[key].astype(np.float64)
 
 

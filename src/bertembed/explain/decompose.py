@@ -133,7 +133,8 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
 
         layer = layer or NumpyEmbeddings.from_pretrained(model)
         parts, source, config = layer.decompose(ids, types), layer.source, layer.config
-        gamma, beta = layer.tensors["LayerNorm.weight"], layer.tensors["LayerNorm.bias"]
+        gamma = layer.tensors["LayerNorm.weight"]
+        beta = layer.tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
     else:
         import torch
 
@@ -144,9 +145,11 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
             dec = module.decompose(torch.from_numpy(ids), torch.from_numpy(types))
         parts = {k: v.float().numpy() for k, v in vars(dec).items()}
         source, config = module.source, module.config
-        gamma, beta = module.LayerNorm.weight.detach().numpy(), module.LayerNorm.bias.detach().numpy()
+        gamma = module.LayerNorm.weight.detach().float().numpy()
+        beta = np.zeros_like(gamma) if module.LayerNorm.bias is None else module.LayerNorm.bias.detach().float().numpy()
     return TextDecomposition(
         source=source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
-        segments=list(enc.token_type_ids), positions=list(range(len(enc.input_ids))),
+        segments=list(enc.token_type_ids),
+        positions=list(range(config.first_position, config.first_position + len(enc.input_ids))),
         **{k: parts[k][0] for k in ("word", "position", "segment", "sum", "mean", "std", "output")},
         gamma=gamma, beta=beta, eps=config.layer_norm_eps)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, load_layer, repr_html, row_norms, table
+from bertembed.explain._common import ModelArg, NotInThisMember, load_layer, repr_html, row_norms, table
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
 
@@ -61,8 +61,6 @@ def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
     check_not_blank(text_b, "text_b")
     layer = load_layer(model)
     seg = table(layer, "segment")
-    if seg.shape[0] < 2:
-        raise ValueError(f"{layer.source.name} has {seg.shape[0]} segment row(s); segments A and B need 2")
     tokenizer = Tokenizer.from_pretrained(layer.source)
     tokenizer.require_tokens(text, "the text")
     tokenizer.require_tokens(text_b, "text_b")
@@ -79,9 +77,16 @@ def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
         cosine=float(seg[0] @ seg[1] / max(norms[0] * norms[1], 1e-30)),
         median_word_norm=float(np.median(row_norms(table(layer, "word")))),
-        median_position_norm=float(np.median(row_norms(layer._positions(layer.config.max_position_embeddings)))),
+        median_position_norm=_median_position_norm(layer),
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),
         output_norm=float(row_norms(out_a).mean()), pair_tokens=list(pair.tokens),
         pair_segments=list(pair.token_type_ids))
+
+
+def _median_position_norm(layer) -> float:
+    try:
+        return float(np.median(row_norms(table(layer, "position"))))
+    except NotInThisMember:
+        return float("nan")  # (no position table: nothing to compare the segment rows with)

@@ -123,10 +123,12 @@ def can_fuse(layer: nn.Module) -> str | None:
     if any(_GLOBAL_HOOKS):
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
-    modules = layer._modules
+    modules = {name: getattr(layer, name, None) for name in _PLAIN}  # (a patched ModernBERT names them its way)
+    if getattr(layer.config, "projection", "none") == "before_norm":
+        return "the layer projects its sum E -> H before the LayerNorm (DeBERTa), which the kernels do not"
     for name, plain in _PLAIN.items():
         module = modules.get(name)
-        if module is None and name == "position_embeddings":  # position_embedding_type="none"
+        if module is None and name in ("position_embeddings", "token_type_embeddings"):  # a member without one
             continue
         if type(module) is not plain:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
@@ -142,8 +144,8 @@ def can_fuse(layer: nn.Module) -> str | None:
             if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
                 option = "sparse=True" if module.sparse else "scale_grad_by_freq=True"
                 return f"{name} has {option} (the kernels write dense, unscaled gradients)"
-    if modules["LayerNorm"].weight is None or modules["LayerNorm"].bias is None:
-        return "LayerNorm has no weight or no bias (elementwise_affine=False or bias=False)"
+    if modules["LayerNorm"].weight is None:
+        return "LayerNorm has no weight (elementwise_affine=False)"
     return None
 
 
@@ -152,12 +154,12 @@ def _mixed(tables, ids) -> str | None:
     three tables in one dtype (LayerNorm's weight and bias may be any float dtype), and ids on the tables' device.
     Ids elsewhere get the reference's answer: torch's error, or for ids on the meta device what torch's lookup gives."""
     word, segment, position = tables[:3]
-    if segment.dtype != word.dtype or position is not None and position.dtype != word.dtype:
+    if any(t is not None and t.dtype != word.dtype for t in (segment, position)):
         dtypes = {t.dtype for t in tables[:3] if t is not None}
         return f"the tables have different dtypes {sorted(map(str, dtypes))}"
     device = word.device
     for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
-        if given.device != device:
+        if given is not None and given.device != device:
             return f"{name} is on {given.device}, the tables on {device}"
     return None
 
@@ -180,22 +182,23 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
         else can_fuse(layer)
     if reason is None:
-        modules = layer._modules  # (checked by can_fuse: the kernel reads their tables)
-        word, positions, norm = modules["word_embeddings"], modules.get("position_embeddings"), modules["LayerNorm"]
-        tables = (word.weight, modules["token_type_embeddings"].weight, None if positions is None else positions.weight,
-                  norm.weight, norm.bias)
+        word, norm = layer.word_embeddings, layer.LayerNorm  # (checked by can_fuse: the kernel reads their tables)
+        positions, segments = layer.position_embeddings, layer.token_type_embeddings
+        tables = (word.weight, None if segments is None else segments.weight,
+                  None if positions is None else positions.weight, norm.weight, norm.bias)
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:
         _fall_back(reason)
         return None
-    dropout = modules["dropout"]
+    dropout = layer.dropout
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
     if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
-                      p if dropout.training else 0.0, word.padding_idx, vars(layer).get("deterministic", False), None)
+                      p if dropout.training else 0.0, (word.padding_idx, getattr(positions, "padding_idx", None)),
+                      vars(layer).get("deterministic", False), None)
     except IdsOutsideTables:
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
         raise
@@ -206,10 +209,18 @@ def _needs_autograd(tables) -> bool:
 
 
 def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, tables: tuple, eps: float,
-           p: float, padding_idx: int | None, deterministic: bool, out: Tensor | None) -> Tensor:
+           p: float, padding: tuple[int | None, int | None], deterministic: bool, out: Tensor | None) -> Tensor:
     """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd
-    Function for training, the custom op where torch.compile traces."""
+    Function for training, the custom op where torch.compile traces. `padding`: the padding rows of the word and
+    position tables (None: none), whose gradients stay zero."""
     word, segment, position, weight, bias = tables
+    if segment is None:  # no segment table (DistilBERT, MPNet, ModernBERT): one zero row, which adds nothing
+        segment, token_type_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
+    if bias is None:  # a LayerNorm without bias (ModernBERT)
+        bias = weight.new_zeros(weight.shape)
+    if position is None:
+        position_ids = input_ids.new_zeros((1, 1))  # (not read)
+    tables = (word, segment, position, weight, bias)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     compiling = is_compiling()
     if out is not None or not _needs_autograd(tables) and not compiling:
@@ -219,9 +230,9 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
             None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=False,
             shape=(batch, length, word.shape[1]))[0]
     apply = embeddings_op if compiling else EagerEmbeddings.apply  # the op only where it is traced
-    pad = -1 if padding_idx is None else int(padding_idx)
+    pad, position_pad = (-1 if i is None else int(i) for i in padding)
     return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,
-                 backend, deterministic or torch.are_deterministic_algorithms_enabled())[0]
+                 position_pad, backend, deterministic or torch.are_deterministic_algorithms_enabled())[0]
 
 
 def _check_out(out: Tensor, ids_shape, tables) -> None:
@@ -248,10 +259,10 @@ def _config(vocab: int, hidden: int, positions: int | None, types: int, eps: flo
 def fused_embeddings(
     input_ids: Tensor,
     word_embeddings: Tensor,
-    token_type_embeddings: Tensor,
+    token_type_embeddings: Tensor | None,
     position_embeddings: Tensor | None,
     layer_norm_weight: Tensor,
-    layer_norm_bias: Tensor,
+    layer_norm_bias: Tensor | None,
     *,
     token_type_ids: Tensor | None = None,
     position_ids: Tensor | None = None,
@@ -274,8 +285,9 @@ def fused_embeddings(
             [B, L] ([1, L]: shared by the batch).
         past_key_values_length, cache_length: the offset of the first default position, under transformers 4's
             name and 5's (one number; both given and different: ValueError). 0 by default.
-        word_embeddings [V, H], token_type_embeddings [T, H], position_embeddings [P, H] or None (no position row),
-            layer_norm_weight [H], layer_norm_bias [H]: the tables, differentiable (autograd-aware custom op).
+        word_embeddings [V, H], token_type_embeddings [T, H] or None, position_embeddings [P, H] or None (no such
+            table: nothing added), layer_norm_weight [H], layer_norm_bias [H] or None (no bias, as ModernBERT's):
+            the tables, differentiable (autograd-aware custom op).
         eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training (p in
             [0, 1], checked even when not training, as F.dropout checks it; p == 1 gives zeros).
         padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
@@ -295,7 +307,7 @@ def fused_embeddings(
     p = p if training else 0.0
     config = _config(word_embeddings.shape[0], word_embeddings.shape[-1],
                      None if position_embeddings is None else position_embeddings.shape[0],
-                     token_type_embeddings.shape[0], float(eps))
+                     0 if token_type_embeddings is None else token_type_embeddings.shape[0], float(eps))
     device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
     check_table_shapes(tables)
     batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past,
@@ -312,15 +324,15 @@ def fused_embeddings(
     if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
         chosen, reason = "reference", mixed
     if chosen != "reference":
-        return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, padding_idx,
+        return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, (padding_idx, None),
                       deterministic, out)
     if reason:
         _fall_back(reason)
     import torch.nn.functional as F
 
     word, segment, position, weight, bias = tables
-    x = F.embedding(input_ids, word, padding_idx) + F.embedding(token_type_ids, segment)
-    if position is not None:
-        x = x + F.embedding(position_ids, position)
+    x = F.embedding(input_ids, word, padding_idx)
+    for ids, table in ((token_type_ids, segment), (position_ids, position)):
+        x = x if table is None else x + F.embedding(ids, table)
     result = F.dropout(F.layer_norm(x, (word.shape[1],), weight, bias, float(eps)), p, training=p > 0)
     return result if out is None else out.copy_(result)

@@ -40,7 +40,7 @@ def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) ->
 
 
 def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
-             backend, deterministic):
+             position_pad, backend, deterministic):
     batch, length = input_ids.shape
     # the output comes in its own shape, not as a view of the kernel's [N, H]: a view made inside an autograd Function
     # may not be changed in place afterwards (`out.mul_(2)`, a forward hook's edit), which a plain tensor may
@@ -55,20 +55,21 @@ def _forward(input_ids, token_type_ids, position_ids, word, segment, position, w
 def embeddings_op(
     input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
     position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
-    backend: str, deterministic: bool,
+    position_pad: int, backend: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
 
     input_ids [B, L]; segment and position ids of any shape that broadcasts to it; all already validated.
-    `padding_idx` (-1: none) and `deterministic` are read by the backward.
+    `padding_idx` and `position_pad` (the word and position tables' padding rows, whose gradients stay zero; -1:
+    none) and `deterministic` are read by the backward.
     """
     return _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
-                    padding_idx, backend, deterministic)
+                    padding_idx, position_pad, backend, deterministic)
 
 
 @embeddings_op.register_fake
 def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
-      backend, deterministic):
+      position_pad, backend, deterministic):
     batch, length = input_ids.shape
     stats = word.new_empty((batch, length), dtype=torch.float32)
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
@@ -120,7 +121,7 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 def _setup_context(ctx, inputs, output) -> None:
     (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
-     backend, deterministic) = inputs
+     position_pad, backend, deterministic) = inputs
     _out, mean, rstd = output
     # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step;
     # backward never reads them
@@ -128,6 +129,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
     ctx.options = (p, seed, padding_idx, backend, deterministic)
+    ctx.position_pad = position_pad
     ctx.eps = eps  # (for `_gradients_with_graph` alone)
 
 
@@ -140,9 +142,11 @@ def _backward_with(gradients):
         dword, dseg, dpos, dweight, dbias = gradients(
             grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
             padding_idx, backend, deterministic, need[0], position is not None and need[2])
+        if position is not None and need[2] and ctx.position_pad >= 0:
+            dpos[ctx.position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
         return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
                 dpos if position is not None and need[2] else None, dweight if need[3] else None,
-                dbias if need[4] else None, None, None, None, None, None, None)
+                dbias if need[4] else None, None, None, None, None, None, None, None)
 
     return backward
 
@@ -181,7 +185,7 @@ def _gradients_with_graph(ctx, grad):
         summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
         summed = summed + F.embedding(token_type_ids, segment)
         if position is not None:
-            summed = summed + F.embedding(position_ids, position)
+            summed = summed + F.embedding(position_ids, position, None if ctx.position_pad < 0 else ctx.position_pad)
         out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
     chosen = [(i, t) for i, t in enumerate((word, segment, position, weight))
               if t is not None and ctx.needs_input_grad[3 + i]]  # (the op's inputs 3-6)
@@ -191,7 +195,7 @@ def _gradients_with_graph(ctx, grad):
     for (i, _), g in zip(chosen, found, strict=True):
         tables[i] = g
     dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[7] else None
-    return (None, None, None, *tables, dbias, None, None, None, None, None, None)
+    return (None, None, None, *tables, dbias, None, None, None, None, None, None, None)
 
 
 class EagerEmbeddings(torch.autograd.Function):

@@ -1,0 +1,272 @@
+"""The family in one layer: each member's transformers embeddings module is the reference, bit for bit in float32, on
+checkpoints transformers itself wrote (conftest.FAMILY: each member's real layout, small sizes)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from bertembed import BertEmbeddings, EmbeddingConfig
+from bertembed.family import layout
+from conftest import FAMILY
+
+
+def _ids(layer: BertEmbeddings, batch: int = 3, length: int = 9, seed: int = 0) -> torch.Tensor:
+    """Random ids that avoid the padding id, with padding at the end of the first row and none in the last."""
+    pad = layer.config.pad_token_id
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, layer.config.vocab_size - 1, (batch, length), generator=g)
+    ids[ids >= pad] += 1
+    ids[0, -3:] = pad
+    return ids
+
+
+def _hf_call(hf, **kwargs):
+    """Call a transformers embeddings module with the arguments its forward takes (DistilBERT's input_ids is
+    positional and required; the cache offset has two names)."""
+    params = inspect.signature(hf.forward).parameters
+    if "input_ids" in params and "input_ids" not in kwargs:
+        kwargs["input_ids"] = None
+    if "offset" in kwargs:
+        value = kwargs.pop("offset")
+        kwargs["cache_length" if "cache_length" in params else "past_key_values_length"] = value
+    return hf(**kwargs)
+
+
+def _cases(layer: BertEmbeddings, hf) -> dict[str, dict]:
+    params = inspect.signature(hf.forward).parameters
+    ids = _ids(layer)
+    cases = {"padded": dict(input_ids=ids), "length 1": dict(input_ids=ids[:, :1])}
+    g = torch.Generator().manual_seed(1)
+    if "inputs_embeds" in params:
+        cases["inputs_embeds"] = dict(inputs_embeds=torch.randn(2, 7, layer.config.table_width, generator=g))
+    if "position_ids" in params and layer.position_embeddings is not None:
+        rows = layer.position_embeddings.weight.shape[0]
+        cases["explicit positions"] = dict(input_ids=ids, position_ids=torch.randint(0, rows, ids.shape, generator=g))
+    if "token_type_ids" in params and layer.token_type_embeddings is not None:
+        types = torch.randint(0, layer.token_type_embeddings.weight.shape[0], ids.shape, generator=g)
+        cases["token types"] = dict(input_ids=ids, token_type_ids=types)
+    if {"cache_length", "past_key_values_length"} & set(params):
+        cases["cache offset"] = dict(input_ids=ids[:, :4], offset=5)
+    if "mask" in params:
+        cases["mask"] = dict(input_ids=ids, mask=(ids != layer.config.pad_token_id).long())
+    longest = layer.config.max_position_embeddings - layer.config.first_position
+    if layer.position_embeddings is not None:
+        cases["longest"] = dict(input_ids=_ids(layer, batch=2, length=longest))
+    return cases
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_the_layer_equals_the_members_own_module_bit_for_bit(member_checkpoint, name):
+    folder, model = member_checkpoint(name)
+    layer = BertEmbeddings.from_pretrained(folder)
+    assert layer.config.model_type == FAMILY[name][0]
+    hf = model.embeddings
+    for case, kwargs in _cases(layer, hf).items():
+        ours = {("cache_length" if k == "offset" else k): v for k, v in kwargs.items()}
+        with torch.no_grad():
+            torch.testing.assert_close(layer(**ours), _hf_call(hf, **kwargs), rtol=0, atol=0, msg=f"{name}: {case}")
+            torch.testing.assert_close(layer.decompose(**ours).output, _hf_call(hf, **kwargs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["albert", "electra"])
+def test_factorised_members_give_e_wide_rows_and_expose_their_projection(member_checkpoint, name):
+    folder, model = member_checkpoint(name)
+    layer = BertEmbeddings.from_pretrained(folder)
+    ids = _ids(layer)
+    with torch.no_grad():
+        out = layer(ids)
+        assert out.shape[-1] == layer.config.embedding_size < layer.config.hidden_size
+        hf_projection = model.encoder.embedding_hidden_mapping_in if name == "albert" else model.embeddings_project
+        torch.testing.assert_close(layer.project(out), hf_projection(model.embeddings(ids)), rtol=0, atol=0)
+
+
+def test_electra_with_equal_widths_has_no_projection(member_checkpoint):
+    layer = BertEmbeddings.from_pretrained(member_checkpoint("electra-square")[0])
+    assert layer.projection is None
+    with pytest.raises(ValueError, match="no projection after it"):
+        layer.project(torch.zeros(1, 24))
+
+
+def test_roberta_positions_count_from_the_padding_as_family_md_says(member_checkpoint):
+    layer = BertEmbeddings.from_pretrained(member_checkpoint("roberta")[0])
+    ids = torch.tensor([[1, 1, 0, 5, 6, 2], [0, 5, 6, 7, 8, 2]])
+    assert layer._default_positions(ids, None, 0, 6).tolist() == [[1, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert", "mpnet", "distilbert"])
+def test_a_packed_batch_equals_the_padded_one_row_for_row(member_checkpoint, name):
+    layer = BertEmbeddings.from_pretrained(member_checkpoint(name)[0])
+    pad = layer.config.pad_token_id
+    docs = [_ids(layer, 1, n, seed=n)[0, :n] for n in (5, 1, 8)]
+    docs = [torch.where(d == pad, pad + 1, d) for d in docs]
+    padded = torch.full((3, 8), pad)
+    for i, d in enumerate(docs):
+        padded[i, :len(d)] = d
+    packed = torch.cat(docs)[None]
+    cu = torch.tensor([0, 5, 6, 14])
+    with torch.no_grad():
+        by_rows, flat = layer(padded), layer(packed, cu_seqlens=cu)[0]
+        for i, d in enumerate(docs):
+            torch.testing.assert_close(flat[cu[i]:cu[i + 1]], by_rows[i, :len(d)], rtol=0, atol=0)
+        start = layer.config.first_position  # the same as explicit positions restarting per document
+        positions = torch.cat([torch.arange(len(d)) + start for d in docs])[None]
+        torch.testing.assert_close(layer(packed, position_ids=positions)[0], flat, rtol=0, atol=0)
+
+
+def test_packed_input_errors_name_the_fix(member_checkpoint):
+    layer = BertEmbeddings.from_pretrained(member_checkpoint("roberta")[0])
+    ids = torch.full((1, 6), 7)
+    with pytest.raises(ValueError, match="must rise from 0 to the number of packed tokens"):
+        layer(ids, cu_seqlens=torch.tensor([0, 4, 5]))
+    with pytest.raises(ValueError, match="not both"):
+        layer(ids, cu_seqlens=torch.tensor([0, 6]), position_ids=torch.zeros(1, 6, dtype=torch.long))
+    modern = BertEmbeddings(EmbeddingConfig(model_type="modernbert", vocab_size=20, hidden_size=8, type_vocab_size=0,
+                                            position_embedding_type="none", norm_bias=False))
+    with pytest.raises(ValueError, match="no position table"):
+        modern(ids % 20, cu_seqlens=torch.tensor([0, 6]))
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_saved_layers_load_into_transformers_under_the_members_keys(member_checkpoint, name, tmp_path):
+    import transformers
+    from safetensors import safe_open
+
+    folder, model = member_checkpoint(name)
+    layer = BertEmbeddings.from_pretrained(folder)
+    layer.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        saved = set(f.keys())
+    theirs = model.state_dict()
+    assert saved == {layout(layer.config.model_type)[k] for k in layer.state_dict()}
+    assert saved <= set(theirs)
+    loaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    for key in saved:
+        torch.testing.assert_close(loaded.state_dict()[key], theirs[key], rtol=0, atol=0)
+    assert BertEmbeddings.from_pretrained(tmp_path).config == layer.config
+
+
+def test_dtype_is_kept_unless_asked(member_checkpoint, tmp_path):
+    folder, model = member_checkpoint("roberta")
+    model.half().save_pretrained(tmp_path)
+    model.float()
+    assert BertEmbeddings.from_pretrained(tmp_path).word_embeddings.weight.dtype == torch.float16
+    layer = BertEmbeddings.from_pretrained(tmp_path, dtype=torch.float32)
+    assert layer.word_embeddings.weight.dtype == layer.LayerNorm.weight.dtype == torch.float32
+
+
+def test_an_unsupported_member_is_refused_naming_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+    with pytest.raises(ValueError, match="supported: bert, roberta, .*modernbert"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_whose_tensors_disagree_with_its_config_is_refused(member_checkpoint, tmp_path):
+    folder, model = member_checkpoint("roberta")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert", "architectures": None}))
+    with pytest.raises(ValueError, match="padding row of a RoBERTa-style table"):
+        BertEmbeddings.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "distilbert", "architectures": None}))
+    with pytest.raises(ValueError, match="has no place for: is config.json the checkpoint's own"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
+def test_jina_style_alibi_config_says_bert_and_gets_no_position_table(tmp_path, hf_checkpoint):
+    folder, _ = hf_checkpoint("tiny-odd")
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "position_embedding_type": "alibi",
+                                                      "architectures": ["JinaBertForMaskedLM"]}))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    layer = BertEmbeddings.from_pretrained(tmp_path)
+    assert layer.position_embeddings is None and layer.config.model_type == "bert"
+
+
+_HEADS = {"bert": "AutoModelForMaskedLM", "roberta": "AutoModelForSequenceClassification",
+          "distilbert": "AutoModelForMaskedLM", "albert": "AutoModelForMaskedLM", "electra": "AutoModelForPreTraining",
+          "deberta-v3": "AutoModelForSequenceClassification", "mpnet": "AutoModelForMaskedLM",
+          "modernbert": "AutoModelForMaskedLM"}
+
+
+def _model_outputs(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_a_patched_model_matches_the_unpatched_one_outputs_and_gradients(name):
+    import bertembed
+    from conftest import make_member
+
+    model = make_member(name, seed=3, head=_HEADS.get(name, "AutoModel"))
+    if model is None:
+        pytest.skip(f"this transformers has no {FAMILY[name][0]}")
+    model.train()  # (dropout off below: outputs compare exactly-ish, gradients flow)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    layer_pad = model.config.pad_token_id or 0
+    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+    ids[ids == layer_pad] += 1
+    ids[0, -4:] = layer_pad
+    mask = (ids != layer_pad).long()
+    keys = list(model.state_dict())
+
+    def run():
+        model.zero_grad()
+        out = _model_outputs(model, ids, mask)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    expected, grads = run()
+    bertembed.patch(model, backend="auto")
+    patched = [m for m in model.modules() if isinstance(m, bertembed.BertEmbeddings)]
+    assert len(patched) == 1 and list(model.state_dict()) == keys
+    out, patched_grads = run()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert set(patched_grads) == set(grads)
+    for key, grad in grads.items():
+        torch.testing.assert_close(patched_grads[key], grad, rtol=1e-5, atol=1e-5, msg=key)
+    bertembed.unpatch(model)
+    assert not any(isinstance(m, bertembed.BertEmbeddings) for m in model.modules())
+    torch.testing.assert_close(run()[0], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_the_torch_free_layer_follows_the_same_fields(member_checkpoint, name):
+    from bertembed import NumpyEmbeddings
+
+    folder, _ = member_checkpoint(name)
+    layer, flat = BertEmbeddings.from_pretrained(folder), NumpyEmbeddings.from_pretrained(folder)
+    ids = _ids(layer)
+    with torch.no_grad():
+        parts = layer.decompose(ids)
+    ours = flat.decompose(ids.numpy())
+    for part in ("word", "position", "segment", "sum", "output"):
+        torch.testing.assert_close(torch.from_numpy(ours[part]), getattr(parts, part), rtol=0, atol=1e-6, msg=part)
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_explain_and_inspect_run_on_every_member(member_checkpoint, name, tmp_path):
+    import shutil
+
+    from conftest import write_member_tokenizer
+    from test_cli import run
+
+    folder = tmp_path / name
+    shutil.copytree(member_checkpoint(name)[0], folder)
+    layer = BertEmbeddings.from_pretrained(folder)
+    write_member_tokenizer(folder, layer.config)
+    for args in (("explain", "the quick brown fox"), ("explain", "the quick brown fox", "--torch"),
+                 ("inspect", "positions"), ("inspect", "segments", "hello world")):
+        done = run(*args, "--model", str(folder))
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        if layer.position_embeddings is None and args[1] == "positions":
+            assert "no position table: its positions enter in attention" in done.stdout
+        if layer.config.type_vocab_size < 2 and args[1] == "segments":
+            assert ("no segment table" if not layer.config.type_vocab_size else "one segment row") in done.stdout
