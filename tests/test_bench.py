@@ -58,7 +58,7 @@ def test_bound_bytes_by_hand():
 
 def test_sweep_and_who_runs_what():
     full = cands.plan(quick=False)
-    assert len(full) == 3 * 4 * 2 + 3 * 4  # float32 forward and training step, bfloat16 forward
+    assert len(full) == 3 * 4 * 2 + 3 * 4 + 3 * 3  # float32 forward and training step, bfloat16 forward
     assert {c.mode for c in full if c.dtype == "bfloat16"} == {"fwd"}
     assert {(c.hidden, c.dtype) for c in cands.plan(quick=True)} == {(768, "float32")}
     assert len(cands.plan(True, (384,), ((2, 3),), ("bfloat16",), ("cpu", "cuda"))) == 2
@@ -245,3 +245,17 @@ def test_repeat_rotates_the_order_and_keeps_each_rounds_median(monkeypatch):
     assert runs == ["eag", "ref", "fus"] + ["eag", "ref", "fus", "ref", "fus", "eag", "fus", "eag", "ref"] + \
         ["eag", "ref", "fus"]
     assert all(len(r["round_medians_s"]) == 3 for r in records["conditions"]["default"]["results"])
+
+
+@pytest.mark.parametrize("member", ["roberta", "distilbert", "modernbert"])
+def test_member_cases_compare_against_the_members_own_transformers_layer(member):
+    from bertembed.bench import candidates as cands
+
+    assert any(c.member == member for c in cands.plan(quick=True))
+    case = cands.Case(32, 2, 7, member=member)
+    built = cands.modules(32, "cpu", "float32", vocab=100, member=member)
+    ids, types, grad = cands.inputs(case, vocab=100)
+    expected = built["reference32"].eval()(**cands.arguments(built, ids, types))
+    for name in ("hf-eager", "bertembed-fused"):
+        torch.testing.assert_close(cands.call(name, built, case, ids, types, grad)(), expected, rtol=0, atol=1e-5)
+    assert type(built["hf-eager"]).__module__.startswith(f"transformers.models.{member}.")

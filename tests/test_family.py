@@ -192,6 +192,14 @@ _HEADS = {"bert": "AutoModelForMaskedLM", "roberta": "AutoModelForSequenceClassi
           "modernbert": "AutoModelForMaskedLM"}
 
 
+def _no_dropout(model) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "drop_prob"):  # transformers 4's DeBERTa: StableDropout
+            module.drop_prob = 0.0
+
+
 def _assert_grad_close(got, expected, key):
     """Within 1e-5 of the gradient's own scale: a whole model's gradients reach the hundreds here, where float32
     rounding alone (torch.compile's reordering, the kernels' summation order) moves them by more than 1e-5."""
@@ -213,9 +221,7 @@ def test_a_patched_model_matches_the_unpatched_one_outputs_and_gradients(name):
     if model is None:
         pytest.skip(f"this transformers has no {FAMILY[name][0]}")
     model.train()  # (dropout off below: outputs compare exactly-ish, gradients flow)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    _no_dropout(model)
     layer_pad = model.config.pad_token_id or 0
     ids = torch.randint(0, model.config.vocab_size, (2, 11))
     ids[ids == layer_pad] += 1
@@ -317,9 +323,7 @@ def _trainable(name: str, head: str = "AutoModel"):
     model = make_member(name, seed=5, head=head)
     if model is None:
         pytest.skip(f"this transformers has no {FAMILY[name][0]}")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    _no_dropout(model)
     ids = torch.randint(4, model.config.vocab_size, (2, 9))
     return model.train(), ids
 
@@ -384,3 +388,23 @@ def test_a_member_the_kernels_cannot_serve_runs_the_reference_with_the_reason_lo
         out = bertembed.patch(model, backend="cpu")(input_ids=ids).last_hidden_state
     assert reason in caplog.text
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["mpnet", "roberta"])
+def test_a_sentence_transformers_model_built_on_a_member_is_patched(member_checkpoint, name, tmp_path):
+    """all-mpnet-base-v2's architecture (MPNet, mean pooling) as sentence-transformers builds it from a folder."""
+    import shutil
+
+    import bertembed
+    from conftest import write_member_tokenizer
+
+    st = pytest.importorskip("sentence_transformers")
+    folder = tmp_path / name
+    shutil.copytree(member_checkpoint(name)[0], folder)
+    write_member_tokenizer(folder, BertEmbeddings.from_pretrained(folder).config)
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    sentences = ["the quick brown fox", "hello world", "a lazy dog jumps over the fox"]
+    expected = model.encode(sentences, convert_to_tensor=True)
+    bertembed.patch(model, backend="cpu")
+    assert sum(isinstance(m, BertEmbeddings) for m in model.modules()) == 1
+    torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True), expected, rtol=0, atol=1e-5)

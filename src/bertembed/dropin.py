@@ -91,7 +91,9 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
         getattr(hf, "position_ids", torch.empty(1, 512)).shape[-1],
         "type_vocab_size": 0 if segments is None else segments.weight.shape[0],
         "layer_norm_eps": getattr(norm, "eps", getattr(norm, "variance_epsilon", None)),
-        "hidden_dropout_prob": part("dropout").p, "pad_token_id": word.padding_idx or 0,
+        "hidden_dropout_prob": getattr(part("dropout"), "p", getattr(part("dropout"), "drop_prob", 0.0)),  # (4.x
+        # DeBERTa's StableDropout names it drop_prob)
+        "pad_token_id": word.padding_idx or 0,
         "position_embedding_type": "absolute" if positions is not None else "none",
         "norm_bias": norm.bias is not None, "projection": "none" if projection is None else "before_norm"})
 
@@ -100,6 +102,7 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
 # `past_key_values_length` in transformers 4 and `cache_length` in 5, one number under two names; DeBERTa's `mask`.
 _UNDERSTOOD = frozenset(("input_ids", "token_type_ids", "position_ids", "inputs_embeds", "past_key_values_length",
                          "cache_length", "mask"))
+_RENAMED = {"input_embeds": "inputs_embeds"}  # DistilBERT's name for it before transformers 4.47
 
 
 class PatchedBertEmbeddings(BertEmbeddings):
@@ -123,10 +126,11 @@ class PatchedBertEmbeddings(BertEmbeddings):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         given = _bind(self._hf_params, self._hf_kwargs, args, kwargs, type(self._bertembed_original).__name__)
         foreign = [k for k, v in given.items()
-                   if k not in _UNDERSTOOD and not _is_default(v, self._hf_defaults.get(k, None))]
+                   if _RENAMED.get(k, k) not in _UNDERSTOOD and not _is_default(v, self._hf_defaults.get(k, None))]
         if foreign:
             _warn_once(type(self._bertembed_original), foreign)
             return _synced_original(self).forward(**given)
+        given = {_RENAMED.get(k, k): v for k, v in given.items()}
         return super().forward(**{k: v for k, v in given.items() if k in _UNDERSTOOD})
 
 
@@ -171,7 +175,7 @@ def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
         raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
                          f"arguments it passes on. Use an older transformers, or bertembed's layer directly")
     named = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    missing = {"input_ids", "inputs_embeds"} - {p.name for p in named}
+    missing = {"input_ids", "inputs_embeds"} - {_RENAMED.get(p.name, p.name) for p in named}
     if missing:
         raise ValueError(f"{kind.__module__}.{kind.__name__}.forward has no argument(s) {sorted(missing)}: this "
                          f"transformers release changed the layer's arguments, which bertembed.patch does not know")

@@ -1,6 +1,6 @@
 """What `bertembed bench` runs: the cases, and the candidates built around the same weights and ids.
 
-    hf-eager             transformers' BertEmbeddings (from a BertConfig, no download)
+    hf-eager             transformers' embeddings module of the member (BertEmbeddings, ...; from a config)
     hf-compile           torch.compile of it (static shapes, compiled afresh per case)
     ort-fused            ONNX Runtime's com.microsoft EmbedLayerNormalization in a hand-built graph (CPU, fwd, float32)
     bertembed-reference  bertembed.BertEmbeddings (timed only with --reference; it is always the correctness yardstick)
@@ -23,6 +23,10 @@ import torch
 HIDDENS = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
 QUICK_HIDDENS, QUICK_SHAPES = (768,), ((1, 11), (32, 128))
+# the family's members whose forward is measured beside BERT's (at the first shape past one sentence), with their
+# real checkpoints' keys that the class defaults do not give
+MEMBERS = {"roberta": {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5},
+           "distilbert": {}, "modernbert": {"pad_token_id": 0}}  # (its own pad id, 50283, lies past VOCAB)
 MODES = ("fwd", "fwdbwd")  # forward in eval mode under no_grad; a training step (train mode, backward)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused",
@@ -45,6 +49,7 @@ class Case:
     mode: str = "fwd"
     dtype: str = "float32"
     device: str = "cpu"
+    member: str = "bert"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES or self.dtype not in DTYPES:
@@ -52,7 +57,8 @@ class Case:
 
     @property
     def key(self) -> str:
-        return f"{self.device} H={self.hidden} B={self.batch} L={self.length} {self.mode} {self.dtype}"
+        member = "" if self.member == "bert" else f"{self.member} "
+        return f"{self.device} {member}H={self.hidden} B={self.batch} L={self.length} {self.mode} {self.dtype}"
 
     @property
     def output_bytes(self) -> int:
@@ -71,11 +77,18 @@ def bound_bytes(case: Case) -> int:
 
 def plan(quick: bool, hiddens=None, shapes=None, dtypes=None, devices=("cpu",)) -> list[Case]:
     """float32 forward and training step over hiddens x shapes, and each other dtype's forward (the full run:
-    bfloat16 too), grouped by device, hidden and dtype so each group's modules are built once."""
+    bfloat16 too), grouped by device, hidden and dtype so each group's modules are built once; then, unless shapes
+    were given, the forward of RoBERTa, DistilBERT and ModernBERT (`MEMBERS`) at the first shape past a sentence."""
+    given_shapes = bool(shapes)
     hiddens, shapes = hiddens or (QUICK_HIDDENS if quick else HIDDENS), shapes or (QUICK_SHAPES if quick else SHAPES)
     dtypes = dtypes or (("float32",) if quick else ("float32", "bfloat16"))
-    return [Case(h, b, n, mode, dtype, device) for device in devices for h in hiddens for dtype in dtypes
-            for b, n in shapes for mode in MODES if mode == "fwd" or dtype == "float32"]
+    cases = [Case(h, b, n, mode, dtype, device) for device in devices for h in hiddens for dtype in dtypes
+             for b, n in shapes for mode in MODES if mode == "fwd" or dtype == "float32"]
+    if given_shapes:  # (shapes asked for by name: those alone)
+        return cases
+    longer = [shape for shape in shapes if shape[0] * shape[1] > 11][:1]
+    return cases + [Case(h, b, n, "fwd", "float32", device, member) for member in MEMBERS for device in devices
+                    for h in hiddens for b, n in longer]
 
 
 def runs(name: str, case: Case) -> bool:
@@ -89,29 +102,25 @@ def runs(name: str, case: Case) -> bool:
     return name != "hf-compile" or case.dtype == "float32"
 
 
-def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VOCAB) -> dict[str, Any]:
+def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VOCAB,
+            member: str = "bert") -> dict[str, Any]:
     """The weights (float32 state dict, Hugging Face names) and every torch candidate's module for one group of cases;
     a candidate that cannot be built maps to its NotAvailable."""
     from bertembed import BertEmbeddings, EmbeddingConfig
 
     torch.manual_seed(seed)
-    config = EmbeddingConfig(vocab_size=vocab, hidden_size=hidden)
+    config = EmbeddingConfig.from_hf_config({"model_type": member, "vocab_size": vocab, "hidden_size": hidden,
+                                             "dim": hidden, **MEMBERS.get(member, {})})
     reference = BertEmbeddings(config)
     with torch.no_grad():  # gamma and beta off the identity, so a missing scale or shift shows
-        reference.LayerNorm.weight.add_(0.1 * torch.randn(hidden))
-        reference.LayerNorm.bias.add_(0.1 * torch.randn(hidden))
+        for param in reference.LayerNorm.parameters():
+            param.add_(0.1 * torch.randn(hidden))
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     built: dict[str, Any] = {"state": state, "config": config, "reference32": reference.to(device)}
     try:
-        from transformers import BertConfig
-        from transformers.models.bert.modeling_bert import BertEmbeddings as HFBertEmbeddings
-
-        hf = HFBertEmbeddings(BertConfig(vocab_size=vocab, hidden_size=hidden, pad_token_id=config.pad_token_id,
-                                         layer_norm_eps=config.layer_norm_eps))
-        hf.load_state_dict(state)
-        built["hf-eager"] = built["hf-compile"] = hf
-    except ImportError as err:
-        built["hf-eager"] = built["hf-compile"] = NotAvailable(f"transformers not installed ({err})")
+        built["hf-eager"] = built["hf-compile"] = _transformers_layer(config, state)
+    except (ImportError, ValueError) as err:
+        built["hf-eager"] = built["hf-compile"] = NotAvailable(f"transformers cannot build it here ({err})")
     built["bertembed-reference"] = copy.deepcopy(reference)
     backend = "cpu" if device == "cpu" else "triton"
     try:
@@ -129,6 +138,22 @@ def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VO
     return built
 
 
+def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """transformers' own embeddings module of `config`'s member (one encoder layer is built around it, then dropped),
+    holding `state`'s tables under the member's names."""
+    import transformers
+
+    from bertembed.family import layout
+
+    small = {"num_hidden_layers": 1, "n_layers": 1, "num_attention_heads": 1, "n_heads": 1, "intermediate_size": 8,
+             "hidden_dim": 8}  # (the encoder around the layer, built once and dropped)
+    hf_config = transformers.AutoConfig.for_model(**{**config.to_hf_config(), **small})
+    layer = transformers.AutoModel.from_config(hf_config).embeddings
+    keys = layout(config.model_type)
+    layer.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in state.items()})
+    return layer
+
+
 def inputs(case: Case, seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids uniform over the vocabulary, segment ids over {0, 1}, and an output gradient for the training step."""
     gen = torch.Generator().manual_seed(seed)
@@ -138,6 +163,11 @@ def inputs(case: Case, seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor,
     return ids.to(case.device), types.to(case.device), grad.to(case.device, DTYPES[case.dtype])
 
 
+def arguments(built: dict[str, Any], ids, types) -> dict[str, Any]:
+    """The keyword arguments of a forward: segment ids only for a member with two or more segment rows."""
+    return {"input_ids": ids, "token_type_ids": types} if built["config"].type_vocab_size > 1 else {"input_ids": ids}
+
+
 def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Callable[[], Any]:
     """A no-argument callable of candidate `name` on `case`: a forward returning its output, or a training step
     (forward in train mode, backward of a fixed gradient into fresh gradients, then set to None as zero_grad does)."""
@@ -145,7 +175,10 @@ def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Call
     if isinstance(module, NotAvailable):
         raise module
     if name == "ort-fused":
+        if case.member != "bert":
+            raise NotAvailable("ONNX Runtime's fused node is BERT's (it fuses no other member, FAMILY.md)")
         return _ort(built["state"], built["config"].layer_norm_eps, ids, types)
+    given = arguments(built, ids, types)
     if name == "hf-compile":
         torch._dynamo.reset()  # every case compiles afresh, with static shapes
         module = torch.compile(module, dynamic=False)
@@ -153,12 +186,12 @@ def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Call
     if case.mode == "fwd":
         def forward() -> torch.Tensor:
             with torch.no_grad():
-                return module(ids, types)
+                return module(**given)
         return _logging_fallbacks(forward) if name.startswith("bertembed-fused") else forward
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> None:
-        module(ids, types).backward(grad)
+        module(**given).backward(grad)
         for p in params:
             p.grad = None
     return _logging_fallbacks(step) if name.startswith("bertembed-fused") else step

@@ -126,10 +126,10 @@ def measure_all(options: Options, cases: list[Case], condition: str) -> dict[str
     results, group, built = [], None, {}
     for i, case in enumerate(cases):
         print(f"bench ({condition}) {i + 1}/{len(cases)}: {case.key}", file=sys.stderr, flush=True)
-        if group != (case.device, case.hidden, case.dtype):
+        if group != (case.device, case.hidden, case.dtype, case.member):
             group, built = None, {}  # (the last group's tables freed first)
-            built = cands.modules(case.hidden, case.device, case.dtype, vocab=options.vocab)
-            group = (case.device, case.hidden, case.dtype)
+            built = cands.modules(case.hidden, case.device, case.dtype, vocab=options.vocab, member=case.member)
+            group = (case.device, case.hidden, case.dtype, case.member)
         results += measure_case(case, built, options, meta["bandwidth_bytes_per_s"][case.device])
     return {"meta": meta, "results": results}
 
@@ -143,7 +143,7 @@ def measure_case(case: Case, built: dict[str, Any], options: Options, dram: floa
     records = {n: {**base, "candidate": n} for n in names}
     if case.mode == "fwd":
         with torch.no_grad():
-            expected = built["reference32"].eval()(ids, types).double()
+            expected = built["reference32"].eval()(**cands.arguments(built, ids, types)).double()
     calls = {}
     for name in names:
         try:

@@ -34,6 +34,8 @@ TARGETS = (
      ("bound_s", _H768, FUSED), "<=", 1.5),
     _vs("fwd+bwd vs transformers eager (H768 B32 L128)", _BWD, "hf-eager", 2.5),
     _vs("B=1 L=11 latency vs transformers eager (H768)", _ONE, "hf-eager", 1.0),
+    *(_vs(f"{m} forward vs transformers eager (H768 B32 L128)", _H768.replace("H=", f"{m} H="), "hf-eager", 1.0, ">")
+      for m in ("roberta", "distilbert", "modernbert")),
     ("bfloat16 vs float32 fused forward (H768 B64 L512)", ("median_s", _BIG.format("float32"), FUSED),
      ("median_s", _BIG.format("bfloat16"), FUSED), ">=", 1.6),
     ("peak memory / output size, fused forward (H768 B64 L512)", ("peak_bytes", _BIG.format("float32"), FUSED),
