@@ -424,3 +424,34 @@ def test_training_step_makes_no_statistics_gradient():
 
 def test_layer_norm_dtypes_fail_as_torchs_layer_norm_does():
     check_layer_norm_dtypes_as_torch("triton", DEVICE)
+
+
+@pytest.mark.parametrize("member", ["roberta", "distilbert", "modernbert", "deberta-v2"])
+def test_the_kernel_serves_the_family_members_it_covers(member):
+    """Explicit positions counted from the padding (RoBERTa: its padding row's gradient stays zero), no segment table
+    (DistilBERT, ModernBERT, DeBERTa v3), no LayerNorm bias (ModernBERT), other eps; DeBERTa's mask after the norm."""
+    from bertembed import BertEmbeddings, EmbeddingConfig
+
+    extra = {"roberta": dict(max_position_embeddings=42, type_vocab_size=1, layer_norm_eps=1e-5),
+             "deberta-v2": dict(position_biased_input=False)}.get(member, {})
+    config = EmbeddingConfig.from_hf_config({"model_type": member, "vocab_size": 97, "hidden_size": 40, "dim": 40,
+                                             "max_position_embeddings": 40, "pad_token_id": 1, **extra})
+    torch.manual_seed(0)
+    reference = BertEmbeddings(config).train()
+    reference.dropout.p = 0.0
+    fused = BertEmbeddings(config, backend="triton").train()
+    fused.load_state_dict(reference.state_dict())
+    fused.dropout.p = 0.0
+    reference, fused = on_device(reference, fused)
+    ids = torch.randint(2, 97, (3, 13), device=DEVICE)
+    ids[0, -4:] = 1
+    kwargs = {"attention_mask": (ids != 1).long()} if config.mask_output else {}
+    outputs = [layer(ids, **kwargs) for layer in (reference, fused)]
+    assert_output_close(outputs[1], outputs[0])
+    grad = torch.randn_like(outputs[0])
+    for out in outputs:
+        out.backward(grad)
+    for (name, expected), got in zip(reference.named_parameters(), fused.parameters(), strict=True):
+        assert_grad_close(got.grad, expected.grad, name)
+    if config.positions_from_padding:
+        assert not fused.position_embeddings.weight.grad[1].any()
