@@ -408,3 +408,30 @@ def test_a_sentence_transformers_model_built_on_a_member_is_patched(member_check
     bertembed.patch(model, backend="cpu")
     assert sum(isinstance(m, BertEmbeddings) for m in model.modules()) == 1
     torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True), expected, rtol=0, atol=1e-5)
+
+
+def test_an_original_nomic_bert_checkpoint_loads_with_its_emb_ln(tmp_path):
+    """NomicBERT (no transformers class: its own code, GPT-2-style config keys) keeps the norm as `emb_ln` beside
+    `embeddings.*`, and has no position table (rotary): checked against a float64 computation by hand."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"embeddings.word_embeddings.weight": torch.randn(50, 12, generator=g),
+               "embeddings.token_type_embeddings.weight": torch.randn(2, 12, generator=g),
+               "emb_ln.weight": torch.rand(12, generator=g) + 0.5, "emb_ln.bias": torch.randn(12, generator=g),
+               "encoder.layers.0.attn.Wqkv.weight": torch.randn(36, 12, generator=g)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "nomic_bert", "architectures": ["NomicBertModel"], "vocab_size": 50, "n_embd": 12,
+        "n_positions": 2048, "layer_norm_epsilon": 1e-12, "type_vocab_size": 2, "rotary_emb_fraction": 1.0}))
+    layer = BertEmbeddings.from_pretrained(tmp_path)
+    assert layer.position_embeddings is None and layer.config.layer_norm_eps == 1e-12
+    ids, types = torch.randint(0, 50, (2, 9), generator=g), torch.randint(0, 2, (2, 9), generator=g)
+    t = {k: v.double() for k, v in tensors.items()}
+    expected = torch.nn.functional.layer_norm(
+        t["embeddings.word_embeddings.weight"][ids] + t["embeddings.token_type_embeddings.weight"][types], (12,),
+        t["emb_ln.weight"], t["emb_ln.bias"], 1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(ids, types).double(), expected, rtol=0, atol=1e-6)
+    layer.save_pretrained(tmp_path / "saved")
+    assert BertEmbeddings.from_pretrained(tmp_path / "saved").config == layer.config

@@ -1,4 +1,4 @@
-"""bertembed: BERT's input embedding layer, exact, fast and explained.
+"""bertembed: the input embedding layer of BERT and its family, exact, fast and explained.
 
     text -> Tokenizer -> ids -> BertEmbeddings (word + segment + position rows, LayerNorm) -> [B, L, H]
 
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "EmbeddingConfig": "bertembed.config",
     "BertEmbeddings": "bertembed.embeddings",
+    "Embeddings": "bertembed.embeddings",
     "Decomposition": "bertembed.embeddings",
     "sinusoidal_table": "bertembed.embeddings",
     "Tokenizer": "bertembed.tokenizer",
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from bertembed.checkpoint import load_checkpoint
     from bertembed.config import EmbeddingConfig
     from bertembed.dropin import patch, unpatch
-    from bertembed.embeddings import BertEmbeddings, Decomposition, sinusoidal_table
+    from bertembed.embeddings import BertEmbeddings, Decomposition, Embeddings, sinusoidal_table
     from bertembed.numpy_layer import NumpyEmbeddings
     from bertembed.tokenizer import Encoding, Tokenizer
 

@@ -119,9 +119,8 @@ class PatchedBertEmbeddings(BertEmbeddings):
     _hf_kwargs = False  # whether it takes **kwargs (MPNet's)
 
     def __getattr__(self, name: str):
-        modules, config = self.__dict__["_modules"], self.__dict__.get("config")
-        aliases = _HF_NAMES.get(config.model_type, {}) if config is not None and name not in modules else {}
-        return modules.get(aliases[name]) if name in aliases else super().__getattr__(name)
+        modules, stored = self.__dict__["_modules"], self.__dict__.get("_stored_as", {})
+        return modules.get(stored[name]) if name in stored and name not in modules else super().__getattr__(name)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         given = _bind(self._hf_params, self._hf_kwargs, args, kwargs, type(self._bertembed_original).__name__)
@@ -196,6 +195,7 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     layer._modules.clear()
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
     layer._modules.update({k: None for k in theirs if k not in layer._modules})
+    layer._stored_as = _HF_NAMES.get(member, {})
     device = _base(getattr(hf, _hf_name(member, "word_embeddings"))).weight.device
     positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
     for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):

@@ -111,6 +111,9 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask.to(x.dtype)
 
 
+SUBMODULES = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout", "projection")
+
+
 class BertEmbeddings(nn.Module):
     """Word, position and segment tables, summed and layer-normalised: the embeddings module of BERT or of the family
     member `config.model_type` names, exactly as transformers computes it."""
@@ -157,11 +160,21 @@ class BertEmbeddings(nn.Module):
             self.token_type_ids.zero_()
         self.LayerNorm.reset_parameters()
 
-    def _tables(self) -> tuple[torch.Tensor | None, ...]:
+    _stored_as: dict[str, str] = {}  # BERT's name -> the one a submodule is stored under, where they differ
+
+    def submodules(self) -> dict[str, nn.Module | None]:
+        """The submodules under BERT's names (`SUBMODULES`; None: the member has none), as they are now: one dict
+        read, where each attribute access of an nn.Module costs a `__getattr__` (a patched ModernBERT keeps its own
+        names, `_stored_as`)."""
+        modules, stored = self._modules, self._stored_as
+        return {name: modules.get(stored.get(name, name)) for name in SUBMODULES}
+
+    def _tables(self, modules=None) -> tuple[torch.Tensor | None, ...]:
         """(word [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm weight, bias or None) as they are
         now."""
-        positions, segments, norm = self.position_embeddings, self.token_type_embeddings, self.LayerNorm
-        return (self.word_embeddings.weight, None if segments is None else segments.weight,
+        m = modules or self.submodules()
+        segments, positions, norm = m["token_type_embeddings"], m["position_embeddings"], m["LayerNorm"]
+        return (m["word_embeddings"].weight, None if segments is None else segments.weight,
                 None if positions is None else positions.weight, norm.weight, norm.bias)
 
     def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
@@ -232,7 +245,7 @@ class BertEmbeddings(nn.Module):
     def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
         """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
         buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not)."""
-        buffer = getattr(self, name)
+        buffer = self._buffers[name]
         if start + length <= buffer.shape[-1]:
             return buffer[:, start:start + length]
         ids = torch.arange(start, start + length, device=buffer.device)[None]
@@ -411,3 +424,6 @@ class BertEmbeddings(nn.Module):
         from bertembed.checkpoint import save_checkpoint
 
         return save_checkpoint(self, folder)
+
+
+Embeddings = BertEmbeddings  # the same layer, under a name that fits every member of the family

@@ -117,14 +117,15 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return ("reference", reason) if reason else (backend, None)
 
 
-def can_fuse(layer: nn.Module) -> str | None:
-    """Why the fused kernel cannot stand in for `layer`'s submodules, or None when it computes what they would: each
-    runs its type's own forward (`_PLAIN`), with no hooks and no `nn.Embedding` option the kernels do not have."""
+def can_fuse(layer: nn.Module, modules: dict | None = None) -> str | None:
+    """Why the fused kernel cannot stand in for `layer`'s submodules (`layer.submodules()`, given or read), or None
+    when it computes what they would: each runs its type's own forward (`_PLAIN`), with no hooks and no `nn.Embedding`
+    option the kernels do not have."""
     if any(_GLOBAL_HOOKS):
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
-    modules = {name: getattr(layer, name, None) for name in _PLAIN}  # (a patched ModernBERT names them its way)
-    if getattr(layer.config, "projection", "none") == "before_norm":
+    modules = modules or layer.submodules()
+    if layer.config.projection == "before_norm":
         return "the layer projects its sum E -> H before the LayerNorm (DeBERTa), which the kernels do not"
     for name, plain in _PLAIN.items():
         module = modules.get(name)
@@ -179,11 +180,12 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
     p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
     fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`)."""
+    modules = layer.submodules()
     reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
-        else can_fuse(layer)
+        else can_fuse(layer, modules)
     if reason is None:
-        word, norm = layer.word_embeddings, layer.LayerNorm  # (checked by can_fuse: the kernel reads their tables)
-        positions, segments = layer.position_embeddings, layer.token_type_embeddings
+        word, norm, positions, segments = (modules[k] for k in ("word_embeddings", "LayerNorm", "position_embeddings",
+                                                                "token_type_embeddings"))  # (checked by can_fuse)
         tables = (word.weight, None if segments is None else segments.weight,
                   None if positions is None else positions.weight, norm.weight, norm.bias)
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
@@ -191,7 +193,7 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     if reason:
         _fall_back(reason)
         return None
-    dropout = layer.dropout
+    dropout = modules["dropout"]
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
     if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
