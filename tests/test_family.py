@@ -435,3 +435,19 @@ def test_an_original_nomic_bert_checkpoint_loads_with_its_emb_ln(tmp_path):
         torch.testing.assert_close(layer(ids, types).double(), expected, rtol=0, atol=1e-6)
     layer.save_pretrained(tmp_path / "saved")
     assert BertEmbeddings.from_pretrained(tmp_path / "saved").config == layer.config
+
+
+@pytest.mark.parametrize("name", ["albert", "modernbert"])
+def test_the_html_report_runs_on_a_factorised_and_a_table_less_member(member_checkpoint, name, tmp_path):
+    import shutil
+
+    from conftest import write_member_tokenizer
+    from test_cli import run
+
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / name
+    shutil.copytree(member_checkpoint(name)[0], folder)
+    write_member_tokenizer(folder, BertEmbeddings.from_pretrained(folder).config)
+    done = run("explain", "the quick brown fox", "--report", str(tmp_path / "report.html"), "--model", str(folder))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "report.html").stat().st_size > 10_000

@@ -29,6 +29,20 @@ class NotInThisMember(ValueError):
     """The analysis asked for a table this member of the family does not have (a fact to report, not an error)."""
 
 
+@dataclasses.dataclass
+class NotMeasured:
+    """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
+
+    title: str
+    reason: str
+
+    def summary(self) -> dict:
+        return {"verdict": self.reason}
+
+    def rows(self) -> list[dict]:
+        return [{"measure": self.title, "value": "not measured"}]
+
+
 def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
     """One table ("word", "position", "segment") as [rows, E] float64, for analysis: the rows tokens use (a
     RoBERTa-style position table's reserved rows are skipped; a sinusoidal one is computed). NotInThisMember where the

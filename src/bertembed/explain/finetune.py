@@ -157,7 +157,7 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, steps: int, lr: float,
     torch.manual_seed(seed)
     layer = BertEmbeddings(config)
     layer.load_state_dict(start)
-    head = nn.Linear(config.hidden_size, 2)
+    head = nn.Linear(config.output_width, 2)
     for name in spec.frozen:
         getattr(layer, TABLES[name]).weight.requires_grad_(False)
     params = [p for p in [*layer.parameters(), *head.parameters()] if p.requires_grad]

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bertembed.explain._common import ModelArg, figure_png, html_table, img_tag, load_layer
+from bertembed.explain._common import (
+    ModelArg,
+    NotInThisMember,
+    NotMeasured,
+    figure_png,
+    html_table,
+    img_tag,
+    load_layer,
+)
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
@@ -77,10 +85,19 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     layer = load_layer(model)
     dec = explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
-    results = [dec, analyze_positions(layer), analyze_segments(layer, text, text_b or "It was not amused."),
+    results = [dec, _or_why("Positions", analyze_positions, layer),
+               _or_why("Segments", analyze_segments, layer, text, text_b or "It was not amused."),
                analyze_tokens(token, layer), analyze_onehot(text, layer)]
     results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))
     return results
+
+
+def _or_why(title: str, analysis: Callable, *args) -> Any:
+    """The analysis's result, or a `NotMeasured` saying why it does not apply to this member (no such table)."""
+    try:
+        return analysis(*args)
+    except NotInThisMember as err:
+        return NotMeasured(title, str(err))
 
 
 def _first_word(tokens: list[str]) -> str:
@@ -100,6 +117,7 @@ INTROS = {
     "FinetuneReport": ("Fine-tuning moves the tables", "Every table is a trainable parameter: which rows move "
                        "depends on which tokens, positions and segments occur, and on the optimiser."),
     "DriftReport": ("Drift between two checkpoints", "How far each tensor moved from checkpoint A to B."),
+    "NotMeasured": ("Not measured in this member", None),
 }
 
 
