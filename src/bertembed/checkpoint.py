@@ -18,13 +18,16 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import atomic_folder, os_error
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.family import LEGACY, SUPPORTED, check_key_family, layout, padding_row, prefixes
 from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -361,3 +364,49 @@ def _tables_to_save(layer) -> dict[str, Any]:
         storages.add(value.untyped_storage().data_ptr())
         tensors[layout(config.model_type)[key]] = value
     return tensors
+
+
+class Pretrained:
+    """`from_pretrained`, `load_pretrained_weights` and `save_pretrained` of `BertEmbeddings` (an nn.Module built from
+    an `EmbeddingConfig`, with `load_state_dict` and `config`)."""
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
+        backend: str = "reference", dtype: torch.dtype | None = None,
+    ) -> Pretrained:
+        """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
+
+        `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
+        bundled default (`bertembed.DEFAULT_MODEL`). Only the embedding tensors are read.
+        `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
+        `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
+        The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
+        to fine-tune it.
+        """
+        import torch
+
+        checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
+        with torch.device("meta"):  # (the checkpoint's tensors replace the tables at once)
+            layer = cls(checkpoint.config, backend=backend)
+        dtype = dtype or checkpoint.tensors["word_embeddings.weight"].dtype
+        layer = layer.to_empty(device="cpu").to(dtype)
+        layer.reset_parameters()  # (the buffers, and a computed position table)
+        layer.load_state_dict(checkpoint.tensors)
+        layer.source = checkpoint.source
+        return layer.eval()
+
+    def load_pretrained_weights(self, name_or_path: str | Path | None = None, **kwargs) -> None:
+        """Replace this layer's weights with a checkpoint's; on any error the layer is left as it was."""
+        checkpoint = load_checkpoint(name_or_path, **kwargs)
+        if checkpoint.config != self.config:
+            raise ValueError(f"checkpoint {checkpoint.source.name} has config {checkpoint.config}, this layer has "
+                             f"{self.config}; build a new layer with BertEmbeddings.from_pretrained instead")
+        self.load_state_dict(checkpoint.tensors)
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read.
+
+        The folder is replaced as a whole, its other files kept (`bertembed.atomic`); a layer that disagrees with its
+        config (a table of another size or dtype) raises ValueError before anything is written."""
+        return save_checkpoint(self, folder)

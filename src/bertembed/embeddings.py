@@ -16,12 +16,12 @@ T token types (segments).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bertembed.checkpoint import Pretrained
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
     check_id_ranges,
@@ -114,9 +114,10 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 SUBMODULES = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout", "projection")
 
 
-class BertEmbeddings(nn.Module):
+class BertEmbeddings(Pretrained, nn.Module):
     """Word, position and segment tables, summed and layer-normalised: the embeddings module of BERT or of the family
-    member `config.model_type` names, exactly as transformers computes it."""
+    member `config.model_type` names, exactly as transformers computes it. `from_pretrained` and `save_pretrained`
+    come from `bertembed.checkpoint.Pretrained`."""
 
     def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
         super().__init__()
@@ -158,6 +159,9 @@ class BertEmbeddings(nn.Module):
                     table.weight[table.padding_idx].zero_()
             self.position_ids.copy_(torch.arange(self.position_ids.shape[-1])[None])
             self.token_type_ids.zero_()
+            if isinstance(self.position_embeddings, SinusoidalPositions):
+                table = self.position_embeddings.weight
+                table.copy_(sinusoidal_table(*table.shape))
         self.LayerNorm.reset_parameters()
 
     _stored_as: dict[str, str] = {}  # BERT's name -> the one a submodule is stored under, where they differ
@@ -355,44 +359,6 @@ class BertEmbeddings(nn.Module):
             output=output if mask is None else _masked(output, mask),
         )
 
-    @classmethod
-    def from_pretrained(
-        cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
-        backend: str = "reference", dtype: torch.dtype | None = None,
-    ) -> BertEmbeddings:
-        """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
-
-        `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
-        bundled default (`bertembed.DEFAULT_MODEL`). Only the embedding tensors are read.
-        `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
-        `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
-        The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
-        to fine-tune it.
-        """
-        from bertembed.checkpoint import load_checkpoint
-
-        checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
-        with torch.device("meta"):  # (the checkpoint's tensors replace the tables at once)
-            layer = cls(checkpoint.config, backend=backend)
-        dtype = dtype or checkpoint.tensors["word_embeddings.weight"].dtype
-        layer = layer.to_empty(device="cpu").to(dtype)
-        layer.reset_parameters()  # (the buffers, and any computed table)
-        if isinstance(layer.position_embeddings, SinusoidalPositions):
-            layer.position_embeddings = SinusoidalPositions(*layer.position_embeddings.weight.shape).to(dtype)
-        layer.load_state_dict(checkpoint.tensors)
-        layer.source = checkpoint.source
-        return layer.eval()
-
-    def load_pretrained_weights(self, name_or_path: str | Path | None = None, **kwargs) -> None:
-        """Replace this layer's weights with a checkpoint's; on any error the layer is left as it was."""
-        from bertembed.checkpoint import load_checkpoint
-
-        checkpoint = load_checkpoint(name_or_path, **kwargs)
-        if checkpoint.config != self.config:
-            raise ValueError(f"checkpoint {checkpoint.source.name} has config {checkpoint.config}, this layer has "
-                             f"{self.config}; build a new layer with BertEmbeddings.from_pretrained instead")
-        self.load_state_dict(checkpoint.tensors)
-
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As `nn.Module.load_state_dict`, but every key, kind and shape is checked before anything is copied: torch
         copies key by key, so a tensor it cannot copy (sparse, quantized, on the meta device, not floating point)
@@ -415,15 +381,5 @@ class BertEmbeddings(nn.Module):
         if problems:
             raise ValueError("state dict does not fit this layer (nothing was loaded): " + "; ".join(problems))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def save_pretrained(self, folder: str | Path) -> Path:
-        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read.
-
-        The folder is replaced as a whole, its other files kept (`bertembed.atomic`); a layer that disagrees with its
-        config (a table of another size or dtype) raises ValueError before anything is written."""
-        from bertembed.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, folder)
-
 
 Embeddings = BertEmbeddings  # the same layer, under a name that fits every member of the family

@@ -80,40 +80,22 @@ def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
 
 
-_norm_mixes: dict[tuple, bool] = {}
-
-
-def norm_dtypes_fit(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether torch's LayerNorm on the weight's device takes this weight and bias beside an input of dtype `summed`.
-    Asked of torch once per mix and device type, as the answer differs between devices and releases (torch 2.13's
-    CPU kernel: weight and bias both of the input's dtype, or both float32 beside a float16 or bfloat16 input)."""
-    device = weight.device
-    key = (summed, weight.dtype, None if bias is None else bias.dtype, device.type)
-    fits = _norm_mixes.get(key)
-    if fits is None:
-        try:
-            with torch.no_grad():
-                torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=device), (2,),
-                                               torch.ones(2, dtype=key[1], device=device),
-                                               None if bias is None else torch.zeros(2, dtype=key[2], device=device))
-            fits = True
-        except RuntimeError:
-            fits = False
-        _norm_mixes[key] = fits
-    return fits
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """A ValueError, before any table is read, for a LayerNorm weight and bias that torch's LayerNorm refuses beside
-    an input of dtype `summed` (`norm_dtypes_fit`). The fused kernels could compute such mixes, but then one layer
-    would run on one backend and fail on another; so every backend raises this. Not checked inside a traced graph
-    (the check runs torch's LayerNorm), where the reference's LayerNorm raises torch's own error."""
-    if torch.compiler.is_compiling() or norm_dtypes_fit(summed, weight, bias):
+    an input of dtype `summed`: it takes them in the input's dtype, or in float32 beside a float16 or bfloat16 input
+    (its mixed-precision kernels), both alike. The fused kernels could compute other mixes, but then one layer would
+    run on one backend and fail on another; so every backend raises this. The tests hold the rule to torch's own
+    answer for every mix."""
+    dtypes = {weight.dtype, summed if bias is None else bias.dtype}
+    if dtypes == {summed} or summed in _HALF and dtypes == {torch.float32}:
         return
-    dtypes = str(weight.dtype) if bias is None or bias.dtype == weight.dtype else f"{weight.dtype}/{bias.dtype}"
-    fix = f"layer.LayerNorm.to({summed})" + (" or .float()" if summed in (torch.float16, torch.bfloat16) else "")
-    raise ValueError(f"the LayerNorm weight and bias are {dtypes} but the embeddings they normalise are {summed}, "
-                     f"a mix torch's LayerNorm on {weight.device.type} refuses; cast them with {fix}")
+    shown = str(weight.dtype) if bias is None or bias.dtype == weight.dtype else f"{weight.dtype}/{bias.dtype}"
+    fix = f"layer.LayerNorm.to({summed})" + (" or .float()" if summed in _HALF else "")
+    raise ValueError(f"the LayerNorm weight and bias are {shown} but the embeddings they normalise are {summed}, "
+                     f"a mix torch's LayerNorm refuses; cast them with {fix}")
 
 
 class IdsOutsideTables(RuntimeError):
