@@ -1,0 +1,178 @@
+"""The layer rebuilt by hand, step by step, as the seed notebooks do: plain torch operations on a checkpoint's own
+tensors, each step checked against the layer's own intermediate (`BertEmbeddings.decompose`).
+
+The steps are code, written once (`steps`): `bertembed walkthrough` runs them and prints what each gives, and
+`bertembed notebook` writes the same code into cells a user can edit. The code follows the member's own recipe
+(`EmbeddingConfig`'s facts): RoBERTa's positions from the padding id, no segment or position table where a member has
+none, DeBERTa's order of the sum and projection, a LayerNorm without bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bertembed.config import EmbeddingConfig
+from bertembed.explain._common import ModelArg
+
+
+@dataclass
+class Step:
+    """One step: a title, why, its code, the name it defines, and the layer's own value it is checked against."""
+
+    title: str
+    why: str
+    code: str
+    result: str  # the variable the code defines, shown and checked
+    against: str | None = None  # an expression for the layer's own value
+    exact: bool = True  # whether the two must be equal bit for bit (else: to float32 rounding)
+
+
+@dataclass
+class StepResult:
+    title: str
+    why: str
+    code: str
+    shape: list[int]
+    preview: list[dict]  # the first tokens' first values
+    check: str  # what it was compared with, and how close
+    max_abs_diff: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Walkthrough:
+    model: str
+    member: str
+    tokens: list[str]
+    steps: list[StepResult]
+
+    def summary(self) -> dict:
+        return {"model": self.model, "member": self.member, "tokens": self.tokens,
+                "steps": [{"title": s.title, "shape": s.shape, "check": s.check, "max_abs_diff": s.max_abs_diff}
+                          for s in self.steps]}
+
+
+def steps(config: EmbeddingConfig) -> list[Step]:
+    """The walkthrough's steps for a layer of `config`, as code over `ids`, `types`, `layer` and `parts` (the layer's
+    `decompose` of the same ids)."""
+    c = config
+    pad = c.pad_token_id
+    if c.position_embedding_type == "none":
+        positions = ("position = torch.zeros_like(word)  # no position table: positions enter in attention "
+                     "(rotary, ALiBi or relative)")
+    else:
+        table = ("layer.position_embeddings.weight.detach()" if c.position_embedding_type == "absolute"
+                 else "sinusoidal_table(*layer.position_embeddings.weight.shape)")
+        counted = (f"real = (ids != {pad}).long()  # positions count from the padding id {pad}: pads get row {pad}\n"
+                   f"position_ids = torch.cumsum(real, dim=1) * real + {pad}\n"
+                   if c.positions_from_padding else "position_ids = torch.arange(ids.shape[1])[None]\n")
+        positions = f"{counted}P = {table}\nposition = P[position_ids]"
+    segments = ("T = layer.token_type_embeddings.weight.detach()\nsegment = T[types]" if c.type_vocab_size else
+                "segment = torch.zeros_like(word)  # no segment table in this member")
+    first, second = ("position", "segment") if c.sum_order == "position_first" else ("segment", "position")
+    summed = f"total = (word + {first}) + {second}  # in the member's order: the last bit depends on it"
+    if c.projection == "before_norm":
+        summed += "\ntotal = total @ layer.projection.weight.detach().T  # DeBERTa: E -> H before the norm"
+    beta = "layer.LayerNorm.bias.detach()" if c.norm_bias else "0.0  # this member's LayerNorm has no bias"
+
+    def shown(part: str) -> str | None:  # (decompose shows DeBERTa's parts projected to H: not comparable here)
+        return None if c.projection == "before_norm" else f"parts.{part}"
+
+    return [
+        Step("1. The ids and the tokens", "The tokenizer turns the text into ids; the specials are ordinary rows.",
+             "enc = tokenizer(text, text_b, padding=False, return_tensors='pt')\n"
+             "ids, types = enc.input_ids, enc.token_type_ids\nprint(list(zip(enc.tokens, ids[0].tolist())))",
+             "ids"),
+        Step("2. The word rows", "Row `id` of the word table for every token: a lookup, no arithmetic.",
+             "W = layer.word_embeddings.weight.detach()\nword = W[ids]", "word", shown("word")),
+        Step("3a. The position rows", "The position table's rows at the member's position ids.", positions,
+             "position", shown("position")),
+        Step("3b. The segment rows", "The segment table's rows at the token types (0 for text A, 1 for text B).",
+             segments, "segment", shown("segment")),
+        Step("4. Their sum", "LayerNorm's input.", summed, "total", "parts.sum"),
+        Step("5. Mean and standard deviation", "Per token, over the hidden dimension; eps inside the square root.",
+             f"mean = total.mean(-1, keepdim=True)\nvar = ((total - mean) ** 2).mean(-1, keepdim=True)\n"
+             f"std = torch.sqrt(var + {c.layer_norm_eps!r})", "std", "parts.std[..., None]", exact=False),
+        Step("6. Normalise, then scale and shift", "(sum - mean) / std has mean 0 and variance 1 per token; "
+             "gamma and beta are learned.",
+             f"normed = (total - mean) / std\nout = normed * layer.LayerNorm.weight.detach() + {beta}", "out",
+             "parts.output", exact=False),
+        Step("7. The layer's own output", "The same ids through the layer (eval mode: no dropout).",
+             "with torch.no_grad():\n    output = layer(ids, types)" if c.type_vocab_size else
+             "with torch.no_grad():\n    output = layer(ids)", "output", "parts.output"),
+    ]
+
+
+def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *, values: int = 4,
+                rows: int = 3) -> Walkthrough:
+    """Run the steps on `text` (and `text_b`) with `model`'s tensors; each step's result is checked against the
+    layer's `decompose` (bit for bit where the operations are the same, to float32 rounding where LayerNorm's kernel
+    computes the statistics its own way)."""
+    import torch
+
+    from bertembed.embeddings import BertEmbeddings, sinusoidal_table
+    from bertembed.tokenizer import Tokenizer, check_not_blank
+
+    check_not_blank(text, "the text")
+    if text_b is not None:
+        check_not_blank(text_b, "text_b")
+    layer = BertEmbeddings.from_pretrained(model.source if hasattr(model, "source") else model, dtype=torch.float32)
+    tokenizer = Tokenizer.from_pretrained(layer.source)
+    tokenizer.require_tokens(text, "the text")
+    space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
+                             "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
+    results = []
+    for step in steps(layer.config):
+        exec(step.code, space)  # noqa: S102  (the steps' own code, the same the notebook shows)
+        if step.result == "ids":
+            with torch.no_grad():
+                space["parts"] = layer.decompose(space["ids"], space["types"] if layer.config.type_vocab_size
+                                                 else None)
+        results.append(_result(step, space, values, rows))
+    tokens = space["enc"].tokens
+    _note_repeats(results[1], tokens, space["ids"][0].tolist())
+    return Walkthrough(layer.source.describe(), layer.config.model_type, tokens, results)
+
+
+def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
+    value = space[step.result]
+    shape = list(value.shape)
+    tokens = space["enc"].tokens
+    if value.dim() == 2:  # ids
+        preview = [{"token": t, "id": int(i), "type": int(s)} for t, i, s in
+                   zip(tokens, value[0].tolist(), space["types"][0].tolist(), strict=True)]
+    elif shape[-1] == 1:  # the statistics
+        preview = [{"token": t, "mean": float(m), "std": float(s)} for t, m, s in
+                   zip(tokens, space["mean"][0, :, 0].tolist(), value[0, :, 0].tolist(), strict=True)]
+    else:
+        preview = [{"token": tokens[i], **{f"[{j}]": float(value[0, i, j]) for j in range(min(values, shape[-1]))}}
+                   for i in range(min(rows, shape[1]))]
+    if step.against is None:
+        why = "the tokenizer's output, the layer's input" if step.result == "ids" else \
+            "not compared: the layer shows this part projected to H (DeBERTa)"
+        return StepResult(step.title, step.why, step.code, shape, preview, why)
+    expected = eval(step.against, space)  # noqa: S307  (an expression of the steps above)
+    diff = float((value.double() - expected.double()).abs().max())
+    if step.exact:
+        check = f"equal to {step.against} bit for bit" if diff == 0 else f"differs from {step.against} by {diff:.3g}"
+    else:
+        check = f"equal to {step.against} to float32 rounding: max |diff| = {diff:.2g}"
+    return StepResult(step.title, step.why, step.code, shape, preview, check, diff)
+
+
+def _note_repeats(result: StepResult, tokens: list[str], ids: list[int]) -> None:
+    """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
+    seen: dict[int, int] = {}
+    for i, token_id in enumerate(ids):
+        if token_id in seen and tokens[i] not in [n.split(" ")[0] for n in result.notes]:
+            result.notes.append(f"{tokens[i]} at {seen[token_id]} and {i}: the same id, so the same row, in any "
+                                f"sentence")
+        seen.setdefault(token_id, i)
+    if not result.notes:
+        result.notes.append(f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup")
+
+
+def check_walkthrough(result: Walkthrough) -> list[str]:
+    """The steps whose check failed (an exact step that differs), for tests and the command's exit status."""
+    return [s.title for s in result.steps if s.check.startswith("differs")]
