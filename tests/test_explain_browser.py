@@ -35,7 +35,7 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def report_file(tiny, tmp_path_factory) -> Path:
-    results = run_analyses("the cat sat on the mat", "a dog", tiny, steps=2)
+    results = run_analyses("the cat sat on the mat", "a dog", tiny, finetune=True, steps=2)
     return write_report(build_report(results), tmp_path_factory.mktemp("report") / "report.html")
 
 

@@ -74,7 +74,8 @@ def test_drift_table_output(tiny, tiny_b):
 
 def test_explain_report_and_plots(tiny, tmp_path):
     report, plots = tmp_path / "r.html", tmp_path / "figs"
-    result = invoke("explain", "the cat sat", "a dog", "--model", tiny, "--report", report, "--plots", plots)
+    result = invoke("explain", "the cat sat", "a dog", "--model", tiny, "--report", report, "--plots", plots,
+                    "--finetune")
     assert result.exit_code == 0, result.output
     page = report.read_text()
     assert page.count("<img") == 12 == page.count('src="data:image/png;base64,')
@@ -82,6 +83,16 @@ def test_explain_report_and_plots(tiny, tmp_path):
     assert "@import" not in page and "url(" not in page
     assert len(list(plots.glob("*.png"))) == 12
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "r.html"]  # no temporary files left
+
+
+def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
+    """--report without --finetune leaves the seconds-long demo out (its two figures with it)."""
+    report = tmp_path / "r.html"
+    result = invoke("explain", "the cat sat", "--model", tiny, "--report", report)
+    assert result.exit_code == 0, result.output
+    page = report.read_text()
+    assert page.count("<img") == 10 and "Fine-tuning moves the tables" not in page
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--finetune"), "--finetune adds the fine-tune")
 
 
 @pytest.mark.parametrize("args, pattern", [

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 def results(tiny):
     from bertembed.explain.drift import drift
 
-    out = run_analyses("the cat sat", "a dog", tiny, steps=2)
+    out = run_analyses("the cat sat", "a dog", tiny, finetune=True, steps=2)
     return [*out, drift(tiny, tiny)]
 
 

@@ -22,6 +22,8 @@ def explain(
                                                   "every analysis (needs torch and matplotlib)")] = None,
     plots: Annotated[Optional[str], typer.Option("--plots", help="also write every figure as a PNG into this "
                                                  "folder (needs matplotlib)")] = None,
+    finetune: Annotated[bool, typer.Option("--finetune", help="with --report or --plots: also run the fine-tune "
+                                           "demo (seconds, needs torch)")] = False,
 ) -> None:
     """Show how BERT's embedding layer builds each token's vector: word + position + segment, then LayerNorm."""
     with user_errors():
@@ -36,8 +38,11 @@ def explain(
 
             check_folder(plots)
         dec = explain_text(text, text_b, model, engine="torch" if use_torch else "numpy")
+        if finetune and report is None and plots is None:
+            raise ValueError("--finetune adds the fine-tune demo to --report or --plots; give one of them (or run "
+                             "bertembed finetune-demo)")
         if report is not None or plots is not None:
-            _write_extras(text, text_b, model, report, plots, quiet=as_json)
+            _write_extras(text, text_b, model, report, plots, quiet=as_json, finetune=finetune)
     rows = dec.rows()
     if as_json:
         from bertembed.explain._common import to_jsonable
@@ -70,14 +75,15 @@ def _table(rows: list[dict]):
 
 
 def _write_extras(text: str, text_b: str | None, model: str | None, report: str | None, plots: str | None,
-                  quiet: bool) -> None:
+                  quiet: bool, finetune: bool) -> None:
     """Run every analysis (with a progress bar for the fine-tune), then write the report and/or the PNGs."""
     from bertembed.cli.finetune import rich_progress
     from bertembed.explain import report as reporting
 
     bar, progress = rich_progress()
     with bar:
-        results = reporting.run_analyses(text, text_b, model, progress=None if quiet else progress)
+        results = reporting.run_analyses(text, text_b, model, finetune=finetune,
+                                         progress=None if quiet else progress)
     pngs = [reporting.render_figures(r) for r in results]
     if plots is not None:
         written = reporting.write_plots(results, plots, pngs)

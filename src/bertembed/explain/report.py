@@ -73,8 +73,10 @@ class Report:
 
 
 def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
-                 steps: int = 12, progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
-    """All analyses for one text: decomposition, positions, segments, tokens, one-hot, fine-tune (needs torch)."""
+                 finetune: bool = False, steps: int = 12,
+                 progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
+    """All analyses for one text: decomposition, positions, segments, tokens, one-hot; with `finetune`, the fine-tune
+    demo too (needs torch; seconds)."""
     from bertembed.explain.decompose import explain_text
     from bertembed.explain.finetune import finetune_demo
     from bertembed.explain.onehot import analyze_onehot
@@ -88,7 +90,8 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     results = [dec, _or_why("Positions", analyze_positions, layer),
                _or_why("Segments", analyze_segments, layer, text, text_b or "It was not amused."),
                analyze_tokens(token, layer), analyze_onehot(text, layer)]
-    results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))
+    if finetune:
+        results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))
     return results
 
 
