@@ -131,7 +131,7 @@ def measure() -> tuple[dict, list]:
     layer = load_layer()
     tokenizer = Tokenizer.from_pretrained()
     dec = explain_text(FOX, PAIR_B, layer)
-    positions, segments = analyze_positions(layer), analyze_segments(layer, FOX, PAIR_B)
+    positions, segments = analyze_positions(layer), analyze_segments(FOX, PAIR_B, layer)
     tokens, onehot = analyze_tokens("king", layer), analyze_onehot("I am Sinan", layer)
     with tempfile.TemporaryDirectory() as tmp:
         ft = finetune_demo(steps=12, save=Path(tmp) / "ft")

@@ -130,7 +130,7 @@ def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
 @pytest.mark.parametrize("which", ["tiny", "bundled"])
 def test_segments_against_the_torch_layer(which, tiny):
     model, text = (tiny, "the quick fox") if which == "tiny" else (None, "The quick brown fox")
-    report = analyze_segments(model, text, "the cat")
+    report = analyze_segments(text, "the cat", model)
     layer = BertEmbeddings.from_pretrained(model).double().eval()
     seg = layer.token_type_embeddings.weight.detach()
     assert report.difference_norm == pytest.approx(float((seg[1] - seg[0]).norm()))
@@ -151,7 +151,28 @@ def test_segments_that_are_zeros_and_ones_are_reported(tmp_path):
     tensors = load_file(str(folder / "model.safetensors"))
     tensors["embeddings.token_type_embeddings.weight"] = torch.stack([torch.zeros(10), torch.ones(10)])
     save_file(tensors, str(folder / "model.safetensors"))
-    assert analyze_segments(folder, "the cat").zeros_and_ones is True
+    report = analyze_segments("the cat", model=folder)
+    assert report.zeros_and_ones is True and report.distance_from_zeros_and_ones == (0.0, 0.0)
+
+
+def test_segments_show_their_values_and_why_zeros_and_ones_could_not_work():
+    """The rows' real values, their distance from 0 and 1, and LayerNorm removing a constant added to every entry
+    (to float32 rounding: a constant segment row could tell nothing apart). The pair appears only when asked for."""
+    report = analyze_segments("The quick brown fox")
+    layer = BertEmbeddings.from_pretrained()
+    seg = layer.token_type_embeddings.weight.detach()
+    assert report.first_values[1] == pytest.approx(seg[1, :6].tolist())
+    assert report.distance_from_zeros_and_ones[1] == pytest.approx(float((seg[1] - 1).norm()), rel=1e-5)
+    ids = torch.tensor([Tokenizer.from_pretrained()("The quick brown fox").input_ids])
+    with torch.no_grad():  # torch's own LayerNorm (no affine), float32: the same measurement, independently
+        total = layer.decompose(ids).sum
+        shift = (F.layer_norm(total + 1, total.shape[-1:]) - F.layer_norm(total, total.shape[-1:])).abs().max()
+    assert 0 < report.constant_shift_change < 1e-5 and float(shift) < 1e-5
+    assert report.pair_tokens == [] and report.warning is None
+    pair = analyze_segments("The quick brown fox", "It was not amused.")
+    assert pair.pair_tokens[-1] == "[SEP]" and pair.pair_segments[-1] == 1
+    literal = analyze_segments("The fox [SEP] It was not amused.")
+    assert "literal [SEP]" in literal.warning and "segment A" in literal.warning
 
 
 # --- tokens ---------------------------------------------------------------------------------------------------
@@ -239,8 +260,8 @@ def test_drift_refuses_different_shapes(tiny, tmp_path):
 @pytest.mark.parametrize("call, pattern", [
     (lambda m: explain_text("\x00\x01", None, m), r"TEXT has no tokens.*U\+0000, U\+0001"),
     (lambda m: explain_text("the cat", "\u200b\u200c\u2060", m), r"TEXT_B has no tokens.*U\+200B, U\+200C, U\+2060"),
-    (lambda m: analyze_segments(m, "\ufeff"), r"the text has no tokens.*U\+FEFF"),
-    (lambda m: analyze_segments(m, "the cat", " \u200b \t\x00 "), r"text_b has no tokens.*U\+200B, U\+0000"),
+    (lambda m: analyze_segments("\ufeff", model=m), r"the text has no tokens.*U\+FEFF"),
+    (lambda m: analyze_segments("the cat", " \u200b \t\x00 ", m), r"text_b has no tokens.*U\+200B, U\+0000"),
     (lambda m: analyze_onehot("\u2060 \x00", m), r"the text has no tokens"),
 ])
 def test_texts_without_tokens_are_refused(tiny, call, pattern):

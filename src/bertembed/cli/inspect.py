@@ -89,16 +89,22 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
 @inspect_app.command()
 def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segment A, then in B")] =
              "The quick brown fox jumps over the lazy dog",
+             text_b: Annotated[Optional[str], typer.Option("--text-b", help="a second text: also show the pair "
+                                                           "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     """What the two segment vectors are and what changes when a text moves from segment A to B."""
     with user_errors():
         from bertembed.explain.segments import analyze_segments
 
         check_plot_path(plot)
-        result = analyze_segments(model, text)
-        pair = [{"token": t, "segment": "AB"[s]} for t, s in zip(result.pair_tokens, result.pair_segments,
-                                                                 strict=True)]
-        emit(result, as_json, plot, pair, "a pair is one sequence: the segment of each token")
+        result = analyze_segments(text, text_b, model)
+        rows = [{"row": "AB"[i], **{f"[{j}]": v for j, v in enumerate(values)}}
+                for i, values in enumerate(result.first_values)]
+        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)")
+        if result.pair_tokens and not as_json:
+            console.print("the pair, one sequence (segment of each token): " + " ".join(
+                escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)),
+                soft_wrap=False)
 
 
 @inspect_app.command()

@@ -88,7 +88,7 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     dec = explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
     results = [dec, _or_why("Positions", analyze_positions, layer),
-               _or_why("Segments", analyze_segments, layer, text, text_b or "It was not amused."),
+               _or_why("Segments", analyze_segments, text, text_b, layer),
                analyze_tokens(token, layer), analyze_onehot(text, layer)]
     if finetune:
         results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))

@@ -33,45 +33,60 @@ class SegmentReport:
     output_change: np.ndarray = field(repr=False)  # [L] |out(B) - out(A)| per token
     output_cosine: np.ndarray = field(repr=False)  # [L] cosine of out(A) and out(B) per token
     output_norm: float  # mean |out(A)|, for scale
-    pair_tokens: list[str] = field(default_factory=list)  # an example pair: how two sentences share one sequence
+    # how far row A is from all zeros and row B from all ones (the belief some users hold), and their first values
+    distance_from_zeros_and_ones: tuple[float, float] = (0.0, 0.0)
+    first_values: list[list[float]] = field(default_factory=list)
+    # max |LayerNorm(x + c) - LayerNorm(x)| over the text's tokens for a constant c = 1 added to every entry, in
+    # float32: LayerNorm subtracts each token's mean, so a constant segment row (all zeros, all ones) changes nothing
+    constant_shift_change: float = 0.0
+    pair_tokens: list[str] = field(default_factory=list)  # a pair (when a second text is given): one sequence
     pair_segments: list[int] = field(default_factory=list)
+    warning: str | None = None
 
     def summary(self) -> dict:
         return {"model": self.model, "segments": len(self.norms), "norm_a": self.norms[0], "norm_b": self.norms[1],
                 "difference_norm": self.difference_norm, "cosine": self.cosine,
                 "median_word_norm": self.median_word_norm, "median_position_norm": self.median_position_norm,
-                "zeros_and_ones": self.zeros_and_ones, "text": self.text,
+                "zeros_and_ones": self.zeros_and_ones,
+                "distance_of_a_from_zeros": self.distance_from_zeros_and_ones[0],
+                "distance_of_b_from_ones": self.distance_from_zeros_and_ones[1],
+                "constant_shift_change": self.constant_shift_change, "text": self.text,
                 "mean_output_change": float(self.output_change.mean()),
-                "mean_output_cosine": float(self.output_cosine.mean()), "mean_output_norm": self.output_norm}
+                "mean_output_cosine": float(self.output_cosine.mean()), "mean_output_norm": self.output_norm,
+                **({"warning": self.warning} if self.warning else {})}
 
     def _repr_html_(self) -> str:
         return repr_html(self)
 
 
-def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
-                     text_b: str = "It was not amused.") -> SegmentReport:
-    """Measure the segment table and the output of `text` in segment A versus segment B.
+def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
+    """Measure the segment table and the output of `text` in segment A versus segment B; with `text_b`, the pair
+    `text` + `text_b` as the model sees it (one sequence, segment ids 0 then 1).
 
-    Raises ValueError for a text (or `text_b`, the pair's second sentence) that is empty or gives no tokens, and for a
-    text longer than the position table.
+    Raises ValueError for a text (or `text_b`) that is empty or gives no tokens, and for a text longer than the
+    position table; NotInThisMember where the member has no segment table, or one row.
     """
     from bertembed.tokenizer import Tokenizer, check_not_blank
 
     check_not_blank(text, "the text")
-    check_not_blank(text_b, "text_b")
+    if text_b is not None:
+        check_not_blank(text_b, "text_b")
     layer = load_layer(model)
     seg = table(layer, "segment")
     tokenizer = Tokenizer.from_pretrained(layer.source)
     tokenizer.require_tokens(text, "the text")
-    tokenizer.require_tokens(text_b, "text_b")
+    if text_b is not None:
+        tokenizer.require_tokens(text_b, "text_b")
     enc = tokenizer(text, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         raise ValueError(f"the text is {len(enc.input_ids)} tokens, the model has {tokenizer.max_length} positions")
     ids = np.array([enc.input_ids, enc.input_ids])
-    out = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))["output"].astype(np.float64)
+    parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
+    out = parts["output"].astype(np.float64)
     out_a, out_b = out[0], out[1]
-    pair = tokenizer(text, text_b, truncation=False, padding=False)
+    pair = tokenizer(text, text_b, truncation=False, padding=False) if text_b is not None else None
     norms = row_norms(seg)
+    total = parts["sum"][0].astype(np.float32)
     return SegmentReport(
         model=layer.source.name, vectors=seg, norms=[float(n) for n in norms],
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
@@ -81,8 +96,27 @@ def analyze_segments(model: ModelArg = None, text: str = DEFAULT_TEXT,
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),
-        output_norm=float(row_norms(out_a).mean()), pair_tokens=list(pair.tokens),
-        pair_segments=list(pair.token_type_ids))
+        output_norm=float(row_norms(out_a).mean()),
+        distance_from_zeros_and_ones=(float(np.linalg.norm(seg[0])), float(np.linalg.norm(seg[1] - 1))),
+        first_values=[[float(v) for v in row[:6]] for row in seg[:2]],
+        constant_shift_change=float(np.abs(_normed32(total + np.float32(1)) - _normed32(total)).max()),
+        pair_tokens=[] if pair is None else list(pair.tokens),
+        pair_segments=[] if pair is None else list(pair.token_type_ids), warning=_literal_separator(tokenizer, text))
+
+
+def _normed32(x: np.ndarray) -> np.ndarray:
+    """LayerNorm's normalisation in float32, as the layer computes it: (x - mean) / sqrt(var + eps)."""
+    mean = x.mean(-1, keepdims=True, dtype=np.float32)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True, dtype=np.float32) + np.float32(1e-12))
+
+
+def _literal_separator(tokenizer, text: str) -> str | None:
+    """A warning when a text holds its tokenizer's separator literally: it stays in segment A, one text."""
+    for sep in ("[SEP]", "</s>"):
+        if sep in text and tokenizer.token_to_id(sep) is not None:
+            return (f"the text holds a literal {sep}: it becomes the separator token but stays in segment A, one "
+                    f"text; two texts make a pair (inspect segments TEXT --text-b B, or tok(a, b))")
+    return None
 
 
 def _median_position_norm(layer) -> float:
