@@ -205,9 +205,21 @@ def test_token_norm_rank_correlation_on_bundled(bundled):
     assert spearman(np.arange(10.0), np.arange(10.0) ** 3) == pytest.approx(1.0)
 
 
-def test_unknown_token_names_its_pieces(tiny):
-    with pytest.raises(ValueError, match=r"not an entry of the vocabulary.*'king', '##s'|king.*##s"):
-        analyze_tokens("kingss", tiny)
+def test_a_word_that_splits_gives_its_pieces_and_their_neighbours():
+    """A word that is not one entry is not refused: its pieces each get their neighbours (the torch top-k)."""
+    report = analyze_tokens("embeddings", k=3)
+    assert [p["token"] for p in report.pieces] == ["em", "##bed", "##ding", "##s"]
+    assert "splits into" in report.note and report.token == "em"
+    words = BertEmbeddings.from_pretrained().word_embeddings.weight.detach()
+    piece = report.pieces[2]
+    cos = F.cosine_similarity(words, words[piece["id"]][None], dim=1)
+    cos[piece["id"]] = -2
+    assert [n["id"] for n in piece["neighbours"]] == cos.topk(3).indices.tolist()
+
+
+def test_a_capitalised_word_is_found_where_the_model_lowercases():
+    report = analyze_tokens("Paris", k=3)
+    assert report.token == "paris" and report.asked == "Paris" and "normalises" in report.note and not report.pieces
 
 
 # --- one-hot --------------------------------------------------------------------------------------------------

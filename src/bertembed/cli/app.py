@@ -45,8 +45,9 @@ def say_model(source, *, quiet: bool = False) -> None:
         return
     console.print(f"model: {source.describe()}")
     if source.kind == "bundled":
-        console.print("[dim]using the bundled default model; for BERT itself pass --model bert-base-uncased "
-                      "(from the Hugging Face cache or hub)[/dim]")
+        console.print("[dim]the bundled default is all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
+                      "embeddings), not bert-base-uncased: for BERT itself pass --model bert-base-uncased (from the "
+                      "Hugging Face cache or hub)[/dim]")
 
 
 def _show_our_warnings() -> None:

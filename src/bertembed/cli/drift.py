@@ -23,4 +23,4 @@ def drift_command(
 
         check_plot_path(plot)
         result = drift(model_a, model_b, top=top)
-        emit(result, as_json, plot, result.rows(), "drift per tensor")
+        emit(result, as_json, plot, result.rows(), "drift per tensor", models=(model_a, model_b))

@@ -44,6 +44,6 @@ def finetune_demo(
         bar, progress = rich_progress()
         with bar:
             result = finetune.finetune_demo(model, steps=steps, progress=None if as_json else progress, save=save)
-        emit(result, as_json, plot, result.rows(), "rows moved per run and table")
+        emit(result, as_json, plot, result.rows(), "rows moved per run and table", models=(model,))
         if save and not as_json:
             console.print(f"fine-tuned layer saved to {save}; try: bertembed drift {result.model} {save}")

@@ -29,9 +29,11 @@ def check_plot_path(plot: str | None) -> None:
 
 
 def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None,
-         title: str = "") -> None:
-    """Print a result's summary (and rows, under `title`) as rich tables or JSON; write its figures to `plot`."""
+         title: str = "", models: tuple = (None,)) -> None:
+    """Print which checkpoint(s) were measured (`models`, as the command got them), then a result's summary (and rows,
+    under `title`) as rich tables or JSON; write its figures to `plot`."""
     from bertembed.explain._common import to_jsonable
+    from bertembed.sources import resolve
 
     summary = result.summary()
     if plot is not None:
@@ -41,8 +43,8 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     if as_json:
         print(json.dumps(to_jsonable({"summary": summary, "rows": extra_rows or []}), allow_nan=False))
         return
-    if hasattr(result, "source"):
-        say_model(result.source)
+    for model in models:
+        say_model(resolve(model))
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
     console.print(_table(type(result).__name__, [{"measure": k, "value": v} for k, v in summary.items()]))
     if extra_rows:
@@ -83,7 +85,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
         from bertembed.explain.positions import analyze_positions
 
         check_plot_path(plot)
-        emit(analyze_positions(model, k=k), as_json, plot)
+        emit(analyze_positions(model, k=k), as_json, plot, models=(model,))
 
 
 @inspect_app.command()
@@ -100,7 +102,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         result = analyze_segments(text, text_b, model)
         rows = [{"row": "AB"[i], **{f"[{j}]": v for j, v in enumerate(values)}}
                 for i, values in enumerate(result.first_values)]
-        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)")
+        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)", models=(model,))
         if result.pair_tokens and not as_json:
             console.print("the pair, one sequence (segment of each token): " + " ".join(
                 escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)),
@@ -117,7 +119,8 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 
         check_plot_path(plot)
         result = analyze_tokens(token, model, k=k)
-        emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {token!r} by cosine")
+        emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {result.token!r} by cosine",
+             models=(model,))
         if not as_json:
             console.print(escape("special rows: " + ", ".join(f"{s['token']} (id {s['id']}) norm {s['norm']:.3f}"
                                                               for s in result.special)))
@@ -131,4 +134,4 @@ def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embe
         from bertembed.explain.onehot import analyze_onehot
 
         check_plot_path(plot)
-        emit(analyze_onehot(text, model), as_json, plot)
+        emit(analyze_onehot(text, model), as_json, plot, models=(model,))

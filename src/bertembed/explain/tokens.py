@@ -33,10 +33,18 @@ class TokenReport:
     rank_start: int | None  # first id of the frequency-ordered region, None when the order is unknown
     rank_norm_correlation: float | None  # Spearman correlation of id (rank) and norm in that region
     norms: np.ndarray = field(repr=False)  # [V]
+    # what was asked, when it is not one vocabulary entry as given: the entry it normalises to ("Paris" -> "paris"
+    # in an uncased model), or the pieces it splits into, each with its neighbours ({"token", "id", "neighbours"})
+    asked: str = ""
+    pieces: list[dict] = field(default_factory=list)
+    note: str = ""
 
     def summary(self) -> dict:
-        return {"model": self.model, "token": self.token, "token_id": self.token_id, "token_norm": self.token_norm,
+        return {"model": self.model, **({"asked": self.asked, "note": self.note} if self.note else {}),
+                "token": self.token, "token_id": self.token_id, "token_norm": self.token_norm,
                 "nearest": ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in self.neighbours[:5]),
+                **{f"piece {p['token']}": ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in p["neighbours"][:5])
+                   for p in self.pieces[1:]},
                 "pad_is_zero": self.pad_is_zero, "median_norm": self.median_norm,
                 "unused_median_norm": self.unused_median_norm, "rank_start": self.rank_start,
                 "rank_norm_correlation": self.rank_norm_correlation}
@@ -61,17 +69,27 @@ def nearest(words: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(cos[i])) for i in top]
 
 
-def _token_id(tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        pieces = tokenizer(token, truncation=False, padding=False).tokens[1:-1]
-        raise ValueError(f"{token!r} is not an entry of the vocabulary (it tokenizes as {pieces}); "
-                         f"pick one entry, e.g. {pieces[0]!r}" if pieces else f"{token!r} is not in the vocabulary")
-    return token_id
+def _entries(tokenizer, token: str) -> tuple[list[str], str]:
+    """The vocabulary entries `token` stands for, and a note when that is not `token` itself: the entry its
+    tokenizer normalises it to (lower-casing, accents), or the pieces it splits into. ValueError when it gives none."""
+    if tokenizer.token_to_id(token) is not None:
+        return [token], ""
+    normalizer = tokenizer.backend.normalizer
+    normal = normalizer.normalize_str(token) if normalizer is not None else token
+    if normal != token and tokenizer.token_to_id(normal) is not None:
+        return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input (lower-casing)"
+    tokenizer.backend.no_truncation()
+    tokenizer.backend.no_padding()
+    pieces = tokenizer.backend.encode(token, add_special_tokens=False).tokens
+    if not pieces:
+        raise ValueError(f"{token!r} is not in the vocabulary and gives no tokens")
+    return pieces, f"{token!r} is not one entry of the vocabulary: it splits into {pieces}; each piece has its row"
 
 
 def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) -> TokenReport:
-    """Nearest neighbours of `token` (one vocabulary entry, e.g. "king" or "##ing") and the word table's norms."""
+    """Nearest neighbours of `token` (a vocabulary entry such as "king" or "##ing", a word the tokenizer normalises
+    to one, "Paris" -> "paris", or a word that splits into pieces, each piece with its neighbours) and the word
+    table's norms."""
     from bertembed.tokenizer import Tokenizer
 
     if not token.strip():
@@ -81,8 +99,16 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     layer = load_layer(model)
     tokenizer = Tokenizer.from_pretrained(layer.source)
     words = table(layer, "word")
-    token_id = _token_id(tokenizer, token)
+    entries, note = _entries(tokenizer, token)
+    ids = [tokenizer.token_to_id(e) for e in entries]
+    token_id = ids[0]
     norms = row_norms(words)
+    k = min(k, len(norms) - 1)
+
+    def neighbours(row: int) -> list[dict]:
+        return [{"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c} for i, c in nearest(words, row, k)]
+
+    pieces = [{"token": e, "id": i, "neighbours": neighbours(i)} for e, i in zip(entries, ids, strict=True)]
     special = [{"token": t, "id": i, "norm": float(norms[i])} for t in SPECIAL_TOKENS
                if (i := tokenizer.token_to_id(t)) is not None]
     unused = [i for i in range(min(len(norms), 1000)) if tokenizer.backend.id_to_token(i).startswith("[unused")]
@@ -90,9 +116,8 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
     pad = layer.config.pad_token_id
     return TokenReport(
-        model=layer.source.name, token=token, token_id=token_id, token_norm=float(norms[token_id]),
-        neighbours=[{"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c}
-                    for i, c in nearest(words, token_id, min(k, len(norms) - 1))],
+        model=layer.source.name, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
+        neighbours=pieces[0]["neighbours"], asked=token, pieces=pieces if len(pieces) > 1 else [], note=note,
         special=special, pad_is_zero=bool(np.all(words[pad] == 0)), median_norm=float(np.median(norms)),
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
