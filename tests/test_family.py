@@ -120,12 +120,11 @@ def test_a_packed_batch_equals_the_padded_one_row_for_row(member_checkpoint, nam
 def test_packed_input_errors_name_the_fix(member_checkpoint):
     layer = BertEmbeddings.from_pretrained(member_checkpoint("roberta")[0])
     ids = torch.full((1, 6), 7)
-    with pytest.raises(ValueError, match="must rise from 0 to the number of packed tokens"):
+    with pytest.raises(ValueError, match="must be integers rising from 0 to the number of packed tokens"):
         layer(ids, cu_seqlens=torch.tensor([0, 4, 5]))
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="pass neither position_ids"):
         layer(ids, cu_seqlens=torch.tensor([0, 6]), position_ids=torch.zeros(1, 6, dtype=torch.long))
-    modern = BertEmbeddings(EmbeddingConfig(model_type="modernbert", vocab_size=20, hidden_size=8, type_vocab_size=0,
-                                            position_embedding_type="none", norm_bias=False))
+    modern = BertEmbeddings(EmbeddingConfig.for_member("modernbert", vocab_size=20, hidden_size=8, pad_token_id=0))
     with pytest.raises(ValueError, match="no position table"):
         modern(ids % 20, cu_seqlens=torch.tensor([0, 6]))
 
@@ -150,9 +149,10 @@ def test_saved_layers_load_into_transformers_under_the_members_keys(member_check
 
 
 def test_dtype_is_kept_unless_asked(member_checkpoint, tmp_path):
+    import copy
+
     folder, model = member_checkpoint("roberta")
-    model.half().save_pretrained(tmp_path)
-    model.float()
+    copy.deepcopy(model).half().save_pretrained(tmp_path)  # (the fixture's model stays float32)
     assert BertEmbeddings.from_pretrained(tmp_path).word_embeddings.weight.dtype == torch.float16
     layer = BertEmbeddings.from_pretrained(tmp_path, dtype=torch.float32)
     assert layer.word_embeddings.weight.dtype == layer.LayerNorm.weight.dtype == torch.float32
@@ -451,3 +451,94 @@ def test_the_html_report_runs_on_a_factorised_and_a_table_less_member(member_che
     done = run("explain", "the quick brown fox", "--report", str(tmp_path / "report.html"), "--model", str(folder))
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def test_review_cases_packed_one_dimensional_ids_padding_past_the_table_and_renamed_assignments(member_checkpoint):
+    """A packed [N] row is taken as [1, N]; a RoBERTa batch padded past the table's length is taken when its tokens
+    fit, as transformers takes it; a cache offset or float boundaries with cu_seqlens are refused."""
+    import transformers
+
+    folder, model = member_checkpoint("roberta")
+    layer = BertEmbeddings.from_pretrained(folder)
+    ids = _ids(layer, 1, 9)[0]
+    ids[ids == 1] = 5
+    with torch.no_grad():
+        torch.testing.assert_close(layer(ids, cu_seqlens=torch.tensor([0, 4, 9])),
+                                   layer(ids[None], cu_seqlens=torch.tensor([0, 4, 9])), rtol=0, atol=0)
+        long = torch.cat([torch.full((1, 40), 5), torch.ones(1, 5, dtype=torch.long)], 1)  # 40 tokens + 5 pads, P 42
+        torch.testing.assert_close(layer(long), model.embeddings(input_ids=long), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nor a cache offset"):
+        layer(ids, cu_seqlens=torch.tensor([0, 9]), cache_length=2)
+    with pytest.raises(ValueError, match="must be integers"):
+        layer(ids, cu_seqlens=torch.tensor([0.0, 9.0]))
+    with pytest.raises(ValueError, match="outside the position table"):
+        layer(torch.full((1, 45), 5))
+    assert transformers  # (the member's module above is transformers' own)
+
+
+def test_a_member_config_cannot_contradict_its_member_and_for_member_applies_the_facts(tmp_path):
+    import transformers
+
+    with pytest.raises(ValueError, match="implies .*positions_from_padding.*for_member"):
+        EmbeddingConfig(model_type="roberta", vocab_size=60, hidden_size=16)
+    config = EmbeddingConfig.for_member("roberta", vocab_size=60, hidden_size=16, max_position_embeddings=24,
+                                        type_vocab_size=1, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=8)  # (the encoder's keys go to `extra`)
+    assert config.positions_from_padding and config.pad_token_id == 1
+    layer = BertEmbeddings(config).eval()
+    layer.save_pretrained(tmp_path)
+    ids = torch.tensor([[0, 7, 8, 9, 2, 1, 1]])
+    with torch.no_grad():
+        hf = transformers.AutoModel.from_pretrained(tmp_path).embeddings.eval()
+        torch.testing.assert_close(layer(ids), hf(input_ids=ids), rtol=0, atol=0)
+    for member in ("mpnet", "modernbert", "distilbert", "deberta-v2"):
+        made = EmbeddingConfig.for_member(member, vocab_size=60, hidden_size=16, dim=16, pad_token_id=3)
+        BertEmbeddings(made).save_pretrained(tmp_path / member)
+        assert BertEmbeddings.from_pretrained(tmp_path / member).config == made
+
+
+def test_a_patched_modernbert_takes_a_table_assigned_under_berts_name(member_checkpoint):
+    import copy
+
+    import bertembed
+
+    model = make_member_or_skip("modernbert")
+    patched = bertembed.patch(copy.deepcopy(model), backend="cpu")
+    keys = set(patched.state_dict())
+    new = torch.nn.Embedding(*patched.embeddings.word_embeddings.weight.shape)
+    patched.embeddings.word_embeddings = new
+    assert patched.embeddings.tok_embeddings is new and set(patched.state_dict()) == keys
+    ids = torch.randint(4, 100, (2, 7))
+    with torch.no_grad():
+        fused = patched(input_ids=ids).last_hidden_state
+        patched.embeddings.backend = "reference"
+        torch.testing.assert_close(fused, patched(input_ids=ids).last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_counts_roberta_positions_from_the_layers_own_padding_id(member_checkpoint):
+    """A word table replaced by a plain nn.Embedding (no padding_idx) does not move RoBERTa's padding id."""
+    import copy
+
+    import bertembed
+
+    _, model = member_checkpoint("roberta")
+    model = copy.deepcopy(model)
+    old = model.get_input_embeddings()
+    new = torch.nn.Embedding(*old.weight.shape)
+    new.weight.data.copy_(old.weight)
+    model.set_input_embeddings(new)
+    ids = torch.tensor([[0, 5, 6, 7, 2, 1, 1], [0, 8, 9, 10, 11, 12, 2]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+        patched = bertembed.patch(copy.deepcopy(model), backend="reference")
+        assert patched.embeddings.config.pad_token_id == 1
+        torch.testing.assert_close(patched(input_ids=ids).last_hidden_state, expected, rtol=0, atol=0)
+
+
+def make_member_or_skip(name: str):
+    from conftest import make_member
+
+    model = make_member(name)
+    if model is None:
+        pytest.skip(f"this transformers has no {FAMILY[name][0]}")
+    return model

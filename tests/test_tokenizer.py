@@ -205,3 +205,15 @@ def test_family_tokenizers_match_transformers_with_their_pair_layout(tmp_path, s
     first = pair.tokens.index("</s>")
     assert pair.tokens[0] == "<s>" and pair.tokens[first:first + 2] == ["</s>", "</s>"] and pair.tokens[-1] == "</s>"
     assert set(pair.token_type_ids) == {0}  # one segment for the whole pair, as RoBERTa's one token type row needs
+
+
+def test_a_member_with_one_segment_row_gets_segment_zero_throughout(tmp_path):
+    """A WordPiece tokenizer gives a pair's second text segment 1; a DistilBERT (no segment table) or RoBERTa (one
+    row) checkpoint takes segment 0 everywhere, as its own tokenizer gives it."""
+    from bertembed.sources import bundled_folder
+
+    shutil.copy(bundled_folder() / "vocab.txt", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "distilbert", "vocab_size": 30522}))
+    pair = Tokenizer.from_pretrained(tmp_path)("The fox", "It was not amused.")
+    assert pair.tokens[-1] == "[SEP]" and set(pair.token_type_ids) == {0}
+    assert set(Tokenizer.from_pretrained()("The fox", "It was not amused.").token_type_ids) == {0, 1}  # BERT

@@ -26,18 +26,18 @@ _CHOICES = {"position_embedding_type": POSITION_TYPES, "projection": ("none", "o
 _BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
                   "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
 _ROBERTA = ({**_BERT_DEFAULTS, "pad_token_id": 1}, {}, {"positions_from_padding": True})
-_DEBERTA = ({**_BERT_DEFAULTS, "type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": True}, {},
-            {"sum_order": "position_first", "mask_output": True})
+_DEBERTA = ({**_BERT_DEFAULTS, "vocab_size": 50265, "type_vocab_size": 0, "layer_norm_eps": 1e-7,
+             "position_biased_input": True}, {}, {"sum_order": "position_first", "mask_output": True})
 MEMBERS: dict[str, tuple[dict, dict, dict]] = {
     "bert": (_BERT_DEFAULTS, {}, {}),
-    "roberta": _ROBERTA, "xlm-roberta": _ROBERTA, "camembert": _ROBERTA,
+    "roberta": ({**_ROBERTA[0], "vocab_size": 50265}, {}, _ROBERTA[2]), "xlm-roberta": _ROBERTA, "camembert": _ROBERTA,
     "distilbert": ({**_BERT_DEFAULTS, "dim": 768, "dropout": 0.1}, {"dim": "hidden_size", "dropout":
                    "hidden_dropout_prob"}, {"type_vocab_size": 0, "layer_norm_eps": 1e-12}),  # eps fixed in its code
     "albert": ({**_BERT_DEFAULTS, "vocab_size": 30000, "hidden_size": 4096, "embedding_size": 128,
                 "hidden_dropout_prob": 0.0}, {}, {"projection": "output"}),
     "electra": ({**_BERT_DEFAULTS, "hidden_size": 256, "embedding_size": 128}, {}, {}),
     "deberta": (_DEBERTA[0], {}, {**_DEBERTA[2], "norm_in_float32": True}),
-    "deberta-v2": _DEBERTA,
+    "deberta-v2": ({**_DEBERTA[0], "vocab_size": 128100, "hidden_size": 1536}, {}, _DEBERTA[2]),
     "mpnet": ({**_BERT_DEFAULTS, "vocab_size": 30527, "layer_norm_eps": 1e-12}, {},
               {"positions_from_padding": True, "pad_token_id": 1, "type_vocab_size": 0}),  # padding index fixed at 1
     "modernbert": ({**_BERT_DEFAULTS, "vocab_size": 50368, "max_position_embeddings": 8192, "norm_eps": 1e-5,
@@ -51,9 +51,25 @@ MEMBERS: dict[str, tuple[dict, dict, dict]] = {
                    {"position_embedding_type": "none"}),  # rotary positions, in attention
 }
 SUPPORTED = "supported: " + ", ".join(MEMBERS)
-# the derived facts: not written to config.json where the member implies them
+# the facts a member implies (BERT's values unless MEMBERS says otherwise): never written to config.json, and never
+# contradicted, so that a saved config means to transformers what it means here
 _FACTS = {"positions_from_padding": False, "sum_order": "type_first", "norm_bias": True, "norm_in_float32": False,
           "projection": "none", "mask_output": False}
+
+
+def implied_facts(model_type: str, embedding_size: int | None, position_embedding_type: str) -> dict[str, Any]:
+    """What `model_type` fixes, given the keys its facts depend on: its entry in MEMBERS over BERT's values, a
+    projection only where E != H (ELECTRA, DeBERTa; ALBERT always has one), no position counting without a table
+    (transformers 4's relative types), and ModernBERT's `norm_bias` left to its config key."""
+    facts = {**_FACTS, **MEMBERS[model_type][2]}
+    if model_type in ("electra", "deberta", "deberta-v2"):
+        facts["projection"] = "none" if embedding_size is None else (
+            "output" if model_type == "electra" else "before_norm")
+    if position_embedding_type == "none" and "position_embedding_type" not in MEMBERS[model_type][2]:
+        facts["positions_from_padding"] = False
+    if model_type == "modernbert":
+        del facts["norm_bias"]
+    return facts
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,11 @@ class EmbeddingConfig:
             raise ValueError("positions_from_padding needs a position table; position_embedding_type is 'none'")
         if not isinstance(self.extra, dict):
             raise ValueError(f"EmbeddingConfig.extra must be a dict of config.json keys, got {_shown(self.extra)}")
+        facts = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
+        wrong = {k: v for k, v in facts.items() if getattr(self, k) != v}
+        if wrong:
+            raise ValueError(f"model_type={self.model_type!r} implies {wrong} (transformers computes it so); build "
+                             f"the config with EmbeddingConfig.for_member({self.model_type!r}, ...)")
 
     @property
     def table_width(self) -> int:
@@ -170,6 +191,12 @@ class EmbeddingConfig:
         return cls(**{"hidden_size": 1024, **overrides})
 
     @classmethod
+    def for_member(cls, model_type: str, **keys: Any) -> EmbeddingConfig:
+        """A config of `model_type` (`MEMBERS`) with its facts applied: `keys` are config.json keys of that member
+        (or this class's field names), the rest its class defaults. `for_member("roberta", vocab_size=100)`."""
+        return cls.from_hf_config({**keys, "model_type": model_type})
+
+    @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | Path) -> EmbeddingConfig:
         """Build from a Hugging Face config of any member of `MEMBERS`: a dict, a config.json path, or a folder.
 
@@ -190,8 +217,7 @@ class EmbeddingConfig:
         given = {**defaults, **{k: v for k, v in source.items() if v is not None}}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {renames.get(k, k): v for k, v in given.items() if renames.get(k, k) in names}
-        kwargs.update(facts, model_type=member)
-        kwargs.update({k: source[k] for k in _FACTS if k in source})  # (written by to_hf_config where they differ)
+        kwargs["model_type"] = member
         kwargs["extra"] = {k: v for k, v in source.items() if k not in names and k not in renames}
         kind = kwargs.get("position_embedding_type", "absolute")
         if isinstance(kind, str) and kind not in POSITION_TYPES:
@@ -199,11 +225,11 @@ class EmbeddingConfig:
             kwargs["position_embedding_type"] = "none"
         if member.startswith("deberta") and given.get("position_biased_input") is False:
             kwargs["position_embedding_type"] = "none"
-        if member.startswith("deberta") and kwargs.get("embedding_size") not in (None, kwargs.get("hidden_size")):
-            kwargs["projection"] = "before_norm"
-        if member == "electra" and kwargs.get("embedding_size") != kwargs.get("hidden_size"):
-            kwargs["projection"] = "output"
         try:
+            if kwargs.get("embedding_size") == kwargs.get("hidden_size"):
+                kwargs["embedding_size"] = None
+            kwargs.update(implied_facts(member, kwargs.get("embedding_size"),
+                                        kwargs.get("position_embedding_type", "absolute")))
             return cls(**kwargs)
         except ValueError as err:
             raise ValueError(f"{where}: {err}; fix the config") from err
@@ -217,8 +243,6 @@ class EmbeddingConfig:
         ours["embedding_size"] = self.table_width if "embedding_size" in defaults else ours["embedding_size"]
         if ours["embedding_size"] is None:
             del ours["embedding_size"]
-        ours.update({k: getattr(self, k) for k, v in _FACTS.items() if getattr(self, k) != facts.get(k, v)
-                     and not (k == "projection" and self.embedding_size)})
         if self.model_type == "modernbert":
             ours["norm_bias"] = self.norm_bias
         if self.model_type.startswith("deberta"):

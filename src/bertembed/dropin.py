@@ -19,12 +19,12 @@ import logging
 import torch
 from torch import nn
 
-from bertembed.config import MEMBERS, EmbeddingConfig
-from bertembed.embeddings import BertEmbeddings, checked_backend
+from bertembed.config import EmbeddingConfig, implied_facts
+from bertembed.embeddings import SUBMODULES, BertEmbeddings, checked_backend
+from bertembed.family import module_names
 
 log = logging.getLogger(__name__)
 
-_SHARED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout", "projection")
 _BUFFERS = ("position_ids", "token_type_ids")
 # The layer's own hooks (captum's layer attributions, activation capture, interventions) move with it: the patched
 # layer takes the dicts themselves, so the hooks' handles still remove them, and `unpatch` hands them back.
@@ -39,9 +39,6 @@ _HF_LAYERS = {
     ("deberta_v2", "DebertaV2Embeddings"): "deberta-v2", ("mpnet", "MPNetEmbeddings"): "mpnet",
     ("modernbert", "ModernBertEmbeddings"): "modernbert",
 }
-# the submodules a member's layer names otherwise: ours -> transformers'
-_HF_NAMES = {"modernbert": {"word_embeddings": "tok_embeddings", "LayerNorm": "norm", "dropout": "drop"},
-             "deberta": {"projection": "embed_proj"}, "deberta-v2": {"projection": "embed_proj"}}
 
 
 def _member(module: nn.Module) -> str | None:
@@ -54,7 +51,7 @@ def _member(module: nn.Module) -> str | None:
 
 
 def _hf_name(member: str, name: str) -> str:
-    return _HF_NAMES.get(member, {}).get(name, name)
+    return module_names(member).get(name, name)
 
 
 def _position_type(hf: nn.Module) -> str:
@@ -83,19 +80,20 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
     word, positions, segments, norm, projection = (part(n) for n in ("word_embeddings", "position_embeddings",
                                                                     "token_type_embeddings", "LayerNorm", "projection"))
     vocab, width = word.weight.shape
-    facts = {k: v for k, v in MEMBERS[member][2].items() if k not in ("type_vocab_size", "layer_norm_eps")}
+    hidden = width if projection is None else projection.weight.shape[0]
+    kind = "absolute" if positions is not None else "none"
+    pad = getattr(hf, "padding_idx", None)  # (RoBERTa's positions count from the layer's own; MPNet's is 1)
+    dropout = part("dropout")  # (transformers 4's DeBERTa: StableDropout, whose rate is drop_prob)
     return EmbeddingConfig(**{
-        **facts, "model_type": member, "vocab_size": vocab, "embedding_size": width,
-        "hidden_size": width if projection is None else projection.weight.shape[0],
+        "model_type": member, "vocab_size": vocab, "embedding_size": width, "hidden_size": hidden,
         "max_position_embeddings": positions.weight.shape[0] if positions is not None else
         getattr(hf, "position_ids", torch.empty(1, 512)).shape[-1],
         "type_vocab_size": 0 if segments is None else segments.weight.shape[0],
         "layer_norm_eps": getattr(norm, "eps", getattr(norm, "variance_epsilon", None)),
-        "hidden_dropout_prob": getattr(part("dropout"), "p", getattr(part("dropout"), "drop_prob", 0.0)),  # (4.x
-        # DeBERTa's StableDropout names it drop_prob)
-        "pad_token_id": word.padding_idx or 0,
-        "position_embedding_type": "absolute" if positions is not None else "none",
-        "norm_bias": norm.bias is not None, "projection": "none" if projection is None else "before_norm"})
+        "hidden_dropout_prob": getattr(dropout, "p", getattr(dropout, "drop_prob", 0.0)),
+        "pad_token_id": word.padding_idx or 0 if pad is None else pad, "position_embedding_type": kind,
+        **implied_facts(member, None if width == hidden else width, kind),
+        **({"norm_bias": norm.bias is not None} if member == "modernbert" else {})})
 
 
 # The keywords of the transformers layer that bertembed's forward understands: the cache offset is
@@ -121,6 +119,9 @@ class PatchedBertEmbeddings(BertEmbeddings):
     def __getattr__(self, name: str):
         modules, stored = self.__dict__["_modules"], self.__dict__.get("_stored_as", {})
         return modules.get(stored[name]) if name in stored and name not in modules else super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:  # (an assignment under bertembed's name reaches the stored one)
+        super().__setattr__(self.__dict__.get("_stored_as", {}).get(name, name), value)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         given = _bind(self._hf_params, self._hf_kwargs, args, kwargs, type(self._bertembed_original).__name__)
@@ -191,11 +192,11 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
     # transformers' submodules under their own names, in their order (state-dict keys unchanged); the ones named
     # otherwise are reached through __getattr__ under bertembed's names
-    theirs = [_hf_name(member, name) for name in _SHARED]
+    theirs = [_hf_name(member, name) for name in SUBMODULES]
     layer._modules.clear()
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
     layer._modules.update({k: None for k in theirs if k not in layer._modules})
-    layer._stored_as = _HF_NAMES.get(member, {})
+    layer._stored_as = module_names(member)
     device = _base(getattr(hf, _hf_name(member, "word_embeddings"))).weight.device
     positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
     for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
@@ -253,7 +254,7 @@ def _synced_original(layer: nn.Module) -> nn.Module:
     assignment may have replaced them since `patch`)."""
     original = layer._bertembed_original
     member = layer.config.model_type
-    for name in _SHARED + _BUFFERS:
+    for name in SUBMODULES + _BUFFERS:
         theirs = _hf_name(member, name)
         if hasattr(original, theirs):
             setattr(original, theirs, getattr(layer, name))

@@ -99,9 +99,8 @@ def checked_backend(backend: str) -> str:
 def _summed(word: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor:
     """(word + first) + second, a None skipped: the same operations in the same order as the member's transformers
     layer, so float32 results match bit for bit."""
-    for addend in (first, second):
-        word = word if addend is None else word + addend
-    return word
+    total = word if first is None else word + first
+    return total if second is None else total + second
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -189,7 +188,8 @@ class BertEmbeddings(Pretrained, nn.Module):
         tables = self._tables()
         check_table_shapes(tables, self.config.output_width)
         if cu_seqlens is not None:
-            input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens)
+            input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
+                                                                  past_key_values_length)
         _, length = check_inputs(self.config, input_ids, token_type_ids, position_ids, inputs_embeds,
                                  past_key_values_length, check_ranges=False, rows=table_rows(tables))
         if self.projection is None:
@@ -214,26 +214,28 @@ class BertEmbeddings(Pretrained, nn.Module):
         mask = input_ids.ne(pad).int()
         return ((torch.cumsum(mask, dim=1).type_as(mask) + past) * mask).long() + pad
 
-    def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens):
+    def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
         """Flattened documents (transformers' DataCollatorWithFlattening): ids [1, N] or [N], `cu_seqlens` [D + 1]
         their boundaries. Positions restart per document, from the member's first position (pad + 1 in RoBERTa)."""
-        if position_ids is not None:
-            raise ValueError("pass position_ids or cu_seqlens, not both (cu_seqlens makes the position ids)")
+        if position_ids is not None or offset(past):
+            raise ValueError("cu_seqlens makes the position ids: pass neither position_ids nor a cache offset with it")
         if self.position_embeddings is None:
             raise ValueError(f"cu_seqlens gives positions, but this {self.config.model_type} layer has no position "
                              f"table (its positions enter in attention); leave cu_seqlens out")
+        if input_ids is not None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+            input_ids = input_ids[None]
         given = input_ids if input_ids is not None else inputs_embeds
-        tokens = given.shape[-1 if input_ids is not None else -2] if given is not None else 0
+        tokens = given.shape[-1 if input_ids is not None else -2] if isinstance(given, torch.Tensor) else 0
+        integral = not isinstance(cu_seqlens, torch.Tensor) or not (cu_seqlens.is_floating_point()
+                                                                    or cu_seqlens.is_complex())
         bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-        if given is None or given.dim() > (2 if input_ids is not None else 3) or given.numel() and given.shape[0] \
-                != 1 or not bounds or bounds[0] != 0 or bounds[-1] != tokens or bounds != sorted(bounds):
-            raise ValueError(f"cu_seqlens={bounds[:8]} must rise from 0 to the number of packed tokens ({tokens}), "
-                             f"with the documents flattened into one row: input_ids [1, N] or [N]")
+        if not isinstance(given, torch.Tensor) or given.shape[0] != 1 or not integral or not bounds or \
+                bounds[0] != 0 or bounds[-1] != tokens or bounds != sorted(bounds):
+            raise ValueError(f"cu_seqlens={bounds[:8]} must be integers rising from 0 to the number of packed tokens "
+                             f"({tokens}), with the documents flattened into one row: input_ids [1, N] or [N]")
         lengths = torch.diff(torch.tensor(bounds))
         starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
         positions = (torch.arange(tokens) - starts + self.config.first_position)[None].to(self.position_ids.device)
-        if input_ids is not None and input_ids.dim() == 1:
-            input_ids = input_ids[None]
         return input_ids, inputs_embeds, positions
 
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
@@ -280,7 +282,8 @@ class BertEmbeddings(Pretrained, nn.Module):
         Args:
             input_ids: [B, L] integer ids into the word table; or pass `inputs_embeds` [B, L, E] instead.
             token_type_ids: [B, L] segment ids (0 for A, 1 for B), or any shape that broadcasts to it ([1, L]: shared by
-                the batch); zeros when omitted. Refused where the member has no segment table.
+                the batch); zeros when omitted. Ignored where the member has no segment table, as DeBERTa's layer
+                ignores them.
             position_ids: [B, L], or any shape that broadcasts to it; when omitted, the member's own: `arange(L) +
                 offset` (BERT), or counted from the padding id (RoBERTa, MPNet), up to the position table's rows.
             past_key_values_length, cache_length: offset of the first position, for decoding after a cache; one
@@ -323,6 +326,9 @@ class BertEmbeddings(Pretrained, nn.Module):
         if self.config.projection != "output":
             raise ValueError(f"this {self.config.model_type} layer has no projection after it (only ALBERT's and "
                              f"ELECTRA's with E != H); its output is already the encoder's input")
+        if self.projection is None:
+            raise ValueError("this layer was patched into a model, whose encoder holds the projection (ALBERT's "
+                             "encoder.embedding_hidden_mapping_in): the model applies it")
         return self.projection(x)
 
     def decompose(

@@ -47,6 +47,16 @@ def layout(model_type: str) -> dict[str, str]:
     return keys
 
 
+def module_names(model_type: str) -> dict[str, str]:
+    """The submodules of the member's transformers embeddings module that it names otherwise than BERT: bertembed's
+    name -> transformers' (ModernBERT's `tok_embeddings`, `norm`, `drop`; DeBERTa's `embed_proj`)."""
+    names = {"dropout": "drop"} if model_type == "modernbert" else {}
+    for ours, key in layout(model_type).items():
+        if key.startswith("embeddings.") and key.count(".") == 2 and ours.split(".")[0] != key.split(".")[1]:
+            names[ours.split(".")[0]] = key.split(".")[1]
+    return names
+
+
 def prefixes(model_type: str) -> tuple[str, ...]:
     """Model prefixes to try, in order: the member's heads', BERT's for sentence-transformers folders, none."""
     stem = model_type.replace("-", "_")

@@ -53,6 +53,7 @@ class Tokenizer:
         found = [t for t in (pad_token, "[PAD]", "<pad>") if t and backend.token_to_id(t) is not None]
         self.pad_token = found[0] if found else "[PAD]"
         self.pad_token_id = backend.token_to_id(self.pad_token) or 0
+        self.one_segment = False  # set from config.json by from_pretrained
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
@@ -71,7 +72,9 @@ class Tokenizer:
             backend = _wordpiece_from_vocab(vocab, settings)
         backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
         backend.no_truncation()
-        return cls(backend, settings["max_length"], source, settings.get("pad_token"))
+        made = cls(backend, settings["max_length"], source, settings.get("pad_token"))
+        made.one_segment = settings.get("one_segment", False)
+        return made
 
     def __call__(
         self,
@@ -109,6 +112,8 @@ class Tokenizer:
             raise ValueError(f"cannot tokenize with max_length={limit}: {err}") from err
         out = Encoding(*([getattr(e, name) for e in encodings] for name in ("ids", "type_ids", "attention_mask",
                                                                             "tokens", "offsets")))
+        if self.one_segment:  # (a member with one segment row, or none: a pair is segment 0 throughout)
+            out.token_type_ids = [[0] * len(ids) for ids in out.token_type_ids]
         if return_tensors == "pt":
             out = _to_tensors(out)
         elif return_tensors is not None:
@@ -203,7 +208,9 @@ def _read_settings(source: Source) -> dict[str, Any]:
         pad = data.get("pad_token")
         if isinstance(pad, (str, dict)) and name == "tokenizer_config.json":
             settings["pad_token"] = pad if isinstance(pad, str) else pad.get("content")
-        reserved = _first_position(data) if name == "config.json" else 0
+        reserved = 0
+        if name == "config.json":
+            reserved, settings["one_segment"] = _positions_and_segments(data)
         for key in ("model_max_length", "max_position_embeddings"):
             value = data.get(key)
             if isinstance(value, int) and 0 < value < 1_000_000:  # transformers writes 1e30 for "no limit"
@@ -212,12 +219,14 @@ def _read_settings(source: Source) -> dict[str, Any]:
     return settings
 
 
-def _first_position(config: dict) -> int:
-    """The position rows a member reserves before the first token's (RoBERTa's padding id + 1), 0 if unreadable."""
+def _positions_and_segments(config: dict) -> tuple[int, bool]:
+    """(the position rows a member reserves before the first token's: RoBERTa's padding id + 1; whether it has fewer
+    than two segment rows, so every token is segment 0), or (0, False) for a config that cannot be read."""
     try:
-        return EmbeddingConfig.from_hf_config(config).first_position
+        read = EmbeddingConfig.from_hf_config(config)
     except ValueError:
-        return 0
+        return 0, False
+    return read.first_position, read.type_vocab_size < 2
 
 
 def _backend_from_file(path: Path):

@@ -249,7 +249,8 @@ def check_inputs(
     limit = config.max_position_embeddings if positions is None else positions
     has_table = positions is not None if rows else config.position_embedding_type != "none"
     first = config.first_position + past_key_values_length
-    if position_ids is None and has_table and first + length > limit:
+    counted = config.positions_from_padding and input_ids is not None  # (from the ids: pads take no position)
+    if position_ids is None and has_table and not counted and first + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
             f"positions up to {first + length - 1}, but the position table has {limit} rows: "
