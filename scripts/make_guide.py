@@ -145,6 +145,18 @@ def measure() -> tuple[dict, list]:
         numbers |= flatten(prefix, result.summary())
     numbers |= finetune_numbers(ft)
     numbers |= family_numbers()
+    numbers |= {f"pos_{k}": getattr(positions, k) for k in (
+        "entrywise_correlation", "structure_correlation", "pca_share_2", "pca_share_10", "k", "lowfreq_share",
+        "lowfreq_share_sinusoid", "lowfreq_share_noise")}
+    numbers["pos_entrywise"] = positions.entrywise_correlation
+    numbers["pos_mean_adjacent_cosine"] = float(np.diag(positions.similarity, 1).mean())
+    numbers["pos_norm_max"] = float(positions.norms.max())
+    numbers["pos_median_peak_frequency"] = float(np.median(positions.peaks))
+    numbers["pos_median_peak_frequency_sinusoid"] = float(np.median(positions.sinusoid_peaks))
+    numbers["pos_seams_text"] = " ".join(
+        f"At position {s['at']} the neighbour cosine dips to {s['neighbour_cosine']:.2f} (typically "
+        f"{s['typical_neighbour_cosine']:.2f}) and the mean norm steps from {s['norm_before']:.3f} to "
+        f"{s['norm_after']:.3f}." for s in positions.seams) or "No seam stands out in this table."
     numbers["pos_verdict"] = positions.verdict
     numbers["pos_argmax_norm"] = int(np.argmax(positions.norms))
     numbers["tok_special"] = ", ".join(f"{s['token']} {s['norm']:.3f}" for s in tokens.special)

@@ -22,8 +22,8 @@ HIDDEN = 10  # not a power of two
 def make_tiny(folder: Path, seed: int = 0, **config) -> Path:
     """Save a random embedding layer (BERT's init: [PAD] row zero, LayerNorm made non-trivial) and its vocab."""
     torch.manual_seed(seed)
-    cfg = EmbeddingConfig(vocab_size=len(VOCAB), hidden_size=HIDDEN, max_position_embeddings=POSITIONS,
-                          **config)
+    cfg = EmbeddingConfig(**{"vocab_size": len(VOCAB), "hidden_size": HIDDEN, "max_position_embeddings": POSITIONS,
+                             **config})
     layer = BertEmbeddings(cfg)
     with torch.no_grad():
         for table in (layer.word_embeddings, layer.position_embeddings, layer.token_type_embeddings):

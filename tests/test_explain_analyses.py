@@ -12,7 +12,6 @@ import conftest_explain as helpers
 from bertembed.embeddings import BertEmbeddings, sinusoidal_table
 from bertembed.explain import analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift, explain_text
 from bertembed.explain.positions import (
-    dct_basis,
     lowfreq_share,
     peak_frequencies,
     spectrum,
@@ -76,14 +75,18 @@ def test_sinusoid_helpers_match_the_torch_table_and_correlate_perfectly():
 
 
 def test_lowfreq_share_and_spectrum_on_known_signals():
+    """Shares of variance by frequency (cycles over the positions), against signals built from known frequencies and
+    Parseval's theorem computed by hand (numpy's FFT alone: the shares sum each column's variance)."""
     P = 100
-    basis = dct_basis(P, 8)
-    assert np.allclose(basis.T @ basis, np.eye(8), atol=1e-12)
     rng = np.random.default_rng(0)
-    low = basis @ rng.normal(size=(8, 5)) + 3.0  # only the 8 lowest cosines, plus a constant
-    assert lowfreq_share(low, 8) == pytest.approx(1.0)
-    high = dct_basis(P, 40)[:, 20:] @ rng.normal(size=(20, 5))
+    t = np.arange(P)[:, None]
+    low = sum(np.cos(2 * np.pi * f * t / P + rng.uniform(0, 6, (1, 5))) * rng.normal(size=(1, 5)) for f in range(1, 9))
+    assert lowfreq_share(low + 3.0, 8) == pytest.approx(1.0)  # frequencies 1..8 only, plus a constant
+    high = sum(np.sin(2 * np.pi * f * t / P) * rng.normal(size=(1, 5)) for f in range(20, 40))
     assert lowfreq_share(high, 8) == pytest.approx(0.0, abs=1e-12)
+    noise = rng.normal(size=(P, 400))
+    assert spectrum(noise).sum() == pytest.approx(1.0)
+    assert lowfreq_share(noise, 8) == pytest.approx(2 * 8 / (P - 1), rel=0.2)  # white noise: flat
     wave = np.cos(2 * np.pi * 5 * np.arange(P) / P)[:, None] * np.ones((1, 3))
     spec = spectrum(wave)
     assert spec.sum() == pytest.approx(1.0) and int(np.argmax(spec)) == 5 and spec[5] == pytest.approx(1.0)
@@ -101,14 +104,39 @@ def test_positions_bundled_against_torch(bundled):
     sin_sim = cosine(sinusoidal_table(512, 384).double()).numpy()
     upper = np.triu_indices(512, 1)
     assert report.structure_correlation == pytest.approx(np.corrcoef(sim[upper], sin_sim[upper])[0, 1], abs=1e-5)
-    s = report.split
-    assert s["at"] == 128
-    assert s["mean_norm_before"] == pytest.approx(float(table[:128].norm(dim=1).mean()))
-    assert s["mean_norm_after"] == pytest.approx(float(table[128:].norm(dim=1).mean()))
-    assert s["boundary_cosine"] == pytest.approx(float(F.cosine_similarity(table[127], table[128], dim=0)))
-    assert s["adjacent_cosine_before"] == pytest.approx(float(F.cosine_similarity(table[:127], table[1:128]).mean()))
-    assert report.lowfreq_share_noise == pytest.approx(16 / 511)
-    assert report.verdict.startswith("No")
+    # the naive test first: the entries one by one (about -0.015), then structure and principal components
+    sinus = sinusoidal_table(512, 384).double()
+    assert report.entrywise_correlation == pytest.approx(float(torch.corrcoef(torch.stack(
+        [table.ravel(), sinus.ravel()]))[0, 1]), abs=1e-9)
+    assert abs(report.entrywise_correlation) < 0.05 and report.verdict.startswith("Entry by entry")
+    variance = torch.linalg.svdvals(table - table.mean(0)) ** 2
+    assert report.pca_share_2 == pytest.approx(float(variance[:2].sum() / variance.sum()))
+    assert report.pca_share_10 == pytest.approx(float(variance[:10].sum() / variance.sum()))
+    assert report.pca_share_10 > 0.5 and report.pca_coords.shape == (512, 2)
+    # one seam, near 128, found from the table: a neighbour-cosine dip and a norm step far beyond the rest
+    (seam,) = report.seams
+    assert 126 <= seam["at"] <= 129 and "hypothesis" in report.verdict and "128 tokens" in report.verdict
+    at = seam["at"]
+    assert seam["neighbour_cosine"] == pytest.approx(float(F.cosine_similarity(table[at - 1], table[at], dim=0)))
+    neighbours = F.cosine_similarity(table[:-1], table[1:])
+    assert seam["neighbour_cosine"] < float(neighbours.median()) - 0.3
+    # the numbers and the figure's band describe the same frequencies, 1..k cycles over the table
+    assert report.lowfreq_share == pytest.approx(float(report.spectrum[1:17].sum()))
+    assert report.lowfreq_share_noise == pytest.approx(32 / 511) and not report.noise_like
+
+
+def test_a_random_table_is_called_noise_not_learned(tmp_path):
+    """An untrained table: no seams, no smooth code, and a verdict that says so."""
+    folder = make_tiny(tmp_path, max_position_embeddings=256)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    key = "embeddings.position_embeddings.weight"
+    tensors[key] = torch.randn(tensors[key].shape, generator=torch.Generator().manual_seed(0)) * 0.02
+    save_file(tensors, str(folder / "model.safetensors"))
+    report = analyze_positions(folder)
+    assert report.noise_like and report.seams == []
+    assert report.verdict.startswith("This table is no different from noise") and "learned" not in report.verdict
 
 
 def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
@@ -122,7 +150,7 @@ def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
     report = analyze_positions(folder)
     assert report.structure_correlation == pytest.approx(1.0)
     assert report.lowfreq_share == pytest.approx(report.lowfreq_share_sinusoid)
-    assert report.split == {} and report.verdict.startswith("Yes")
+    assert report.seams == [] and report.verdict.startswith("Yes")
 
 
 # --- segments -------------------------------------------------------------------------------------------------

@@ -51,14 +51,14 @@ def images_loaded(path: Path, tmp_path: Path) -> tuple[int, int]:
 
 def test_every_image_loads(report_file, tmp_path):
     loaded, total = images_loaded(report_file, tmp_path)
-    assert total == report_file.read_text().count("<img") == 12
+    assert total == report_file.read_text().count("<img") == 13
     assert loaded == total, f"{total - loaded} broken image(s)"
 
 
 def test_a_broken_image_is_counted(report_file, tmp_path):
     broken = tmp_path / "broken.html"
     broken.write_text(report_file.read_text().replace("base64,iVBOR", "base64,AAAAiVBOR", 1))
-    assert images_loaded(broken, tmp_path) == (11, 12)
+    assert images_loaded(broken, tmp_path) == (12, 13)
 
 
 def test_screenshot_is_not_blank(report_file, tmp_path):

@@ -78,10 +78,10 @@ def test_explain_report_and_plots(tiny, tmp_path):
                     "--finetune")
     assert result.exit_code == 0, result.output
     page = report.read_text()
-    assert page.count("<img") == 12 == page.count('src="data:image/png;base64,')
+    assert page.count("<img") == 13 == page.count('src="data:image/png;base64,')
     assert not re.search(r"(src|href)=\"(https?:|//)", page) and "<link" not in page and "<script src" not in page
     assert "@import" not in page and "url(" not in page
-    assert len(list(plots.glob("*.png"))) == 12
+    assert len(list(plots.glob("*.png"))) == 13
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "r.html"]  # no temporary files left
 
 
@@ -91,7 +91,7 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     result = invoke("explain", "the cat sat", "--model", tiny, "--report", report)
     assert result.exit_code == 0, result.output
     page = report.read_text()
-    assert page.count("<img") == 10 and "Fine-tuning moves the tables" not in page
+    assert page.count("<img") == 11 and "Fine-tuning moves the tables" not in page
     assert_user_error(invoke("explain", "the cat", "--model", tiny, "--finetune"), "--finetune adds the fine-tune")
 
 

@@ -53,3 +53,17 @@ def test_results_render_in_notebooks(results):
     for result in results:
         page = result._repr_html_()
         assert "<table>" in page and page.count("<img") == len(figures.specs_for(result))
+
+
+def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
+    """The shaded band is frequencies 1..k, the band whose share the caption and the summary quote."""
+    from bertembed.explain import analyze_positions
+    from bertembed.explain.figures import plot_position_spectrum
+
+    report = analyze_positions()
+    ax = plot_position_spectrum(report).axes[0]
+    (band,) = [p for p in ax.patches if p.get_label().startswith("frequencies 1-")]
+    extent = band.get_extents().transformed(ax.transData.inverted())  # (display back to data coordinates)
+    assert (extent.x0, extent.x1) == pytest.approx((0.5, report.k + 0.5))
+    assert f"{report.lowfreq_share:.0%}" in band.get_label()
+    assert report.lowfreq_share == pytest.approx(float(report.spectrum[1:report.k + 1].sum()))

@@ -46,7 +46,11 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     for model in models:
         say_model(resolve(model))
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    console.print(_table(type(result).__name__, [{"measure": k, "value": v} for k, v in summary.items()]))
+    from bertembed.explain._common import label
+
+    rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
+            for k, v in summary.items()]
+    console.print(_table(type(result).__name__, rows))
     if extra_rows:
         console.print(_table(title, extra_rows))
     if verdict:

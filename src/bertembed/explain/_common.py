@@ -63,6 +63,18 @@ def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
     return layer.tensors[key].astype(np.float64)
 
 
+LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 principal components",
+          "pca_share_10": "variance on 10 principal components", "lowfreq_share": "variance at frequencies 1..k",
+          "lowfreq_share_sinusoid": "the same, sin/cos table", "lowfreq_share_noise": "the same, white noise",
+          "entrywise_correlation": "entry-by-entry correlation with sin/cos (the naive test)",
+          "structure_correlation": "structure correlation with sin/cos"}
+
+
+def label(key: str) -> str:
+    """A summary key as people read it: "mean_adjacent_cosine" -> "mean adjacent cosine" (a few spelled out)."""
+    return LABELS.get(key, key.replace("_", " "))
+
+
 def row_norms(matrix: np.ndarray) -> np.ndarray:
     """Euclidean norm of each row: [N, H] -> [N]."""
     return np.linalg.norm(matrix, axis=-1)

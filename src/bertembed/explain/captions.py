@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from bertembed.explain.positions import seam_hypothesis
+
 
 def decomposition_norms(dec) -> str:
     n = dec.norms()
@@ -31,25 +33,28 @@ def position_similarity(r) -> str:
 
 
 def position_norms(r) -> str:
-    text = (f"Norm of each learned position vector: {r.norms.min():.3f} to {r.norms.max():.3f} "
-            f"(position {int(np.argmax(r.norms))} is the largest).")
-    if r.split:
-        s = r.split
-        text += (f" Before position {s['at']}: mean norm {s['mean_norm_before']:.3f}, cosine with the next position "
-                 f"{s['adjacent_cosine_before']:.2f}; from {s['at']} on: {s['mean_norm_after']:.3f} and "
-                 f"{s['adjacent_cosine_after']:.2f}; across the boundary ({s['at'] - 1} to {s['at']}) only "
-                 f"{s['boundary_cosine']:.2f}. BERT trained on 128-token sequences for 90% of its steps, so rows "
-                 f"past 128 were learned from the last 10% only.")
-    return text
+    text = (f"Norm of each position vector: {r.norms.min():.3f} to {r.norms.max():.3f} (position "
+            f"{int(np.argmax(r.norms)) + r.first} is the largest), and the cosine of each with the next.")
+    for s in r.seams:
+        text += (f" At position {s['at']} the cosine with the neighbour dips to {s['neighbour_cosine']:.2f} (typically "
+                 f"{s['typical_neighbour_cosine']:.2f}) and the mean norm steps from {s['norm_before']:.3f} to "
+                 f"{s['norm_after']:.3f}: a seam, found from the table. {seam_hypothesis(s['at'])}")
+    return text if r.seams else text + " No seam: no boundary stands out from the rest of the table."
 
 
 def position_spectrum(r) -> str:
-    return (f"How each hidden dimension varies along the positions, as a spectrum. The {r.k} lowest frequencies hold "
-            f"{r.lowfreq_share:.0%} of the learned table's variance over positions ({r.lowfreq_share_sinusoid:.0%} for "
-            f"the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise): the learned vectors change smoothly "
-            f"with position, which is what a sinusoid-like code needs, without being the fixed sin/cos table. Per "
-            f"hidden dimension, the strongest frequency has median {np.median(r.peaks):.0f} cycles over the table "
+    return (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{r.k} (the shaded "
+            f"band) hold {r.lowfreq_share:.0%} of the learned table's variance over positions "
+            f"({r.lowfreq_share_sinusoid:.0%} for the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise). "
+            f"Per hidden dimension, the strongest frequency has median {np.median(r.peaks):.0f} cycles over the table "
             f"(sinusoidal: {np.median(r.sinusoid_peaks):.0f}).")
+
+
+def position_pca(r) -> str:
+    return (f"Each position on the table's first two principal components (each hidden dimension centred over "
+            f"positions): they hold {r.pca_share_2:.0%} of the variance, the first ten {r.pca_share_10:.0%}. "
+            f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
+            f"directions of the hidden space, whatever their rotation.")
 
 
 def segments(r) -> str:

@@ -93,34 +93,50 @@ def plot_position_similarity(report):
 
 
 def plot_position_norms(report, ax=None):
-    """Norm of each position vector and the cosine with the next position; the 128 line marks pre-training length."""
+    """Norm of each position vector and the cosine with the next position; a line at each seam found in the table."""
     fig, ax = _axes(ax)
-    count = len(report.norms)
-    ax.plot(range(count), report.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
+    count, first = len(report.norms), report.first
+    ax.plot(range(first, first + count), report.norms, color=PART_COLOURS["position"], lw=1.2,
+            label="norm of position vector")
     ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
     twin = ax.twinx()
-    twin.plot(range(count - 1), np.diag(report.similarity, 1), color="0.45", lw=0.8, label="cosine with next position")
-    twin.set(ylabel="cosine with next position", ylim=(0, 1.05))
-    if report.split:
-        ax.axvline(report.split["at"], color="k", ls="--", lw=0.8)
-        ax.text(report.split["at"] + 3, ax.get_ylim()[1] * 0.95, "128: pre-training length for 90% of steps",
-                fontsize=8, va="top")
+    twin.plot(range(first, first + count - 1), np.diag(report.similarity, 1), color="0.45", lw=0.8,
+              label="cosine with next position")
+    twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(report.similarity, 1).min())), 1.05))
+    for seam in report.seams:
+        ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
+        ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
     return fig
 
 
 def plot_position_spectrum(report, ax=None):
-    """Share of variance over positions at each frequency, averaged over hidden dims: learned vs sinusoidal."""
+    """Share of variance over positions at each frequency, pooled over hidden dims: learned vs sinusoidal; the band
+    shaded is the one `lowfreq_share` sums."""
     fig, ax = _axes(ax)
     freqs = np.arange(len(report.spectrum))
     ax.semilogy(freqs[1:], report.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
     ax.semilogy(freqs[1:], report.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
-    ax.axhline(1 / (len(freqs) - 1), color="0.6", ls=":", label="white noise (flat)")
-    ax.axvspan(0.5, report.k + 0.5, color="#eeeeee", zorder=0, label=f"{report.k} lowest frequencies")
+    ax.axhline(2 / (2 * len(freqs) - 3), color="0.6", ls=":", label="white noise (flat)")
+    ax.axvspan(0.5, report.k + 0.5, color="#eeeeee", zorder=0,
+               label=f"frequencies 1-{report.k}: {report.lowfreq_share:.0%} of the learned table's variance")
     ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
-           title="Spectrum over positions, averaged over hidden dimensions", xscale="log")
+           title="Spectrum over positions, pooled over hidden dimensions", xscale="log")
     ax.legend(fontsize=8)
+    return fig
+
+
+def plot_position_pca(report, ax=None):
+    """The positions on the first two principal components of the table (hidden dimensions centred), coloured by
+    position: a smooth curve is how order is encoded."""
+    fig, ax = _axes(ax, size=(6, 5))
+    x, y = report.pca_coords[:, 0], report.pca_coords[:, 1]
+    ax.plot(x, y, color="0.8", lw=0.6, zorder=1)
+    points = ax.scatter(x, y, c=np.arange(report.first, report.first + len(x)), cmap="viridis", s=8, zorder=2)
+    fig.colorbar(points, ax=ax, label="position")
+    ax.set(xlabel="first principal component", ylabel="second principal component",
+           title=f"Positions on two components ({report.pca_share_2:.0%} of the variance)")
     return fig
 
 
@@ -255,6 +271,8 @@ FIGURES = (
     FigureSpec("position_norms", "Position norms", "PositionReport", plot_position_norms, captions.position_norms),
     FigureSpec("position_spectrum", "Position spectrum", "PositionReport", plot_position_spectrum,
                captions.position_spectrum),
+    FigureSpec("position_pca", "Positions on two principal components", "PositionReport", plot_position_pca,
+               captions.position_pca),
     FigureSpec("segments", "Segment vectors", "SegmentReport", plot_segments, captions.segments),
     FigureSpec("segment_effect", "Segment A vs B", "SegmentReport", plot_segment_effect, captions.segment_effect),
     FigureSpec("token_norms", "Token norms", "TokenReport", plot_token_norms, captions.token_norms),

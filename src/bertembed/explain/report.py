@@ -23,6 +23,7 @@ from bertembed.explain._common import (
     figure_png,
     html_table,
     img_tag,
+    label,
     load_layer,
 )
 
@@ -138,7 +139,8 @@ def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Sec
     summary = result.summary()
     intro = intro or summary.get("verdict", "")
     rows = result.rows() if hasattr(result, "rows") else [
-        {"measure": k, "value": v} for k, v in summary.items() if k != "verdict" and not isinstance(v, (list, dict))]
+        {"measure": label(k), "value": v} for k, v in summary.items() if k != "verdict"
+        and not isinstance(v, (list, dict))]
     return Section(title, intro, result, html_table(rows),
                    [(s.title, png, s.caption(result)) for s, png in pngs])
 
