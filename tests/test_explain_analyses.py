@@ -3,6 +3,8 @@ a tiny random one."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -284,6 +286,28 @@ def test_drift_finds_exactly_the_changed_rows(tiny, tiny_b):
     assert [r["row"] for r in by_table["word"].top] == [7, 19]  # the bigger change first
     assert by_table["word"].top[0]["label"].startswith("cat")
     assert by_table["segment"].rows_changed == 0 and by_table["segment"].relative_change == 0.0
+    for name, key in (("word", "word_embeddings.weight"), ("position", "position_embeddings.weight")):
+        rows = sorted({row for (k, row) in changes if k.endswith(key)})
+        own = ((b[key] - a[key])[rows].norm(dim=1) / a[key][rows].norm(dim=1)).double()
+        assert by_table[name].median_row_change == pytest.approx(float(np.median(own.numpy())), rel=1e-5)
+
+
+def test_drift_does_not_rank_a_table_by_its_size(tmp_path):
+    """The same change of one row in a big and a small table: the whole-tensor measure shrinks with the table's
+    rows, the moved row's own change does not (the figure ranks by that)."""
+    from safetensors.torch import load_file, save_file
+
+    a = make_tiny(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    tensors = load_file(str(b / "model.safetensors"))
+    for key in ("embeddings.word_embeddings.weight", "embeddings.token_type_embeddings.weight"):
+        tensors[key][1] *= 1.5  # each table: one row, 50% longer
+    save_file(tensors, str(b / "model.safetensors"))
+    by_table = {t.table: t for t in drift(a, b).tables}
+    word, segment = by_table["word"], by_table["segment"]
+    assert word.median_row_change == pytest.approx(0.5) == pytest.approx(segment.median_row_change)
+    assert word.relative_change < segment.relative_change  # (the whole-tensor measure depends on the size)
 
 
 def test_drift_refuses_different_shapes(tiny, tmp_path):

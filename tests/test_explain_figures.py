@@ -67,3 +67,17 @@ def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
     assert (extent.x0, extent.x1) == pytest.approx((0.5, report.k + 0.5))
     assert f"{report.lowfreq_share:.0%}" in band.get_label()
     assert report.lowfreq_share == pytest.approx(float(report.spectrum[1:report.k + 1].sum()))
+
+
+def test_the_rows_moved_figure_draws_no_bar_for_zero_on_its_log_axis(results):
+    from bertembed.explain.figures import plot_finetune_rows
+    from bertembed.explain.finetune import FinetuneReport
+
+    report = next(r for r in results if isinstance(r, FinetuneReport))
+    frozen = [t for run in report.runs for t in run.tables if t.moved == 0]
+    assert frozen, "the demo has a run with a frozen table (no row moved)"
+    ax = plot_finetune_rows(report).axes[0]
+    heights = [bar.get_height() for bar in ax.patches]
+    assert all(h > 0 for h in heights if h == h)  # (NaN: no bar)
+    assert sum(h != h for h in heights) == len(frozen)
+    assert sum(text.get_text() == "0" for text in ax.texts) == len(frozen)

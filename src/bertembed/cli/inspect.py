@@ -72,9 +72,11 @@ def _specs(result):
 def _table(title: str, rows: list[dict]):
     from rich.table import Table
 
+    from bertembed.explain._common import label
+
     table = Table(title=title or None, title_justify="left")
     for col in rows[0]:
-        table.add_column(str(col), overflow="fold")
+        table.add_column(label(str(col)), overflow="fold")
     for row in rows:
         table.add_row(*(f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
     return table

@@ -67,7 +67,10 @@ LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 princ
           "pca_share_10": "variance on 10 principal components", "lowfreq_share": "variance at frequencies 1..k",
           "lowfreq_share_sinusoid": "the same, sin/cos table", "lowfreq_share_noise": "the same, white noise",
           "entrywise_correlation": "entry-by-entry correlation with sin/cos (the naive test)",
-          "structure_correlation": "structure correlation with sin/cos"}
+          "structure_correlation": "structure correlation with sin/cos",
+          "median_row_change": "a moved row's change |Δ|/|row| (median)",
+          "relative_change": "whole tensor |B - A|/|A|", "max_abs_change": "largest entry change |Δ|",
+          "most_changed": "most changed rows (|Δ|/|row|)"}
 
 
 def label(key: str) -> str:

@@ -115,8 +115,10 @@ def finetune_positions(r) -> str:
 
 
 def drift(r) -> str:
-    parts = [f"{t.table} {t.relative_change:.2g} ({t.rows_changed} rows changed)" for t in r.tables]
+    parts = [f"{t.table}: {t.rows_changed} of {t.shape[0]} rows moved, a moved row by {t.median_row_change:.2g} of "
+             f"its norm (median), the whole tensor by {t.relative_change:.2g}" for t in r.tables]
     word = next((t for t in r.tables if t.table == "word" and t.top), None)
-    top = f" Most-changed tokens: {', '.join(x['label'] for x in word.top[:5])}." if word else ""
-    head = f"Relative change |B - A| / |A| of each tensor from {r.model_a} to {r.model_b}: "
+    top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
+        if word else ""
+    head = f"From {r.model_a} to {r.model_b}, per tensor: "
     return head + "; ".join(parts) + "." + top

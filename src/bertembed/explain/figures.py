@@ -215,10 +215,15 @@ def plot_finetune_rows(report, ax=None):
     tables = [t.table for t in report.runs[0].tables]
     width = 0.8 / len(report.runs)
     for i, run in enumerate(report.runs):
-        moved = [max(t.moved, 0.8) for t in run.tables]
         offset = (i - (len(report.runs) - 1) / 2) * width
-        bars = ax.bar(np.arange(len(tables)) + offset, moved, width, label=run.spec.name)
-        ax.bar_label(bars, labels=[str(t.moved) for t in run.tables], fontsize=7)
+        x = np.arange(len(tables)) + offset
+        moved = [t.moved for t in run.tables]
+        # a log axis has no 0: a table with no row moved gets no bar, only its "0" label at the axis
+        bars = ax.bar(x, [m if m > 0 else np.nan for m in moved], width, label=run.spec.name)
+        ax.bar_label(bars, labels=[str(m) if m > 0 else "" for m in moved], fontsize=7)
+        for xi, m in zip(x, moved, strict=True):
+            if m == 0:
+                ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in report.runs[0].tables])
     ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {report.steps} steps: rows moved")
     ax.legend(fontsize=8)
@@ -241,13 +246,18 @@ def plot_finetune_positions(report, ax=None, first: int = 24):
 
 
 def plot_drift(report, ax=None):
-    """Relative change of each tensor between the two checkpoints (log scale)."""
+    """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
+    labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
     fig, ax = _axes(ax, size=(6.5, 3.4))
-    values = [max(t.relative_change, 1e-12) for t in report.tables]
+    values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in report.tables]
     bars = ax.bar([t.table for t in report.tables], values, color="0.45")
-    ax.bar_label(bars, labels=[f"{t.relative_change:.2g}" for t in report.tables], fontsize=8)
-    ax.set(yscale="log", xlabel="tensor", ylabel="|B - A| / |A| (log)",
-           title="Drift per tensor between two checkpoints")
+    ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
+                               else "" for t in report.tables], fontsize=7)
+    ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
+           ylabel="median |Δ row| / |row|, rows that moved",
+           title="Drift per tensor between two checkpoints (label: change, rows moved)")
+    if not any(v == v for v in values):
+        ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
     ax.tick_params(axis="x", labelsize=8)
     return fig
 
