@@ -234,3 +234,22 @@ def test_explain_json_is_strict_json_when_the_tables_hold_nan(tiny, tmp_path):
 def test_onehot_of_a_text_longer_than_the_positions_is_refused_at_once():
     result = invoke("inspect", "onehot", "word " * 600)  # the bundled model: 602 tokens, 512 positions
     assert_user_error(result, r"602 tokens with \[CLS\] and \[SEP\], but the model has 512 positions")
+
+
+def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_path):
+    """On the bundled model: the title names it and says it is not bert-base-uncased, an introduction lists the
+    questions, every section carries its claim's tag, measures read as words, and no test line shows."""
+    report = tmp_path / "r.html"
+    result = invoke("explain", "The quick brown fox", "--report", report)
+    assert result.exit_code == 0, result.output
+    page = report.read_text()
+    title = re.search(r"<h1>(.*?)</h1>", page).group(1)
+    assert "all-MiniLM-L6-v2" in title and "not bert-base-uncased" in title
+    assert "Each section below answers one question" in page
+    for question in ("Why don&#x27;t the learned positions look like sin/cos?", "Is nn.Embedding a one-hot matrix "
+                     "product?", "What are segment embeddings: zeros and ones?"):
+        assert page.count(question) == 2  # in the list of questions and as its section's title
+    assert page.count('class="tag"') == 5 and "holds for every BERT checkpoint" in page
+    assert "images loaded" not in page and '<p id="image-check" hidden>' in page
+    tables = "".join(re.findall(r"<table>.*?</table>", page))
+    assert "mean adjacent cosine" in tables and "mean_adjacent_cosine" not in tables

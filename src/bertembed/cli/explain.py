@@ -84,7 +84,7 @@ def _write_extras(text: str, text_b: str | None, model: str | None, report: str 
     with bar:
         results = reporting.run_analyses(text, text_b, model, finetune=finetune,
                                          progress=None if quiet else progress)
-    pngs = [reporting.render_figures(r) for r in results]
+    pngs = reporting.render_all(results)
     if plots is not None:
         written = reporting.write_plots(results, plots, pngs)
         if not quiet:

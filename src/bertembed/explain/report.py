@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import io
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,17 +30,24 @@ from bertembed.explain._common import (
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;font-size:.8em;margin:1em 0;display:block;overflow-x:auto;max-width:100%}
+.scroll{overflow-x:auto;max-width:100%}table{border-collapse:collapse;font-size:.8em;margin:1em 0}
 td,th{border:1px solid #ddd;padding:2px 6px;
 text-align:right}th{background:#f4f4f4}caption{text-align:left;font-style:italic;padding:4px 0}
 figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.92em;color:#333}
-.verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}"""
+.verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}
+.tag{font-size:.75em;color:#555;border:1px solid #bbb;border-radius:3px;padding:0 4px;margin-left:.5em}"""
 
-# Counts the images that decoded (naturalWidth > 0): the browser test reads it, readers see it at the bottom.
+# Counts the images that decoded (naturalWidth > 0) into a hidden element's attributes, which the browser test reads.
 CHECK_SCRIPT = """<script>window.addEventListener("load",function(){var i=document.images,n=0;
 for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0)n++;}
-var p=document.getElementById("image-check");p.textContent="images loaded: "+n+" of "+i.length;
+var p=document.getElementById("image-check");
 p.setAttribute("data-loaded",n);p.setAttribute("data-total",i.length);});</script>"""
+STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
+INTRO = ("Before any attention layer runs, the model turns text into vectors: each token's id picks a row of the "
+         "word table, its position a row of the position table, its segment a row of the segment table; the rows "
+         "are summed and LayerNorm normalises the sum. Each section below answers one question people ask about "
+         "this layer, by measuring it on the checkpoint named above. Tags say whether a claim holds for every BERT "
+         "checkpoint (the structure of the layer) or was measured on this one (its numbers).")
 
 
 @dataclass
@@ -49,6 +57,7 @@ class Section:
     result: Any
     table: str = ""  # ready HTML
     figures: list[tuple[str, bytes, str]] = field(default_factory=list)  # (title, png, caption)
+    tag: str = MEASURED
 
 
 @dataclass
@@ -59,13 +68,17 @@ class Report:
 
     def to_html(self) -> str:
         """The whole report as one HTML string."""
-        body = [f"<h1>{html.escape(self.title)}</h1>", f"<p>model: {html.escape(self.model)}</p>"]
-        for s in self.sections:
-            body += [f"<h2>{html.escape(s.title)}</h2>", f'<p class="verdict">{html.escape(s.intro)}</p>', s.table]
+        body = [f"<h1>{html.escape(self.title)}</h1>", f"<p>checkpoint: {html.escape(self.model)}</p>",
+                f"<p>{html.escape(INTRO)}</p><ol>"]
+        body += [f'<li><a href="#s{i}">{html.escape(s.title)}</a></li>' for i, s in enumerate(self.sections)]
+        body.append("</ol>")
+        for i, s in enumerate(self.sections):
+            body += [f'<h2 id="s{i}">{html.escape(s.title)}<span class="tag">{html.escape(s.tag)}</span></h2>',
+                     f'<p class="verdict">{html.escape(s.intro)}</p>', f'<div class="scroll">{s.table}</div>']
             for title, png, caption in s.figures:
                 body.append(f"<figure>{img_tag(png, title)}<figcaption><b>{html.escape(title)}.</b> "
                             f"{html.escape(caption)}</figcaption></figure>")
-        body.append('<p id="image-check">images: not counted (scripts off)</p>')
+        body.append('<p id="image-check" hidden></p>')
         return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
                 f"<style>{CSS}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")
 
@@ -110,18 +123,28 @@ def _first_word(tokens: list[str]) -> str:
                 else "[CLS]")
 
 
+# per result type: the question its section answers, a one-line answer (None: the result's verdict), the claim's tag
 INTROS = {
-    "TextDecomposition": ("Decomposition", "Each token's vector is word + position + segment, summed, then "
-                          "LayerNorm. The table gives each part's norm and its share of the variance LayerNorm sees."),
-    "PositionReport": ("Positions: learned, not sinusoidal", None),
-    "SegmentReport": ("Segments: two learned vectors", "Segment A's vector is added to [CLS], sentence A and its "
-                      "[SEP]; segment B's to sentence B and the last [SEP]. Both sentences are one sequence."),
-    "TokenReport": ("Tokens: a dictionary of learned vectors", "nn.Embedding is a table; a token id picks its row."),
-    "OneHotReport": ("nn.Embedding is a one-hot matrix product", "one_hot(ids) @ W picks the same rows as W[ids]."),
-    "FinetuneReport": ("Fine-tuning moves the tables", "Every table is a trainable parameter: which rows move "
-                       "depends on which tokens, positions and segments occur, and on the optimiser."),
-    "DriftReport": ("Drift between two checkpoints", "How far each tensor moved from checkpoint A to B."),
-    "NotMeasured": ("Not measured in this member", None),
+    "TextDecomposition": ("What does the layer add to each token?", "Each token's vector is word + position + "
+                          "segment, summed, then LayerNorm. The table gives each part's norm and its share of the "
+                          "variance LayerNorm sees.", MEASURED),
+    "PositionReport": ("Why don't the learned positions look like sin/cos?", None, MEASURED),
+    "SegmentReport": ("What are segment embeddings: zeros and ones?", "No: two learned vectors. Segment A's is added "
+                      "to [CLS], sentence A and its [SEP]; segment B's to sentence B and the last [SEP]. Both "
+                      "sentences are one sequence.", MEASURED),
+    "TokenReport": ("What is in the word table?", "nn.Embedding is a table; a token id picks its row. Rows of related "
+                    "words point the same way.", MEASURED),
+    "OneHotReport": ("Is nn.Embedding a one-hot matrix product?", "Yes: one_hot(ids) @ W picks the same rows as "
+                     "W[ids], bit for bit; the lookup skips the product. Pretrained static vectors (word2vec, GloVe) "
+                     "can be loaded into such a table too; BERT's is trained with the model (and tied to its MLM "
+                     "decoder), and Google's original TPU code could do the lookup as this product.", STRUCTURAL),
+    "FinetuneReport": ("Does fine-tuning change the tables?", "Every table is a trainable parameter: which rows move "
+                       "depends on which tokens, positions and segments occur, and on the optimiser. The demo's "
+                       "magnitudes are a toy's (its learning rate, its two-class head); which rows move is not.",
+                       MEASURED),
+    "DriftReport": ("How far did each tensor move between two checkpoints?", "How far each tensor moved from "
+                    "checkpoint A to B.", MEASURED),
+    "NotMeasured": ("Not measured in this member", None, MEASURED),
 }
 
 
@@ -132,26 +155,59 @@ def render_figures(result: Any) -> list[tuple[Any, bytes]]:
     return [(s, figure_png(s.draw(result))) for s in specs_for(result)]
 
 
+_rendering: list[Any] = []  # the results a forked worker of `render_all` draws (inherited, never pickled)
+
+
+def _render_one(index: int) -> list[tuple[str, bytes]]:
+    return [(spec.name, png) for spec, png in render_figures(_rendering[index])]
+
+
+def render_all(results: list[Any]) -> list[list[tuple[Any, bytes]]]:
+    """`render_figures` of every result. Matplotlib draws on one thread and the figures are most of a report's
+    time, so on Linux two forked processes draw them at once (about 1 s sooner on two cores); elsewhere, in order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from bertembed.explain.figures import specs_for
+
+    if sys.platform != "linux" or (os.cpu_count() or 1) < 2 or len(results) < 2:
+        return [render_figures(r) for r in results]
+    _rendering[:] = results
+    try:
+        with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+            drawn = list(pool.map(_render_one, range(len(results))))
+    finally:
+        _rendering.clear()
+    by_name = [{s.name: s for s in specs_for(r)} for r in results]
+    return [[(specs[name], png) for name, png in pngs] for specs, pngs in zip(by_name, drawn, strict=True)]
+
+
 def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Section:
     """A report section: title, a one-line answer, a table and the captioned figures of one result."""
     pngs = render_figures(result) if pngs is None else pngs
-    title, intro = INTROS[type(result).__name__]
+    title, intro, tag = INTROS[type(result).__name__]
     summary = result.summary()
     intro = intro or summary.get("verdict", "")
     rows = result.rows() if hasattr(result, "rows") else [
         {"measure": label(k), "value": v} for k, v in summary.items() if k != "verdict"
         and not isinstance(v, (list, dict))]
     return Section(title, intro, result, html_table(rows),
-                   [(s.title, png, s.caption(result)) for s, png in pngs])
+                   [(s.title, png, s.caption(result)) for s, png in pngs], tag)
 
 
-def build_report(results: list[Any], title: str = "How BERT's embedding layer builds these vectors",
+def build_report(results: list[Any], title: str | None = None,
                  pngs: list[list[tuple[Any, bytes]]] | None = None) -> Report:
-    """Turn analysis results (see `run_analyses`) into a `Report`; `pngs`: figures already rendered, per result."""
-    model = getattr(results[0], "source", None)
-    pngs = pngs or [render_figures(r) for r in results]
-    return Report(title, model.describe() if model else "", [section_for(r, p) for r, p in zip(results, pngs,
-                                                                                                strict=True)])
+    """Turn analysis results (see `run_analyses`) into a `Report`; `pngs`: figures already rendered, per result.
+    The title names the checkpoint measured, and says so where the bundled default is not BERT itself."""
+    source = getattr(results[0], "source", None)
+    pngs = pngs or render_all(results)
+    if title is None:
+        name = source.name if source else "the checkpoint"
+        title = f"How {name}'s embedding layer builds these vectors"
+        if source is not None and source.kind == "bundled":
+            title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
+    return Report(title, source.describe() if source else "", [section_for(r, p) for r, p in zip(results, pngs,
+                                                                                                 strict=True)])
 
 
 def check_output(path: str | Path) -> Path:
@@ -204,7 +260,7 @@ def write_plots(results: list[Any], folder: str | Path,
                 pngs: list[list[tuple[Any, bytes]]] | None = None) -> list[Path]:
     """One PNG per figure of every result, named after the figure (e.g. position_similarity.png)."""
     folder = check_folder(folder)
-    pngs = pngs or [render_figures(r) for r in results]
+    pngs = pngs or render_all(results)
     return [write_atomic(folder / f"{s.name}.png", png) for per_result in pngs for s, png in per_result]
 
 
