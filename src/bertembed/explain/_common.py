@@ -147,10 +147,16 @@ def img_tag(png: bytes, alt: str) -> str:
 def repr_html(result: Any) -> str:
     """Notebook view of a result: its summary as a table, then its figures when matplotlib is installed."""
     from bertembed.explain.figures import specs_for
+    from bertembed.sources import DEFAULT_MODEL
 
     title = html.escape(type(result).__name__)
-    rows = [{"measure": k, "value": v} for k, v in result.summary().items() if not isinstance(v, (list, dict))]
-    parts = [f"<h4>{title}</h4>", html_table(rows)]
+    summary = result.summary()
+    rows = [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
+    parts = [f"<h4>{title}</h4>"]
+    if DEFAULT_MODEL in (summary.get("model"), summary.get("model_a"), summary.get("model_b")):
+        parts.append("<p>measured on the bundled all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
+                     "embeddings), not bert-base-uncased</p>")
+    parts.append(html_table(rows))
     try:
         for spec in specs_for(result):
             parts.append(img_tag(figure_png(spec.draw(result)), spec.title))
