@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from bertembed.explain.positions import seam_hypothesis
+
+def seam_hypothesis(at: int) -> str:
+    """What may have left a seam at position `at`: said as a hypothesis, with its confounds."""
+    if abs(at - 128) <= 2:
+        return ("A hypothesis, not a proof: BERT pre-trained 90% of its steps on 128-token sequences; a fine-tune cut "
+                "at 128 tokens could leave it too (all-MiniLM-L6-v2's own fine-tune was).")
+    return (f"A hypothesis: training on sequences of about {at} tokens (pre-training or a fine-tune) leaves rows past "
+            f"them trained less; the model's training recipe would tell.")
 
 
 def decomposition_norms(dec) -> str:

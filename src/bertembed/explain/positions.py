@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bertembed.explain._common import ModelArg, cosine_matrix, load_layer, repr_html, row_norms, table
+from bertembed.explain.captions import seam_hypothesis
 from bertembed.numpy_layer import sinusoidal_table_np
 
 SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) both the dip and the step must pass
@@ -91,15 +92,6 @@ def find_seams(matrix: np.ndarray, first: int = 0) -> list[dict]:
             continue
         seams.append(entry)
     return seams
-
-
-def seam_hypothesis(at: int) -> str:
-    """What may have left a seam at position `at`: said as a hypothesis, with its confounds."""
-    if abs(at - 128) <= 2:
-        return ("A hypothesis, not a proof: BERT pre-trained 90% of its steps on 128-token sequences; a fine-tune cut "
-                "at 128 tokens could leave it too (all-MiniLM-L6-v2's own fine-tune was).")
-    return (f"A hypothesis: training on sequences of about {at} tokens (pre-training or a fine-tune) leaves rows past "
-            f"them trained less; the model's training recipe would tell.")
 
 
 def _robust_z(x: np.ndarray) -> np.ndarray:
