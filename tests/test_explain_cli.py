@@ -253,3 +253,10 @@ def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_pat
     assert "images loaded" not in page and '<p id="image-check" hidden>' in page
     tables = "".join(re.findall(r"<table>.*?</table>", page))
     assert "mean adjacent cosine" in tables and "mean_adjacent_cosine" not in tables
+
+
+@pytest.mark.parametrize("args", [("inspect", "positions"), ("inspect", "segments"), ("inspect", "tokens", "king"),
+                                  ("inspect", "onehot", "I am Sinan"), ("walkthrough", "The fox")])
+def test_every_command_names_the_checkpoint_it_measured(args):
+    output = " ".join(invoke(*args).output.split())
+    assert "all-MiniLM-L6-v2" in output and "not bert-base-uncased" in output

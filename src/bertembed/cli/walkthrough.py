@@ -23,10 +23,13 @@ def walkthrough(text: TextArg, text_b: TextBArg = None, model: ModelOpt = None, 
         from bertembed.explain.walkthrough import check_walkthrough
         from bertembed.explain.walkthrough import walkthrough as run
 
+        from bertembed.sources import resolve
+
         result = run(text, text_b, model)
         if as_json:
             print(json.dumps(to_jsonable(result.summary()), allow_nan=False))
         else:
+            say_model(resolve(model))
             _show(result)
         failed = check_walkthrough(result)
         if failed:
@@ -37,7 +40,7 @@ def walkthrough(text: TextArg, text_b: TextBArg = None, model: ModelOpt = None, 
 def _show(result) -> None:
     from rich.syntax import Syntax
 
-    console.print(f"model: {escape(result.model)} ({result.member})")
+    console.print(f"the layer's recipe: {result.member}'s")
     for step in result.steps:
         console.rule(f"[bold]{escape(step.title)}[/bold]")
         console.print(escape(step.why))
