@@ -320,6 +320,19 @@ class BertEmbeddings(Pretrained, nn.Module):
                              f"DeBERTa's multiplies its output by the mask); leave it out")
         return mask
 
+    def extend_positions(self, n: int, method: str = "copy") -> BertEmbeddings:
+        """Take sequences of `n` positions: the position table grown by `method` ("copy", "interpolate",
+        "repeat_last", "sinusoidal"; `bertembed.surgery`), in place. Returns the layer."""
+        from bertembed.surgery import extend_positions
+
+        return extend_positions(self, n, method)
+
+    def resize_vocab(self, n: int, *, pad_to_multiple_of: int | None = None, init: str = "mean") -> BertEmbeddings:
+        """`n` word rows, as transformers' `resize_token_embeddings` gives them (`bertembed.surgery`), in place."""
+        from bertembed.surgery import resize_vocab
+
+        return resize_vocab(self, n, pad_to_multiple_of=pad_to_multiple_of, init=init)
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """ALBERT's and ELECTRA's Linear E -> H, which their encoder applies to this layer's output (after dropout):
         `layer.project(layer(ids))` is what their first attention layer takes."""

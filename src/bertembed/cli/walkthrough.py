@@ -22,7 +22,6 @@ def walkthrough(text: TextArg, text_b: TextBArg = None, model: ModelOpt = None, 
         from bertembed.explain._common import to_jsonable
         from bertembed.explain.walkthrough import check_walkthrough
         from bertembed.explain.walkthrough import walkthrough as run
-
         from bertembed.sources import resolve
 
         result = run(text, text_b, model)

@@ -1,0 +1,138 @@
+"""Surgery on the layer's tables: more positions than it was trained with, and a larger or smaller vocabulary.
+
+    layer.extend_positions(4096, method="copy")      # Longformer's tiling; "interpolate", "repeat_last", "sinusoidal"
+    layer.resize_vocab(30600, pad_to_multiple_of=8)  # transformers' resize_token_embeddings, on this layer
+
+Both change the layer in place, its config with it, and return it. Old rows are kept bit for bit (except where
+"interpolate" moves them by design), so inputs that fitted before give the same outputs after.
+
+Dimension letters: P position rows, R reserved rows (RoBERTa's), N usable positions, V vocabulary, E table width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
+
+
+def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> torch.Tensor:
+    """The position table [R + N_old, E] grown to [R + n, E] by `method`; the R reserved rows (RoBERTa's row 0 and its
+    padding row) kept verbatim on top, the usable rows after them:
+
+    - "copy": the old usable rows tiled, as Longformer's conversion does;
+    - "interpolate": old row i at row f*i (f = n / N_old, a whole number), linear blends between, the last row
+      repeated at the end, as LongEmbed does (old rows move: row i is no longer at i);
+    - "repeat_last": the last row repeated, as PreSumm does;
+    - "sinusoidal": the new rows from the sin/cos table at their positions, scaled to the old rows' mean norm.
+    """
+    from bertembed.embeddings import sinusoidal_table
+
+    head, old = table[:reserved], table[reserved:]
+    count = old.shape[0]
+    if method == "copy":
+        grown = old[torch.arange(n) % count]
+    elif method == "repeat_last":
+        grown = torch.cat([old, old[-1:].expand(n - count, -1)])
+    elif method == "interpolate":
+        if n % count:
+            raise ValueError(f"method='interpolate' places old row i at row f*i: {n} positions must be a whole "
+                             f"multiple of the {count} there are now (e.g. {2 * count}); or use method='copy'")
+        factor = n // count
+        at = torch.arange(n, dtype=torch.float64) / factor
+        low = at.floor().long().clamp(max=count - 1)
+        high = (low + 1).clamp(max=count - 1)
+        weight = (at - low).clamp(max=1.0)[:, None]
+        weight[low == count - 1] = 0.0  # past the last old row: that row, repeated
+        grown = (old[low].double() * (1 - weight) + old[high].double() * weight).to(old.dtype)
+    elif method == "sinusoidal":
+        norm = old.double().norm(dim=1).mean()
+        fresh = sinusoidal_table(n, old.shape[1]).double()[count:]
+        fresh = fresh * (norm / fresh.norm(dim=1, keepdim=True))
+        grown = torch.cat([old, fresh.to(old.dtype)])
+    else:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    return torch.cat([head, grown.to(table.device)])
+
+
+def extend_positions(layer, n: int, method: str = "copy"):
+    """Let `layer` take sequences of `n` positions (its reserved rows not counted), its position table grown by
+    `method` (`extended_rows`). The config's `max_position_embeddings` and the default-id buffers follow."""
+    config = layer.config
+    positions = layer.position_embeddings
+    if not isinstance(positions, nn.Embedding):
+        kind = "no position table (positions enter in attention)" if positions is None else \
+            "a computed sinusoidal table (build the layer with a larger max_position_embeddings instead)"
+        raise ValueError(f"this {config.model_type} layer has {kind}: there is nothing to extend")
+    reserved = config.first_position
+    usable = positions.weight.shape[0] - reserved
+    if not isinstance(n, int) or isinstance(n, bool) or n <= usable:
+        raise ValueError(f"n={n!r} must be an integer above the {usable} positions the table has now; shrinking a "
+                         f"table is not extending it")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    with torch.no_grad():
+        rows = extended_rows(positions.weight.detach(), reserved, n, method)
+    grown = nn.Embedding(rows.shape[0], rows.shape[1], padding_idx=positions.padding_idx, device=rows.device,
+                         dtype=rows.dtype)
+    with torch.no_grad():
+        grown.weight.copy_(rows)
+    grown.weight.requires_grad_(positions.weight.requires_grad)
+    layer.position_embeddings = grown
+    layer.config = config.replace(max_position_embeddings=rows.shape[0])
+    ids = torch.arange(rows.shape[0], device=layer.position_ids.device)[None]
+    layer.register_buffer("position_ids", ids, persistent=False)
+    layer.register_buffer("token_type_ids", torch.zeros_like(ids), persistent=False)
+    return layer
+
+
+def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: str = "mean"):
+    """Give the word table `n` rows (rounded up to `pad_to_multiple_of`), as transformers' `resize_token_embeddings`
+    does: old rows kept as they are (a trained pad row is not zeroed again), shrinking drops rows from the end (not
+    past the padding row: ValueError), new rows drawn near the old rows' mean with 1e-9 times their
+    covariance (`init="mean"`; the plain mean where that is not positive definite) or from normal(0,
+    initializer_range) (`init="normal"`), with torch's generator as transformers draws them."""
+    if init not in ("mean", "normal"):
+        raise ValueError(f"init={init!r} is not 'mean' or 'normal'")
+    if pad_to_multiple_of is not None:
+        if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer")
+        n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive number of rows")
+    words = layer.word_embeddings
+    old = words.weight.detach()
+    count, width = old.shape
+    if n == count:
+        return layer
+    if words.padding_idx is not None and words.padding_idx >= n:
+        raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
+                         f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
+                         f"least {words.padding_idx + 1} rows")
+    fresh = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
+    with torch.no_grad():
+        if n > count and init == "normal":
+            nn.init.normal_(fresh.weight, std=layer.config.initializer_range)
+        elif n > count:
+            fresh.weight[count:] = _near_the_mean(old, n - count)
+        fresh.weight[:min(n, count)] = old[:min(n, count)]
+    resized = nn.Embedding(n, width, padding_idx=words.padding_idx, device=old.device, dtype=old.dtype,
+                           _weight=fresh.weight)
+    resized.weight.requires_grad_(words.weight.requires_grad)
+    layer.word_embeddings = resized
+    layer.config = layer.config.replace(vocab_size=n)
+    return layer
+
+
+def _near_the_mean(old: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` rows from a normal with the old rows' mean and 1e-9 times their covariance (transformers' rule)."""
+    weights = old.float()
+    mean = weights.mean(0)
+    centred = weights - mean
+    covariance = centred.T @ centred / weights.shape[0]
+    if torch.distributions.constraints.positive_definite.check(1e-9 * covariance).all():
+        drawn = torch.distributions.MultivariateNormal(mean, covariance_matrix=1e-9 * covariance).sample((count,))
+    else:
+        drawn = mean[None].repeat(count, 1)
+    return drawn.to(old.dtype)
