@@ -321,17 +321,16 @@ class BertEmbeddings(Pretrained, nn.Module):
         return mask
 
     def extend_positions(self, n: int, method: str = "copy") -> BertEmbeddings:
-        """Take sequences of `n` positions: the position table grown by `method` ("copy", "interpolate",
-        "repeat_last", "sinusoidal"; `bertembed.surgery`), in place. Returns the layer."""
-        from bertembed.surgery import extend_positions
+        """Take `n` positions, the table grown by `method` in place (`bertembed.surgery`); returns the layer."""
+        from bertembed import surgery
 
-        return extend_positions(self, n, method)
+        return surgery.extend_positions(self, n, method)
 
     def resize_vocab(self, n: int, *, pad_to_multiple_of: int | None = None, init: str = "mean") -> BertEmbeddings:
         """`n` word rows, as transformers' `resize_token_embeddings` gives them (`bertembed.surgery`), in place."""
-        from bertembed.surgery import resize_vocab
+        from bertembed import surgery
 
-        return resize_vocab(self, n, pad_to_multiple_of=pad_to_multiple_of, init=init)
+        return surgery.resize_vocab(self, n, pad_to_multiple_of=pad_to_multiple_of, init=init)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """ALBERT's and ELECTRA's Linear E -> H, which their encoder applies to this layer's output (after dropout):

@@ -27,7 +27,7 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
     - "repeat_last": the last row repeated, as PreSumm does;
     - "sinusoidal": the new rows from the sin/cos table at their positions, scaled to the old rows' mean norm.
     """
-    from bertembed.embeddings import sinusoidal_table
+    from bertembed.numpy_layer import sinusoidal_table_np
 
     head, old = table[:reserved], table[reserved:]
     count = old.shape[0]
@@ -48,7 +48,7 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
         grown = (old[low].double() * (1 - weight) + old[high].double() * weight).to(old.dtype)
     elif method == "sinusoidal":
         norm = old.double().norm(dim=1).mean()
-        fresh = sinusoidal_table(n, old.shape[1]).double()[count:]
+        fresh = torch.from_numpy(sinusoidal_table_np(n, old.shape[1]))[count:]
         fresh = fresh * (norm / fresh.norm(dim=1, keepdim=True))
         grown = torch.cat([old, fresh.to(old.dtype)])
     else:
