@@ -217,3 +217,30 @@ def test_a_member_with_one_segment_row_gets_segment_zero_throughout(tmp_path):
     pair = Tokenizer.from_pretrained(tmp_path)("The fox", "It was not amused.")
     assert pair.tokens[-1] == "[SEP]" and set(pair.token_type_ids) == {0}
     assert set(Tokenizer.from_pretrained()("The fox", "It was not amused.").token_type_ids) == {0, 1}  # BERT
+
+
+def test_sliding_windows_match_transformers_overflowing_tokens():
+    """Long text without surgery: windows of max_length, each a full sequence, neighbours sharing `stride` tokens,
+    as transformers' fast tokenizer gives them (single texts, batches, pairs), padded alike."""
+    from transformers import BertTokenizerFast
+
+    from bertembed.sources import bundled_folder
+
+    theirs, ours = BertTokenizerFast.from_pretrained(bundled_folder()), Tokenizer.from_pretrained()
+    long = " ".join(f"word{i % 7} and" for i in range(40))
+    for args in ((long,), ([long, "short one", long[:60]],), (long, "a question?")):
+        expected = theirs(*args, max_length=16, truncation=True, stride=4, return_overflowing_tokens=True,
+                          padding=True)
+        got = ours(*args, max_length=16, stride=4, return_overflowing_tokens=True)
+        assert got.input_ids == expected["input_ids"] and got.attention_mask == expected["attention_mask"]
+        assert got.overflow_to_sample_mapping == expected["overflow_to_sample_mapping"]
+        assert all(w[0] == 101 and 102 in w for w in got.input_ids)
+    with pytest.raises(ValueError, match="stride"):
+        ours(long, max_length=16, stride=-1, return_overflowing_tokens=True)
+
+
+def test_explain_on_a_long_text_says_how_it_would_be_windowed():
+    from bertembed.explain import explain_text
+
+    with pytest.raises(ValueError, match=r"take it in windows: .*stride=128\) gives 3 windows of at most 512"):
+        explain_text("word " * 1000)

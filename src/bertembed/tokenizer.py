@@ -34,6 +34,8 @@ class Encoding:
     attention_mask: Any
     tokens: list = field(default_factory=list)
     offsets: list = field(default_factory=list)  # (start, end) character spans; (0, 0) for special/padding tokens
+    # with return_overflowing_tokens: the text each window comes from (windows of one text are consecutive)
+    overflow_to_sample_mapping: list = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
@@ -85,19 +87,29 @@ class Tokenizer:
         truncation: bool = True,
         max_length: int | None = None,
         return_tensors: str | None = None,
+        stride: int = 0,
+        return_overflowing_tokens: bool = False,
     ) -> Encoding:
         """Tokenize a text, a pair (`text`, `text_pair`), or a batch of either (lists, or a list of pairs).
 
         padding: True pads a batch to its longest sequence, "max_length" to `max_length`, False not at all.
         truncation: cut to `max_length` (default: the model's position limit), longest segment first.
         return_tensors: None for lists, "pt" for [B, L] torch tensors.
+        return_overflowing_tokens: a text longer than `max_length` becomes several windows, each a full sequence with
+            its own specials, consecutive windows sharing `stride` tokens (transformers' sliding windows, from
+            `tokenizers` itself); the result is a batch of windows, `overflow_to_sample_mapping` naming each one's text.
         """
         batched, items = _as_items(text, text_pair)
         limit = max_length or self.max_length
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
+        if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncation:
+            raise ValueError(f"stride={stride!r} must be a non-negative int, and windows need truncation=True")
         if truncation:
-            self.backend.enable_truncation(limit, strategy="longest_first")
+            try:
+                self.backend.enable_truncation(limit, stride=stride, strategy="longest_first")
+            except Exception as err:  # tokenizers: a stride not below the room a window leaves
+                raise ValueError(f"stride={stride} does not fit windows of max_length={limit}: {err}") from err
         else:
             self.backend.no_truncation()
         if padding:
@@ -110,12 +122,23 @@ class Tokenizer:
             encodings = self.backend.encode_batch(items)
         except Exception as err:  # tokenizers raises a bare Exception, e.g. when max_length cannot fit the specials
             raise ValueError(f"cannot tokenize with max_length={limit}: {err}") from err
+        mapping = []
+        if return_overflowing_tokens:
+            windows = [(i, w) for i, e in enumerate(encodings) for w in (e, *e.overflowing)]
+            mapping, encodings = [i for i, _ in windows], [w for _, w in windows]
+            if padding:  # (tokenizers pads each text's windows on their own: pad them all alike)
+                longest = limit if padding == "max_length" else max(len(e.ids) for e in encodings)
+                for e in encodings:
+                    e.pad(longest, pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token)
+            batched = True
         out = Encoding(*([getattr(e, name) for e in encodings] for name in ("ids", "type_ids", "attention_mask",
                                                                             "tokens", "offsets")))
         if self.one_segment:  # (a member with one segment row, or none: a pair is segment 0 throughout)
             out.token_type_ids = [[0] * len(ids) for ids in out.token_type_ids]
+        out.overflow_to_sample_mapping = mapping
         if return_tensors == "pt":
             out = _to_tensors(out)
+            out.overflow_to_sample_mapping = mapping
         elif return_tensors is not None:
             raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
         if not batched:

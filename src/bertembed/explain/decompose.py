@@ -124,9 +124,14 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
         tokenizer.require_tokens(value, name)
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
-        raise ValueError(f"the text is {len(enc.input_ids)} tokens with [CLS] and [SEP], but the model has "
+        stride = tokenizer.max_length // 4
+        windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
+        raise ValueError(f"the text is {len(enc.input_ids)} tokens with its specials, but the model has "
                          f"{tokenizer.max_length} positions: shorten it by {len(enc.input_ids) - tokenizer.max_length} "
-                         f"tokens")
+                         f"tokens, or take it in windows: Tokenizer(...)(text, return_overflowing_tokens=True, "
+                         f"stride={stride}) gives {len(windows)} windows of at most {tokenizer.max_length} tokens, "
+                         f"each with its own specials, neighbours sharing {stride}; or extend the positions "
+                         f"(layer.extend_positions)")
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
         from bertembed.numpy_layer import NumpyEmbeddings
