@@ -55,9 +55,10 @@ def test_the_command_prints_each_step_and_its_check():
 
 
 def test_the_notebook_runs_top_to_bottom_in_a_jupyter_kernel(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
+    why = "the notebook is written with nbformat and run with nbclient in an ipykernel (the dev extra)"
+    nbformat = pytest.importorskip("nbformat", reason=why)
+    nbclient = pytest.importorskip("nbclient", reason=why)
+    pytest.importorskip("ipykernel", reason=why)
     path = tmp_path / "walkthrough.ipynb"
     done = run("notebook", str(path), "--text", "Who wrote it?")
     assert done.returncode == 0, done.stderr

@@ -151,7 +151,9 @@ def _sharded(source: Source, index: Path, member: str) -> tuple[list[Path], dict
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
     check_key_family(weight_map, str(index), member)
-    wanted = {k: v for k, v in weight_map.items() if _embedding_name(k, member) is not None}
+    names = tuple(_keys(member))
+    prefixed = tuple("." + n for n in names)  # (whatever the model prefix)
+    wanted = {k: v for k, v in weight_map.items() if k in names or k.endswith(prefixed)}
     bad = next((k for k, v in wanted.items() if not isinstance(v, str)), None)
     if bad is not None:
         raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(wanted[bad]).__name__}, not a shard's file name; "
@@ -194,11 +196,6 @@ def _keys(member: str) -> dict[str, str]:
     for old, new in LEGACY.items():  # TF-era LayerNorm.gamma and .beta
         keys |= {k.removesuffix(new) + old: new for k, name in list(keys.items()) if name == new and k.endswith(new)}
     return keys
-
-
-def _embedding_name(key: str, member: str) -> str | None:
-    """The state-dict name a checkpoint key maps to (or None), whatever the model prefix."""
-    return next((name for suffix, name in _keys(member).items() if key == suffix or key.endswith("." + suffix)), None)
 
 
 def _select(files: list[Path], index: dict[str, Path], framework: str, member: str) -> dict[str, Any]:

@@ -254,6 +254,10 @@ class EmbeddingConfig:
         return dataclasses.replace(self, **changes)
 
 
+class NotInThisMember(ValueError):
+    """An analysis asked for a table this member of the family does not have (a fact to report, not an error)."""
+
+
 def _shown(value: Any) -> str:
     """A value and its type for an error message, cut short (a config.json may hold a long or deep one)."""
     text = repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__}"

@@ -110,15 +110,14 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
         raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
                          f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
                          f"least {words.padding_idx + 1} rows")
-    fresh = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
+    resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
     with torch.no_grad():
         if n > count and init == "normal":
-            nn.init.normal_(fresh.weight, std=layer.config.initializer_range)
+            nn.init.normal_(resized.weight, std=layer.config.initializer_range)
         elif n > count:
-            fresh.weight[count:] = _near_the_mean(old, n - count)
-        fresh.weight[:min(n, count)] = old[:min(n, count)]
-    resized = nn.Embedding(n, width, padding_idx=words.padding_idx, device=old.device, dtype=old.dtype,
-                           _weight=fresh.weight)
+            resized.weight[count:] = _near_the_mean(old, n - count)
+        resized.weight[:min(n, count)] = old[:min(n, count)]
+    resized.padding_idx = words.padding_idx  # (set after the copy: the kept pad row is not zeroed again)
     resized.weight.requires_grad_(words.weight.requires_grad)
     layer.word_embeddings = resized
     layer.config = layer.config.replace(vocab_size=n)

@@ -48,14 +48,14 @@ class Tokenizer:
     """BERT's WordPiece tokenizer for one checkpoint; ids equal transformers' `BertTokenizerFast`."""
 
     def __init__(self, backend, max_length: int = 512, source: Source | None = None,
-                 pad_token: str | None = None) -> None:
+                 pad_token: str | None = None, one_segment: bool = False) -> None:
         self.backend = backend
         self.max_length = max_length
         self.source = source
         found = [t for t in (pad_token, "[PAD]", "<pad>") if t and backend.token_to_id(t) is not None]
         self.pad_token = found[0] if found else "[PAD]"
         self.pad_token_id = backend.token_to_id(self.pad_token) or 0
-        self.one_segment = False  # set from config.json by from_pretrained
+        self.one_segment = one_segment  # a member with fewer than two segment rows: every token is segment 0
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
@@ -74,9 +74,8 @@ class Tokenizer:
             backend = _wordpiece_from_vocab(vocab, settings)
         backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
         backend.no_truncation()
-        made = cls(backend, settings["max_length"], source, settings.get("pad_token"))
-        made.one_segment = settings.get("one_segment", False)
-        return made
+        return cls(backend, settings["max_length"], source, settings.get("pad_token"),
+                   settings.get("one_segment", False))
 
     def __call__(
         self,

@@ -68,7 +68,7 @@ def user_errors() -> Iterator[None]:
     value the user gave, a checkpoint file that is broken; anything else is a bug and keeps its traceback."""
     from rich.markup import escape
 
-    from bertembed.explain._common import NotInThisMember
+    from bertembed.config import NotInThisMember
 
     _show_our_warnings()
     try:

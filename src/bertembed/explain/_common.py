@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from bertembed.config import NotInThisMember
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
@@ -25,8 +26,6 @@ def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
     return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
 
 
-class NotInThisMember(ValueError):
-    """The analysis asked for a table this member of the family does not have (a fact to report, not an error)."""
 
 
 @dataclasses.dataclass

@@ -163,12 +163,14 @@ def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
 
 def _note_repeats(result: StepResult, tokens: list[str], ids: list[int]) -> None:
     """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
-    seen: dict[int, int] = {}
+    first: dict[int, int] = {}
+    noted: set[int] = set()
     for i, token_id in enumerate(ids):
-        if token_id in seen and tokens[i] not in [n.split(" ")[0] for n in result.notes]:
-            result.notes.append(f"{tokens[i]} at {seen[token_id]} and {i}: the same id, so the same row, in any "
+        if token_id in first and token_id not in noted:
+            noted.add(token_id)
+            result.notes.append(f"{tokens[i]} at {first[token_id]} and {i}: the same id, so the same row, in any "
                                 f"sentence")
-        seen.setdefault(token_id, i)
+        first.setdefault(token_id, i)
     if not result.notes:
         result.notes.append(f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup")
 
