@@ -204,21 +204,7 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
     if not index:
         check_key_family(keys, str(files[0]), member)
-    names = _keys(member)
-    word = layout(member)["word_embeddings.weight"]
-    found = {k[: -len(word)] for k in keys if k.endswith(word)}
-    found = {p for p in found if p == "" or p.endswith(".")}
-    if not found and "word_embeddings.weight" in keys:  # a bare state dict of the layer itself
-        found, names = {""}, {n: n for n in layout(member)} | {old: new for old, new in LEGACY.items()}
-    if not found:
-        raise ValueError(f"{files[0]} holds no {member} word embeddings (no '*{word}' among {len(keys)} keys such as "
-                         f"{keys[:3]}); is it a {member} checkpoint? {SUPPORTED}")
-    prefix = next((p for p in prefixes(member) if p in found), None)
-    if prefix is None:
-        if len(found) > 1:
-            raise ValueError(f"{files[0]} holds several embedding layers {sorted(found)}; extract one first")
-        prefix = found.pop()
-    wanted = {prefix + key: name for key, name in names.items()}
+    wanted = embedding_keys(keys, member, files[0])
     seen: dict[str, str] = {}  # state-dict name -> the checkpoint key it was read from
     tensors = {}
     for path, handle in handles.items():
@@ -231,6 +217,26 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
                 seen[name] = key
                 tensors[name] = read_tensor(handle, path, key, framework)
     return tensors
+
+
+def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
+    """Which of a checkpoint's `keys` are the embedding tensors: checkpoint key -> the layer's state-dict name, under
+    one model prefix (a head's "bert.", a sentence-transformers folder's none) chosen if several models share a file."""
+    names = _keys(member)
+    word = layout(member)["word_embeddings.weight"]
+    found = {k[: -len(word)] for k in keys if k.endswith(word)}
+    found = {p for p in found if p == "" or p.endswith(".")}
+    if not found and "word_embeddings.weight" in keys:  # a bare state dict of the layer itself
+        found, names = {""}, {n: n for n in layout(member)} | {old: new for old, new in LEGACY.items()}
+    if not found:
+        raise ValueError(f"{where} holds no {member} word embeddings (no '*{word}' among {len(keys)} keys such as "
+                         f"{keys[:3]}); is it a {member} checkpoint? {SUPPORTED}")
+    prefix = next((p for p in prefixes(member) if p in found), None)
+    if prefix is None:
+        if len(found) > 1:
+            raise ValueError(f"{where} holds several embedding layers {sorted(found)}; extract one first")
+        prefix = found.pop()
+    return {prefix + key: name for key, name in names.items()}
 
 
 def _infer_config(tensors: dict[str, Any], path: Path) -> EmbeddingConfig:

@@ -110,18 +110,26 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
         raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
                          f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
                          f"least {words.padding_idx + 1} rows")
-    resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
-    with torch.no_grad():
-        if n > count and init == "normal":
-            nn.init.normal_(resized.weight, std=layer.config.initializer_range)
-        elif n > count:
-            resized.weight[count:] = _near_the_mean(old, n - count)
-        resized.weight[:min(n, count)] = old[:min(n, count)]
+    resized = grown_embedding(old, n, init, layer.config.initializer_range)
     resized.padding_idx = words.padding_idx  # (set after the copy: the kept pad row is not zeroed again)
     resized.weight.requires_grad_(words.weight.requires_grad)
     layer.word_embeddings = resized
     layer.config = layer.config.replace(vocab_size=n)
     return layer
+
+
+def grown_embedding(old: torch.Tensor, n: int, init: str, std: float) -> nn.Embedding:
+    """An Embedding of `n` rows: the first rows of `old` [V, E], new rows after them by `init` ("mean" or "normal",
+    as `resize_vocab` says), drawn in the order transformers draws them, so that one seed gives the same rows."""
+    count, width = old.shape
+    resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
+    with torch.no_grad():
+        if n > count and init == "normal":
+            nn.init.normal_(resized.weight, std=std)
+        elif n > count:
+            resized.weight[count:] = _near_the_mean(old, n - count)
+        resized.weight[:min(n, count)] = old[:min(n, count)]
+    return resized
 
 
 def _near_the_mean(old: torch.Tensor, count: int) -> torch.Tensor:

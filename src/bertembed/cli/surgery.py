@@ -1,0 +1,93 @@
+"""`bertembed surgery ...`: a whole checkpoint rewritten with more positions, added tokens, or a pruned vocabulary.
+Each reads SRC, never changes it, and writes a new folder DST (refused if it exists)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from bertembed.cli.app import app, console, user_errors
+from bertembed.cli.inspect import JsonOpt
+
+surgery_app = typer.Typer(help="Rewrite a whole checkpoint: longer positions, added tokens, a pruned vocabulary.",
+                          no_args_is_help=True)
+app.add_typer(surgery_app, name="surgery")
+
+SrcArg = Annotated[str, typer.Argument(help="the checkpoint to read: a folder or hub id (never changed)")]
+DstArg = Annotated[Path, typer.Argument(help="the new checkpoint folder to write (must not exist)")]
+
+
+def _report(result: dict, as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    for line in lines:
+        console.print(escape(line), soft_wrap=True)
+
+
+@surgery_app.command("extend-positions")
+def extend_positions(src: SrcArg, dst: DstArg,
+                     to: Annotated[int, typer.Option("--to", help="positions a sequence may use after")],
+                     method: Annotated[str, typer.Option(help="copy, interpolate, repeat_last or sinusoidal")] = "copy",
+                     as_json: JsonOpt = False) -> None:
+    """Grow the position table so the model takes inputs of --to tokens (RoBERTa's reserved rows kept on top)."""
+    with user_errors():
+        from bertembed.checkpoint_surgery import extend_positions_checkpoint
+
+        with console.status("reading, extending and writing the checkpoint"):
+            result = extend_positions_checkpoint(src, dst, to, method)
+        kept = "old rows moved by design (interpolate)" if method == "interpolate" else \
+            "old rows and short inputs' outputs unchanged bit for bit"
+        _report(result, as_json, [
+            f"positions {result['positions_before']} -> {result['positions_after']} by {method} (table rows "
+            f"{result['rows_before']} -> {result['rows_after']}); {kept}",
+            f"wrote {result['destination']} (config.json and tokenizer_config.json's model_max_length updated)"])
+
+
+@surgery_app.command("add-tokens")
+def add_tokens(src: SrcArg, dst: DstArg,
+               tokens: Annotated[Optional[list[str]], typer.Argument(help="the tokens to add")] = None,
+               file: Annotated[Optional[Path], typer.Option("--file", help="a file of tokens, one a line")] = None,
+               init: Annotated[str, typer.Option(help="pieces (mean of the rows it split into), mean or normal")] =
+               "pieces", as_json: JsonOpt = False) -> None:
+    """Add tokens to the tokenizer and rows for them to the word table (and a tied or untied MLM decoder)."""
+    with user_errors():
+        from bertembed.vocab_surgery import add_tokens_checkpoint
+
+        wanted = list(tokens or [])
+        if file is not None:
+            wanted += [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not wanted:
+            raise ValueError("no tokens given: name them after DST, or pass --file with one token a line")
+        with console.status("reading, resizing and writing the checkpoint"):
+            result = add_tokens_checkpoint(src, dst, wanted, init)
+        lines = [f"{token!r}: id {i}" + (f", from the rows of pieces {result['pieces'][token]}" if init == "pieces"
+                                          else f", row by {init}") for token, i in result["added"].items()]
+        if result["already_present"]:
+            lines.append(f"already in the tokenizer, not added: {', '.join(result['already_present'])}")
+        lines.append(f"rows {result['rows_before']} -> {result['rows_after']} in {', '.join(result['resized'])}; "
+                     f"wrote {result['destination']}")
+        _report(result, as_json, lines)
+
+
+@surgery_app.command("prune-vocab")
+def prune_vocab(src: SrcArg, dst: DstArg,
+                keep_from: Annotated[Path, typer.Option("--keep-from", help="a corpus: text file, one text a line")],
+                as_json: JsonOpt = False) -> None:
+    """Keep only the special tokens and the tokens a corpus uses; ids renumbered in the tokenizer and every table."""
+    with user_errors():
+        from bertembed.vocab_surgery import prune_vocab_checkpoint
+
+        with console.status("tokenizing the corpus, pruning and writing the checkpoint"):
+            result = prune_vocab_checkpoint(src, dst, keep_from)
+        lines = [f"vocabulary {result['rows_before']} -> {result['rows_after']} rows ({result['corpus_lines']} corpus "
+                 f"lines, each tokenized as before); {result['bytes_saved'] / 2**20:.1f} MiB saved",
+                 f"wrote {result['destination']}"]
+        if result["dropped_files"]:
+            lines.append(f"not carried over (cannot be edited here; tokenizer.json stands): "
+                         f"{', '.join(result['dropped_files'])}")
+        _report(result, as_json, lines)

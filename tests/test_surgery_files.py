@@ -1,0 +1,242 @@
+"""Surgery on whole checkpoints (`bertembed surgery ...`), checked against transformers: DST loads with
+`from_pretrained` with no missing or unexpected keys, gives the original model's outputs where it should, and
+transformers' own `resize_token_embeddings` draws the same rows. Every failure leaves SRC as it was and no DST."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertembed.config import EmbeddingConfig
+from conftest import make_member, member_or_skip, write_member_tokenizer
+
+transformers = pytest.importorskip("transformers", reason="the surgery's results are checked with transformers")
+
+
+def _loaded(folder: Path, head: str = "AutoModel"):
+    model, info = getattr(transformers, head).from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _source(tmp_path: Path, name: str, head: str = "AutoModel", shard: str | None = None):
+    """A member's checkpoint written by transformers (sharded with `shard`), with a tokenizer in its style."""
+    model = member_or_skip(name, head=head)
+    folder = tmp_path / f"src-{name}"
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    write_member_tokenizer(folder, EmbeddingConfig.from_hf_config(folder / "config.json"))
+    return folder, model
+
+
+def _run(*args: str):
+    from typer.testing import CliRunner
+
+    from bertembed.cli import app
+
+    return CliRunner().invoke(app, ["surgery", *map(str, args)])
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "mpnet",
+                                  "deberta-v2-factorised"])
+def test_extend_positions_loads_in_transformers_and_keeps_short_outputs(tmp_path, name):
+    from bertembed.checkpoint_surgery import extend_positions_checkpoint
+
+    src, original = _source(tmp_path, name, shard="20KB")  # (several shards in, one file out)
+    assert (src / "model.safetensors.index.json").is_file()
+    before = _snapshot(src)
+    reserved = 2 if name in ("roberta", "xlm-roberta", "mpnet") else 0
+    usable = original.config.max_position_embeddings - reserved
+    extend_positions_checkpoint(src, tmp_path / "dst", 2 * usable + 3)
+    assert _snapshot(src) == before
+    extended = _loaded(tmp_path / "dst")
+    assert extended.config.max_position_embeddings == reserved + 2 * usable + 3  # transformers' count
+    ids = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(extended(ids)[0], original(ids)[0], rtol=0, atol=0)
+        assert extended(torch.randint(5, 100, (1, 2 * usable + 3)))[0].shape[1] == 2 * usable + 3
+    assert json.loads((tmp_path / "dst" / "tokenizer_config.json").read_text())["model_max_length"] == 2 * usable + 3
+
+
+@pytest.mark.parametrize("method", ["copy", "interpolate", "repeat_last", "sinusoidal"])
+def test_the_bundled_model_extended_to_1024_by_every_method(tmp_path, bundled_path, method):
+    from bertembed import BertEmbeddings, Tokenizer
+
+    result = _run("extend-positions", bundled_path, tmp_path / "long", "--to", "1024", "--method", method, "--json")
+    assert result.exit_code == 0, result.output
+    long = _loaded(tmp_path / "long")
+    original = _loaded(bundled_path)
+    expected = BertEmbeddings.from_pretrained(bundled_path).extend_positions(1024, method)  # the layer's surgery
+    torch.testing.assert_close(long.embeddings.position_embeddings.weight, expected.position_embeddings.weight,
+                               rtol=0, atol=0)
+    ids = torch.randint(1000, 2000, (2, 16))
+    with torch.no_grad():
+        if method != "interpolate":  # (interpolate moves the old rows, by design)
+            torch.testing.assert_close(long(ids).last_hidden_state, original(ids).last_hidden_state, rtol=0, atol=0)
+        assert long(torch.randint(1000, 2000, (1, 1024))).last_hidden_state.shape == (1, 1024, 384)
+    assert Tokenizer.from_pretrained(tmp_path / "long").max_length == 1024
+    assert sorted(os.listdir(tmp_path / "long")) == sorted(os.listdir(bundled_path))  # every file carried
+
+
+def test_add_tokens_matches_transformers_resize_and_the_tokenizer_gives_the_new_ids(tmp_path):
+    src, original = _source(tmp_path, "bert", head="AutoModelForMaskedLM")
+    assert original.config.tie_word_embeddings
+    torch.manual_seed(7)
+    result = _run("add-tokens", src, tmp_path / "dst", "newword", "another", "--init", "mean")
+    assert result.exit_code == 0, result.output
+    grown = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
+    assert tokenizer("newword another the")["input_ids"][1:3] == [120, 121]  # ids after the old tokenizer's last
+    torch.manual_seed(7)
+    original.resize_token_embeddings(122)  # transformers' own resize: the same draws with the same seed
+    torch.testing.assert_close(grown.bert.embeddings.word_embeddings.weight,
+                               original.bert.embeddings.word_embeddings.weight, rtol=0, atol=0)
+    assert grown.cls.predictions.decoder.weight.data_ptr() == grown.bert.embeddings.word_embeddings.weight.data_ptr()
+    torch.testing.assert_close(grown.cls.predictions.bias, original.cls.predictions.bias, rtol=0, atol=0)
+    ids = torch.randint(5, 100, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids).logits, original(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_add_tokens_starts_a_row_at_the_mean_of_its_pieces(tmp_path, tied):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = make_member("bert", head="AutoModelForMaskedLM").config
+    config.tie_word_embeddings = tied
+    model = transformers.BertForMaskedLM(config).eval()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"p{i}": i for i in range(4, 120)}, "un": 50,
+             "##break": 60, "##able": 70}
+    vocab = {t: i for t, i in vocab.items() if not (t.startswith("p") and i in (50, 60, 70))}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.save(str(src / "tokenizer.json"))
+    result = _run("add-tokens", src, tmp_path / "dst", "unbreakable", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["pieces"] == {"unbreakable": [50, 60, 70]}
+    grown = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    table = model.bert.embeddings.word_embeddings.weight.detach().double()
+    torch.testing.assert_close(grown.bert.embeddings.word_embeddings.weight[120].double(),
+                               table[[50, 60, 70]].mean(0), rtol=0, atol=1e-7)
+    decoder = model.cls.predictions.decoder.weight.detach().double()
+    torch.testing.assert_close(grown.cls.predictions.decoder.weight[120].double(), decoder[[50, 60, 70]].mean(0),
+                               rtol=0, atol=1e-7)
+    assert grown.cls.predictions.bias[120] == 0
+
+
+def _bpe_tokenizer(folder: Path, corpus: list[str]) -> None:
+    """A byte-level BPE tokenizer trained on `corpus`, RoBERTa's specials at RoBERTa's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "<pad>", "</s>",
+                                                                                          "<unk>", "<mask>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40]))
+    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    bpe.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_prune_vocab_keeps_the_corpus_outputs(tmp_path, name):
+    corpus = ["the quick brown fox jumps", "over the lazy dog", "a sentence to embed", "quickly foxes jumped"]
+    src, original = _source(tmp_path, name, head="AutoModelForMaskedLM")
+    if name == "roberta":  # a real BPE, whose merges must keep building the corpus' tokens
+        _bpe_tokenizer(src, corpus * 5)
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus[:3]) + "\n")
+    result = _run("prune-vocab", src, tmp_path / "dst", "--keep-from", tmp_path / "corpus.txt", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    pruned = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    old_tok = transformers.AutoTokenizer.from_pretrained(src)
+    new_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
+    assert report["rows_after"] == pruned.config.vocab_size < report["rows_before"]
+    for line in corpus[:3]:
+        old, new = old_tok(line, return_tensors="pt"), new_tok(line, return_tensors="pt")
+        assert old_tok.convert_ids_to_tokens(old.input_ids[0]) == new_tok.convert_ids_to_tokens(new.input_ids[0])
+        kept = [old_tok.convert_tokens_to_ids(t) for t in new_tok.convert_ids_to_tokens(range(report["rows_after"]))]
+        with torch.no_grad():
+            after, before = pruned(**new, output_hidden_states=True), original(**old, output_hidden_states=True)
+        torch.testing.assert_close(after.hidden_states[-1], before.hidden_states[-1], rtol=0, atol=0)
+        # (the decoder's matmul over fewer rows may block its sums otherwise: float32 rounding)
+        torch.testing.assert_close(after.logits, before.logits[..., kept], rtol=1e-6, atol=1e-6)
+
+
+def test_prune_vocab_of_the_bundled_model(tmp_path, bundled_path):
+    (tmp_path / "corpus.txt").write_text("The quick brown fox jumps over the lazy dog\nUnbelievable, isn't it?\n")
+    from bertembed.vocab_surgery import prune_vocab_checkpoint
+
+    report = prune_vocab_checkpoint(bundled_path, tmp_path / "dst", tmp_path / "corpus.txt")
+    assert report["rows_before"] == 30522 and report["rows_after"] < 40
+    assert report["bytes_saved"] == (30522 - report["rows_after"]) * 384 * 4
+    original, pruned = _loaded(bundled_path), _loaded(tmp_path / "dst")
+    old_tok = transformers.AutoTokenizer.from_pretrained(bundled_path)
+    new_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
+    for line in ("Unbelievable, isn't it?", "the lazy fox"):
+        with torch.no_grad():
+            torch.testing.assert_close(pruned(**new_tok(line, return_tensors="pt")).last_hidden_state,
+                                       original(**old_tok(line, return_tensors="pt")).last_hidden_state,
+                                       rtol=0, atol=0)
+
+
+def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_path):
+    src, _ = _source(tmp_path, "bert")
+    before = _snapshot(src)
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "corpus.txt").write_text("the dog\n")
+    cases = {
+        ("extend-positions", src, tmp_path / "a", "--to", "20"): "must be an integer above the 40 positions",
+        ("extend-positions", src, tmp_path / "a", "--to", "100", "--method", "interpolate"): "whole multiple",
+        ("extend-positions", src, tmp_path / "a", "--to", "80", "--method", "spline"): "not one of",
+        ("extend-positions", src, tmp_path / "exists", "--to", "80"): "already exists",
+        ("extend-positions", src, src / "inner", "--to", "80"): "inside the source checkpoint",
+        ("extend-positions", src / "model.safetensors", tmp_path / "a", "--to", "80"): "single weights file",
+        ("add-tokens", src, tmp_path / "a", "the"): "has every token already",
+        ("add-tokens", src, tmp_path / "a"): "no tokens given",
+        ("add-tokens", src, tmp_path / "a", "x", "--init", "zeros"): "not one of",
+        ("prune-vocab", src, tmp_path / "a", "--keep-from", tmp_path / "nope.txt"): "is not a file",
+    }
+    for args, message in cases.items():
+        result = _run(*args)
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), (args, result.output)
+    modernbert = make_member("modernbert")
+    if modernbert is not None:
+        modernbert.save_pretrained(tmp_path / "modernbert")
+        result = _run("extend-positions", tmp_path / "modernbert", tmp_path / "a", "--to", "80")
+        assert result.exit_code == 2 and "no position table" in result.output
+    assert _snapshot(src) == before and not (tmp_path / "a").exists()
+
+
+def test_a_dst_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
+    src, _ = _source(tmp_path, "bert")
+    before = _snapshot(src)
+    original_mkdir = Path.mkdir
+
+    def read_only_parent(self, *args, **kwargs):
+        if self.name.startswith(".dst.tmp-"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_parent)
+    result = _run("extend-positions", src, tmp_path / "dst", "--to", "80")
+    assert result.exit_code == 2 and "needs write access to its parent" in " ".join(result.output.split())
+    assert _snapshot(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src-bert"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_parent_is_refused_before_any_work(tmp_path):
+    src, _ = _source(tmp_path, "bert")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = _run("extend-positions", src, locked / "dst", "--to", "80")
+    assert result.exit_code == 2 and "is not writable" in result.output
