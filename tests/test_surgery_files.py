@@ -5,6 +5,7 @@ transformers' own `resize_token_embeddings` draws the same rows. Every failure l
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 from pathlib import Path
@@ -89,8 +90,10 @@ def test_the_bundled_model_extended_to_1024_by_every_method(tmp_path, bundled_pa
 def test_add_tokens_matches_transformers_resize_and_the_tokenizer_gives_the_new_ids(tmp_path):
     src, original = _source(tmp_path, "bert", head="AutoModelForMaskedLM")
     assert original.config.tie_word_embeddings
+    # transformers before 4.46 drew new rows from normal(0, initializer_range) only: compare that there
+    mean = "mean_resizing" in inspect.signature(original.resize_token_embeddings).parameters
     torch.manual_seed(7)
-    result = _run("add-tokens", src, tmp_path / "dst", "newword", "another", "--init", "mean")
+    result = _run("add-tokens", src, tmp_path / "dst", "newword", "another", "--init", "mean" if mean else "normal")
     assert result.exit_code == 0, result.output
     grown = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
@@ -134,25 +137,32 @@ def test_add_tokens_starts_a_row_at_the_mean_of_its_pieces(tmp_path, tied):
     assert grown.cls.predictions.bias[120] == 0
 
 
-def _bpe_tokenizer(folder: Path, corpus: list[str]) -> None:
-    """A byte-level BPE tokenizer trained on `corpus`, RoBERTa's specials at RoBERTa's ids."""
+def _trained_tokenizer(folder: Path, corpus: list[str], kind: str) -> None:
+    """A tokenizer trained on `corpus` (byte-level BPE as RoBERTa's, or Unigram as XLM-R's), RoBERTa's specials at
+    RoBERTa's ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "<pad>", "</s>",
-                                                                                          "<unk>", "<mask>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40]))
-    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    bpe.save(str(folder / "tokenizer.json"))
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    if kind == "bpe":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40])
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=120, special_tokens=specials, unk_token="<unk>")
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tokenizer.save(str(folder / "tokenizer.json"))
 
 
-@pytest.mark.parametrize("name", ["bert", "roberta"])
+@pytest.mark.parametrize("name", ["bert", "roberta", "xlm-roberta"])
 def test_prune_vocab_keeps_the_corpus_outputs(tmp_path, name):
     corpus = ["the quick brown fox jumps", "over the lazy dog", "a sentence to embed", "quickly foxes jumped"]
     src, original = _source(tmp_path, name, head="AutoModelForMaskedLM")
-    if name == "roberta":  # a real BPE, whose merges must keep building the corpus' tokens
-        _bpe_tokenizer(src, corpus * 5)
+    if name != "bert":  # a trained BPE (its merges must keep building the corpus' tokens) or Unigram
+        _trained_tokenizer(src, corpus * 5, "bpe" if name == "roberta" else "unigram")
     (tmp_path / "corpus.txt").write_text("\n".join(corpus[:3]) + "\n")
     result = _run("prune-vocab", src, tmp_path / "dst", "--keep-from", tmp_path / "corpus.txt", "--json")
     assert result.exit_code == 0, result.output
