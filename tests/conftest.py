@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,13 @@ def write_member_tokenizer(folder: Path, config) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     pad = "<pad>" if roberta else "[PAD]"
     (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad, "model_max_length": 512}))
+
+
+def hub_cache(root: Path, repo: str, source: Path) -> Path:
+    """Lay out `source`'s files as huggingface_hub's cache does: models--org--name/{refs/main, snapshots/<sha>/}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / "hub" / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    shutil.copytree(source, repo_dir / "snapshots" / commit)
+    return repo_dir

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bertembed import BertEmbeddings, load_checkpoint
-from conftest import make_hf_model
+from conftest import hub_cache, make_hf_model
 
 NAMES = ["word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
          "LayerNorm.weight", "LayerNorm.bias"]
@@ -200,23 +200,13 @@ def test_failed_load_leaves_layer_unchanged(tmp_path, hf_checkpoint):
         assert torch.equal(value, before[key]), key
 
 
-def _hub_cache(root: Path, repo: str, source: Path) -> Path:
-    """Lay out `source`'s files as huggingface_hub's cache does: models--org--name/{refs/main, snapshots/<sha>/}."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo_dir = root / "hub" / f"models--{repo.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    shutil.copytree(source, repo_dir / "snapshots" / commit)
-    return repo_dir
-
-
 def test_hub_id_from_the_local_cache(tmp_path, bundled_path):
     """HF_HOME and HF_HUB_OFFLINE are honoured: a fresh process finds the model in the cache, offline."""
     folder = tmp_path / "src"
     folder.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):
         shutil.copy(bundled_path / name, folder)
-    _hub_cache(tmp_path / "home", "acme/mini-bert", folder)
+    hub_cache(tmp_path / "home", "acme/mini-bert", folder)
     env = {"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     code = ("from bertembed import BertEmbeddings, Tokenizer; l = BertEmbeddings.from_pretrained('acme/mini-bert');"
             "t = Tokenizer.from_pretrained('acme/mini-bert'); print(l.source.kind, l.config.hidden_size,"
