@@ -214,6 +214,7 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
         ("add-tokens", src, tmp_path / "a", "the"): "has every token already",
         ("add-tokens", src, tmp_path / "a"): "no tokens given",
         ("add-tokens", src, tmp_path / "a", "x", "--init", "zeros"): "not one of",
+        ("add-tokens", src, tmp_path / "a", "Newword"): "normalizes {'Newword': 'newword'}",
         ("prune-vocab", src, tmp_path / "a", "--keep-from", tmp_path / "nope.txt"): "is not a file",
     }
     for args, message in cases.items():

@@ -45,6 +45,11 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
     fresh = [t for t in tokens if t not in present]
     if not fresh:
         raise ValueError(f"the tokenizer has every token already ({', '.join(present)}): nothing to add")
+    normalizer = tokenizer.normalizer
+    unmatched = {t: n for t in fresh if normalizer is not None and (n := normalizer.normalize_str(t)) != t}
+    if unmatched:  # (an added token is matched against the normalized text: this one would never be found)
+        raise ValueError(f"the tokenizer normalizes {unmatched} before it looks for added tokens, so these would never "
+                         f"match; add the normalized forms instead")
     pieces = [tokenizer.encode(t, add_special_tokens=False).ids for t in fresh]
     tokenizer.add_tokens([AddedToken(t, normalized=True, special=False) for t in fresh])
     ids = [tokenizer.token_to_id(t) for t in fresh]
