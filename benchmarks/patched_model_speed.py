@@ -1,22 +1,30 @@
-"""What `bertembed.patch` buys a whole model: transformers' `BertModel` against the same model patched, eval forward
-on the CPU, calls alternating one by one in one process (the order swapped every pair), and the embedding layers
-alone beside them.
+"""What bertembed buys a whole model: transformers' `BertModel` against the same model patched (`bertembed.patch`),
+eval forward on the CPU, calls alternating one by one in one process (the order swapped every pair), and the
+embedding layers alone beside them; or, with `--onnx`, the model in ONNX Runtime, its plain graph against the same
+graph with the embeddings fused (`bertembed.onnx_whole`).
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/patched_model_speed.py [--train]
+    python benchmarks/patched_model_speed.py --onnx [--shape 32x128 --shape 1x11]
 
 `--model minilm` (default): the bundled all-MiniLM-L6-v2 (6 layers, hidden 384); `base`: BERT-base's shape
 (12 layers, hidden 768), random weights. Prints, per (B, L): each model's median ms, the median of the pairs'
 unpatched / patched ratios with its interquartile range, and the same for the embedding layers alone; the model's
 saving against the layers' tells whether the fused layer keeps its speed between the encoder's torch operations
 (torch's OpenMP pool and numba's are two pools in one process). `--train`: a training step instead (train mode,
-forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does).
+forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does). `--onnx`: the bundled
+model exported by torch.onnx.export (dynamo), CPU execution provider, default graph optimizations; both graphs are
+checked against transformers within 1e-4, and what ORT really runs is counted (its optimizer leaves the plain
+graph's embeddings unfused: it fuses EmbedLayerNormalization only where it also fuses attention).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 import time
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,10 +47,21 @@ def pairs(first, second, count: int) -> tuple[np.ndarray, np.ndarray]:
     return times[0], times[1]
 
 
-def line(label: str, plain: np.ndarray, fused: np.ndarray) -> str:
+def line(label: str, plain: np.ndarray, fused: np.ndarray, names=("unpatched", "patched")) -> str:
     q1, med, q3 = np.percentile(plain / fused, [25, 50, 75])
-    return (f"  {label:10s} unpatched {np.median(plain) * 1e3:8.3f} ms  patched {np.median(fused) * 1e3:8.3f} ms  "
-            f"-> {med:.2f}x (IQR {q1:.2f}-{q3:.2f}), saved {(np.median(plain) - np.median(fused)) * 1e3:.3f} ms")
+    return (f"  {label:10s} {names[0]} {np.median(plain) * 1e3:8.3f} ms  {names[1]} {np.median(fused) * 1e3:8.3f} ms"
+            f"  -> {med:.2f}x (IQR {q1:.2f}-{q3:.2f}), saved {(np.median(plain) - np.median(fused)) * 1e3:.3f} ms")
+
+
+def shapes(args) -> list[tuple[int, int]]:
+    return [tuple(map(int, x.split("x"))) for x in args.shape] if args.shape else SHAPES
+
+
+def repeats(call, seconds: float) -> int:
+    """How many pairs fill about `seconds`, from one timed call."""
+    start = time.perf_counter()
+    call()
+    return max(20, int(seconds / 2 / (time.perf_counter() - start)))
 
 
 def load(name: str) -> BertModel:
@@ -61,14 +80,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="about this long per shape")
     parser.add_argument("--train", action="store_true", help="time training steps, not inference")
     parser.add_argument("--shape", action="append", help="BxL (repeat); default 1x11, 8x128 and 32x128")
+    parser.add_argument("--onnx", action="store_true", help="ONNX Runtime: plain graph against fused embeddings")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.onnx:
+        return onnx_main(args)
     plain = load(args.model).eval()
     fused = bertembed.patch(copy.deepcopy(plain), backend="cpu").eval()
     gen = torch.Generator().manual_seed(0)
     print(f"{args.model}: {plain.config.num_hidden_layers} layers, hidden {plain.config.hidden_size}, "
           f"{args.threads} threads, {'training steps' if args.train else 'inference'}")
-    for batch, length in [tuple(map(int, x.split("x"))) for x in args.shape] if args.shape else SHAPES:
+    for batch, length in shapes(args):
         ids = torch.randint(1000, plain.config.vocab_size, (batch, length), generator=gen)
         types, mask = torch.zeros_like(ids), torch.ones_like(ids)
         plain.eval(), fused.eval()
@@ -81,12 +103,57 @@ def main() -> None:
                  for what in ("model", "embeddings")}
         for fn in [f for both in calls.values() for f in both]:
             fn(), fn()
-        start = time.perf_counter()
-        calls["model"][0]()
-        count = max(20, int(args.seconds / 2 / (time.perf_counter() - start)))
+        count = repeats(calls["model"][0], args.seconds)
         print(f"B={batch} L={length}, {count} pairs")
         for what, (first, second) in calls.items():
             print(line(what, *pairs(first, second, count)))
+
+
+def session(model, threads: int, folder: str, name: str):
+    """An ONNX Runtime CPU session with its default optimizations; the graph it really runs is saved to `folder`, to
+    be counted."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(Path(folder) / f"{name}.optimized.onnx")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def onnx_main(args) -> None:
+    import onnx
+    import onnxruntime as ort
+
+    from bertembed.onnx_whole import export_model, fuse_embeddings, load_model
+    from bertembed.sources import bundled_folder
+
+    hf, config = load_model(bundled_folder())
+    plain = export_model(hf, config)
+    graphs = {"plain": plain, "fused": fuse_embeddings(plain, config)}
+    with tempfile.TemporaryDirectory() as folder:
+        runs = {name: session(graph, args.threads, folder, name) for name, graph in graphs.items()}
+        for name in runs:
+            ops = Counter(n.op_type for n in onnx.load(str(Path(folder) / f"{name}.optimized.onnx")).graph.node)
+            print(f"{name}: ORT runs {ops['EmbedLayerNormalization']} EmbedLayerNormalization, "
+                  f"{ops['LayerNormalization']} LayerNormalization, {ops['SkipLayerNormalization']} "
+                  f"SkipLayerNormalization")
+    print(f"all-MiniLM-L6-v2 (bundled), onnxruntime {ort.__version__}, torch {torch.__version__}, "
+          f"{args.threads} threads")
+    gen = torch.Generator().manual_seed(0)
+    for batch, length in shapes(args):
+        ids = torch.randint(1000, config.vocab_size, (batch, length), generator=gen)
+        feed = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+        with torch.inference_mode():
+            expected = hf(**feed).last_hidden_state.numpy()
+        arrays = {k: v.numpy() for k, v in feed.items()}
+        calls = [lambda run=run, arrays=arrays: run.run(None, arrays) for run in runs.values()]
+        for call in calls:
+            np.testing.assert_allclose(call()[0], expected, rtol=0, atol=1e-4)
+            call()
+        count = repeats(calls[0], args.seconds)
+        print(f"B={batch} L={length}, {count} pairs")
+        print(line("model", *pairs(*calls, count), names=("plain", "fused")))
 
 
 def timed(model: BertModel, what: str, ids, types, mask, grad, train: bool):

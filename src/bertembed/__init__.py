@@ -26,6 +26,7 @@ _LAZY = {
     "NumpyEmbeddings": "bertembed.numpy_layer",
     "patch": "bertembed.dropin",
     "unpatch": "bertembed.dropin",
+    "export_onnx": "bertembed.onnx_export",
 }
 
 __all__ = ["DEFAULT_MODEL", "__version__", *_LAZY]
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from bertembed.dropin import patch, unpatch
     from bertembed.embeddings import BertEmbeddings, Decomposition, Embeddings, sinusoidal_table
     from bertembed.numpy_layer import NumpyEmbeddings
+    from bertembed.onnx_export import export_onnx
     from bertembed.tokenizer import Encoding, Tokenizer
 
 

@@ -23,6 +23,7 @@ import re
 import shutil
 import stat
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,3 +247,32 @@ def _exchange(a: Path, b: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False  # an old kernel or a file system without the exchange: two renames instead
     raise OSError(code, os.strerror(code), str(b))
+
+
+def check_output(path: str | Path) -> Path:
+    """Fail early, before any work, if `path` cannot be written: its folder must exist and be writable."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the name of a file in it")
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write {path}: the folder {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"cannot write {path}: the folder {path.parent} is not writable")
+    return path
+
+
+def write_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to a temporary file beside `path`, then rename it into place (all or nothing)."""
+    path = check_output(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions open() would
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

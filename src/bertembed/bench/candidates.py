@@ -222,27 +222,16 @@ def _ort(state: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, types: t
     """ONNX Runtime's fused EmbedLayerNormalization, one node: int32 ids, the five tables as initializers."""
     try:
         import numpy as np
+        import onnx  # noqa: F401  (fused_graph's)
         import onnxruntime as ort
-        from onnx import TensorProto, checker, helper, numpy_helper
+
+        from bertembed.onnx_export import fused_graph
     except ImportError as err:
         raise NotAvailable(f"onnx/onnxruntime not installed ({err}); pip install 'bertembed[bench]'") from err
-    names = {"word_embedding": "word_embeddings.weight", "position_embedding": "position_embeddings.weight",
-             "segment_embedding": "token_type_embeddings.weight", "gamma": "LayerNorm.weight", "beta": "LayerNorm.bias"}
-    tables = [numpy_helper.from_array(state[k].float().numpy(), n) for n, k in names.items()]
-    node = helper.make_node("EmbedLayerNormalization", ["input_ids", "segment_ids", *names], ["output", "mask_index"],
-                            domain="com.microsoft", epsilon=float(eps))
-    hidden = state["LayerNorm.weight"].shape[0]
-    graph = helper.make_graph(
-        [node], "bert_embeddings",
-        [helper.make_tensor_value_info(n, TensorProto.INT32, ["B", "L"]) for n in ("input_ids", "segment_ids")],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", "L", hidden]),
-         helper.make_tensor_value_info("mask_index", TensorProto.INT32, ["B"])], tables)
-    model = helper.make_model(graph, ir_version=9,  # (ORT 1.17 reads IR 9; newer onnx writes newer by default)
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    checker.check_model(model)
+    model = fused_graph({k: v.float().numpy() for k, v in state.items()}, eps, int32_inputs=True, opset=17)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {"input_ids": ids.numpy().astype(np.int32), "segment_ids": types.numpy().astype(np.int32)}
-    return lambda: session.run(["output"], feed)[0]
+    feed = {"input_ids": ids.numpy().astype(np.int32), "token_type_ids": types.numpy().astype(np.int32)}
+    return lambda: session.run(["embeddings"], feed)[0]

@@ -65,7 +65,8 @@ def _show_our_warnings() -> None:
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
-    value the user gave, a checkpoint file that is broken; anything else is a bug and keeps its traceback."""
+    value the user gave, a checkpoint file that is broken, an optional package missing; anything else is a bug and
+    keeps its traceback."""
     from rich.markup import escape
 
     from bertembed.config import NotInThisMember
@@ -76,6 +77,8 @@ def user_errors() -> Iterator[None]:
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
         console.print(escape(str(err)), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
+        _fail(str(err))
+    except ImportError as err:  # an optional package the command needs (its message says which, and how to install)
         _fail(str(err))
     except OSError as err:
         if err.errno != errno.ENAMETOOLONG:

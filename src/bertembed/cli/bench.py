@@ -40,8 +40,8 @@ def bench(
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op and bertembed's
     fused layer, interleaved in one process, with ratios against eager; check the issue's targets."""
     with user_errors():
+        from bertembed.atomic import check_output, write_atomic
         from bertembed.bench import measure, report
-        from bertembed.explain.report import check_output, write_atomic
 
         options = measure.Options(quick=quick, threads=threads, allocator=allocator, device=device,
                                   hiddens=tuple(hidden) if hidden else None, shapes=shapes(shape),

@@ -30,7 +30,7 @@ def explain(
         from bertembed.explain.decompose import explain_text
 
         if report is not None:
-            from bertembed.explain.report import check_output
+            from bertembed.atomic import check_output
 
             check_output(report)
         if plots is not None:

@@ -23,7 +23,7 @@ PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the f
 def check_plot_path(plot: str | None) -> None:
     """Fail before any work when the PNG cannot be written."""
     if plot is not None:
-        from bertembed.explain.report import check_output
+        from bertembed.atomic import check_output
 
         check_output(plot)
 
@@ -37,7 +37,8 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
 
     summary = result.summary()
     if plot is not None:
-        from bertembed.explain.report import combined_png, write_atomic
+        from bertembed.atomic import write_atomic
+        from bertembed.explain.report import combined_png
 
         write_atomic(plot, combined_png(result))
     if as_json:

@@ -48,7 +48,7 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
         import nbformat
     except ImportError as err:
         raise ValueError("writing a notebook needs nbformat: pip install 'bertembed[notebook]'") from err
-    from bertembed.explain.report import check_output, write_atomic
+    from bertembed.atomic import check_output, write_atomic
 
     path = check_output(path)
     book = nbformat.v4.new_notebook()

@@ -11,12 +11,12 @@ import html
 import io
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bertembed.atomic import write_atomic
 from bertembed.explain._common import (
     ModelArg,
     NotInThisMember,
@@ -208,35 +208,6 @@ def build_report(results: list[Any], title: str | None = None,
             title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
     return Report(title, source.describe() if source else "", [section_for(r, p) for r, p in zip(results, pngs,
                                                                                                  strict=True)])
-
-
-def check_output(path: str | Path) -> Path:
-    """Fail early, before any work, if `path` cannot be written: its folder must exist and be writable."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give a file name such as {path / 'report.html'}")
-    if not path.parent.is_dir():
-        raise ValueError(f"cannot write {path}: the folder {path.parent} does not exist; create it first")
-    if not os.access(path.parent, os.W_OK):
-        raise ValueError(f"cannot write {path}: the folder {path.parent} is not writable")
-    return path
-
-
-def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write `data` to a temporary file beside `path`, then rename it into place (all or nothing)."""
-    path = check_output(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions open() would
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def write_report(report: Report, path: str | Path) -> Path:

@@ -1,0 +1,49 @@
+"""`bertembed export onnx OUT [--model M] [--fused] [--whole]`: the embedding layer, or the whole model, as ONNX."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bertembed.cli.app import app, console, say_model, user_errors
+from bertembed.cli.inspect import ModelOpt
+
+export_app = typer.Typer(help="Write the embedding layer, or the whole model around it, in another format.",
+                         no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("onnx")
+def onnx_command(
+    out: Annotated[str, typer.Argument(help="the .onnx file to write (its folder must exist)")],
+    model: ModelOpt = None,
+    fused: Annotated[bool, typer.Option("--fused", help="write ONNX Runtime's com.microsoft EmbedLayerNormalization "
+                                        "instead of Gather, Add and LayerNormalization")] = False,
+    whole: Annotated[bool, typer.Option("--whole", help="export the whole transformers model (needs transformers); "
+                                        "with --fused its embedding subgraph becomes the fused op")] = False,
+    opset: Annotated[int, typer.Option(help="ONNX opset of the standard operators (17 or later)")] = 18,
+) -> None:
+    """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
+    with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
+    with user_errors():
+        from bertembed.onnx_export import check_opset, checked_path
+        from bertembed.sources import resolve
+
+        checked_path(out)  # (both before any checkpoint is read)
+        check_opset(opset)
+        say_model(resolve(model))
+        if whole:
+            from bertembed.onnx_whole import export_whole
+
+            path = export_whole(model, out, fused=fused, opset=opset)
+        else:
+            import torch
+
+            from bertembed import BertEmbeddings, export_onnx
+
+            layer = BertEmbeddings.from_pretrained(model, dtype=torch.float32)
+            path = export_onnx(layer, out, fused=fused, opset=opset)
+        what = "the whole model" if whole else "the embedding layer"
+        how = "com.microsoft EmbedLayerNormalization" if fused else "plain operators"
+        console.print(f"wrote {path}: {what}, {how}, opset {opset}")

@@ -1,0 +1,267 @@
+"""The embedding layer as an ONNX graph: plain operators for any runtime, or ONNX Runtime's fused op.
+
+    plain  (default)  torch.onnx.export(dynamo=True) of the reference layer: Gather, Add, LayerNormalization
+    fused             one com.microsoft EmbedLayerNormalization node, built with onnx.helper
+
+Both take optimum's inputs as int64 [B, L] (`input_ids`, `attention_mask`, `token_type_ids`; no `token_type_ids`
+for the members optimum exports without them) with dynamic batch and length axes, and give `embeddings` [B, L, E].
+Whole transformers models, with their embedding subgraph replaced by the fused op, are `bertembed.onnx_whole`'s.
+
+Dimension letters: B batch, L length, E table width, V vocabulary, P positions, T segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from bertembed.config import EmbeddingConfig
+    from bertembed.embeddings import BertEmbeddings
+
+OUTPUT = "embeddings"
+# optimum's ONNX configs give these members no `token_type_ids` input (RoBERTa's one segment row is added to every
+# token by the model itself)
+NO_SEGMENT_INPUT = ("roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert")
+AXES = {0: "batch_size", 1: "sequence_length"}
+MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
+NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
+                 "every member")
+
+
+def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
+    """optimum's input names for `config`'s member: `token_type_ids` only where it takes segment ids."""
+    segments = config.type_vocab_size > 0 and config.model_type not in NO_SEGMENT_INPUT
+    return ("input_ids", "attention_mask", "token_type_ids") if segments else ("input_ids", "attention_mask")
+
+
+def fused_problem(config: EmbeddingConfig, dtype: Any = None) -> str | None:
+    """Why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer (None: it can). The op adds a
+    word, a position and an optional segment row of float32 tables and normalises the sum; nothing else."""
+    member = config.model_type
+    if config.position_embedding_type == "none":
+        return f"this {member} layer has no position table (its positions enter in attention), but the fused op " \
+               f"always adds a position row"
+    if config.projection == "before_norm":
+        return f"this {member} layer projects E={config.table_width} -> H={config.hidden_size} before its " \
+               f"LayerNorm, but the fused op normalises the sum of the rows itself"
+    if config.mask_output:
+        return f"this {member} layer multiplies its output by the attention mask, which the fused op does not"
+    if dtype is not None and str(dtype) not in ("torch.float32", "float32"):
+        return f"its tables are {dtype}, but ONNX Runtime's fused op runs float32 on the CPU; convert with .float()"
+    return None
+
+
+def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
+    """Write `layer` as an ONNX model to `path` (atomically: a failure leaves nothing there); returns the path.
+
+    The graph takes int64 `input_ids` [B, L], `attention_mask` [B, L] (read only by DeBERTa's layer) and, for the
+    members that have them (`input_names`), `token_type_ids` [B, L]; it gives `embeddings` [B, L, E], the layer's
+    output in eval mode. B and L are dynamic. `fused=False`: plain operators, exported by torch from a reference copy
+    of the layer. `fused=True`: ONNX Runtime's com.microsoft EmbedLayerNormalization with the layer's eps, the ids
+    cast to int32 as the op takes them, and RoBERTa-style positions counted from the padding inside the graph;
+    ValueError naming the reason for a member the op cannot compute (`fused_problem`).
+    """
+    from bertembed.embeddings import BertEmbeddings
+
+    if not isinstance(layer, BertEmbeddings):
+        raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
+                        f"transformers model use bertembed.onnx_whole.export_whole")
+    target, opset = checked_path(path), check_opset(opset)
+    model = fused_layer_model(layer, opset) if fused else _plain_layer_model(layer, opset)
+    return write_model(model, target)
+
+
+def check_opset(opset: Any) -> int:
+    """`opset` as an int between 17 and the installed onnx's newest; ValueError otherwise."""
+    onnx = require_onnx()
+    newest = onnx.defs.onnx_opset_version()
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= newest:
+        raise ValueError(f"opset={opset!r} must be an integer in [{MIN_OPSET}, {newest}] (LayerNormalization needs "
+                         f"17; the installed onnx knows up to {newest}); optimum uses 18")
+    return opset
+
+
+def write_model(model: onnx.ModelProto, path: Path) -> Path:
+    """Check `model` with onnx.checker and write it to `path` through a temporary file and a rename."""
+    from bertembed.atomic import write_atomic
+
+    onnx = require_onnx()
+    size = model.ByteSize()
+    if size >= 2**31:
+        raise ValueError(f"the model is {size / 2**30:.1f} GiB, past the 2 GiB limit of a single ONNX file "
+                         f"(protobuf); export a smaller model or convert it to float16 first")
+    onnx.checker.check_model(model)
+    return write_atomic(path, model.SerializeToString())
+
+
+def _plain_layer_model(layer: BertEmbeddings, opset: int) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) of an eval-mode reference copy of `layer`: the fused kernels refuse tracing, and
+    the reference skips its id checks under torch.export, so the graph holds only the computation."""
+    import torch
+
+    reference = copy.deepcopy(layer).eval()
+    reference.backend = "reference"
+
+    class Exported(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = reference
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            mask = attention_mask if self.layer.config.mask_output else None
+            return self.layer(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=mask)
+
+    return torch_export(Exported(), layer.config, OUTPUT, opset, f"this {layer.config.model_type} layer")
+
+
+def torch_export(module, config: EmbeddingConfig, output: str, opset: int, what: str) -> onnx.ModelProto:
+    """torch.onnx.export(dynamo=True) of `module`, called with the keyword tensors [B, L] of `input_names(config)`,
+    both axes dynamic, its one output named `output`; ValueError naming `what` and the exporter's reason where torch
+    cannot export it."""
+    import torch
+
+    ids = torch.full((2, 8), (config.pad_token_id + 1) % config.vocab_size)  # (a token, not padding)
+    example = {name: (ids if name == "input_ids" else torch.ones_like(ids) if name == "attention_mask" else
+                      torch.zeros_like(ids)) for name in input_names(config)}
+    dims = {i: torch.export.Dim(name) for i, name in AXES.items()}
+    try:
+        with _quiet_exporter():
+            program = torch.onnx.export(module.eval(), (), kwargs=example, dynamo=True, opset_version=opset,
+                                        input_names=list(example), output_names=[output],
+                                        dynamic_shapes={name: dims for name in example}, verbose=False)
+    except Exception as err:  # (the exporter raises many types; each is a limit of torch's, not a bug here)
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ValueError(f"torch {torch.__version__}'s ONNX exporter cannot export {what} ({type(err).__name__}: "
+                         f"{reason}); a newer torch may, else report it with the checkpoint's config.json") from err
+    return program.model_proto
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silence what the exporter says on every export and that is no fault of the model's: that torchvision is not
+    installed, that an axis keeps the name it was given (it does), a deprecation inside torch."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"# The axis name")
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
+
+
+def checked_path(path: str | Path) -> Path:
+    """`path` as a Path, after a ValueError where a file cannot be written there (a folder, a missing or read-only
+    folder): checked before any work."""
+    from bertembed.atomic import check_output
+
+    return check_output(path)
+
+
+def layer_tables(layer: BertEmbeddings) -> dict[str, np.ndarray]:
+    """The layer's tables as float32 numpy arrays under its state-dict names (a computed sinusoidal table too,
+    which the state dict leaves out); a missing LayerNorm bias is zeros, which is the same norm."""
+    modules = layer.submodules()
+    arrays = {f"{name}.weight": modules[name].weight for name in
+              ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
+              if modules[name] is not None}
+    norm = modules["LayerNorm"]
+    arrays = {k: v.detach().float().cpu().numpy() for k, v in arrays.items()}
+    arrays["LayerNorm.bias"] = (norm.bias.detach().float().cpu().numpy() if norm.bias is not None else
+                                0 * arrays["LayerNorm.weight"])
+    return arrays
+
+
+def fused_layer_model(layer: BertEmbeddings, opset: int = 18) -> onnx.ModelProto:
+    """The graph of `export_onnx(..., fused=True)`; ValueError where the op cannot compute the layer."""
+    config = layer.config
+    problem = fused_problem(config, layer.word_embeddings.weight.dtype)
+    if problem:
+        raise ValueError(f"cannot write the fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+    return fused_graph(layer_tables(layer), config.layer_norm_eps, inputs=input_names(config),
+                       pad=config.pad_token_id if config.positions_from_padding else None, opset=opset)
+
+
+def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str, ...] = ("input_ids", "token_type_ids"),
+                pad: int | None = None, int32_inputs: bool = False, opset: int = 18) -> onnx.ModelProto:
+    """One EmbedLayerNormalization node over float32 `tables` (state-dict names; `token_type_embeddings.weight`
+    optional), with `eps`. `inputs`: the graph's [B, L] id inputs, int64 cast to int32 inside (int32 themselves with
+    `int32_inputs`); without `token_type_ids` among them, a segment table gets segment 0 for every token (RoBERTa).
+    `pad`: positions count from the padding id, `cumsum(ids != pad) * (ids != pad) + pad`, computed from the ids;
+    None: 0, 1, 2, ... (the op's own). `attention_mask` is taken, as optimum's graphs take it, and only checked."""
+    onnx = require_onnx()
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, ids = _int32_inputs(inputs, int32_inputs)
+    if "token_type_embeddings.weight" in tables and "token_type_ids" not in ids:
+        nodes.append(helper.make_node("Shape", [ids["input_ids"]], ["ids_shape"]))
+        nodes.append(helper.make_node("ConstantOfShape", ["ids_shape"], ["token_type_ids_i32"],
+                                      value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])))
+        ids["token_type_ids"] = "token_type_ids_i32"
+    if pad is not None:
+        nodes += _positions_from_padding(ids["input_ids"], pad)
+    segment = "token_type_ids" in ids and "token_type_embeddings.weight" in tables
+    operands = [ids["input_ids"], ids["token_type_ids"] if segment else "", "word_embeddings.weight",
+                "position_embeddings.weight", "token_type_embeddings.weight" if segment else "", "LayerNorm.weight",
+                "LayerNorm.bias", ids.get("attention_mask", ""), "position_ids" if pad is not None else ""]
+    nodes.append(helper.make_node("EmbedLayerNormalization", operands, [OUTPUT, "mask_index"],
+                                  domain="com.microsoft", epsilon=float(eps)))
+    width = tables["word_embeddings.weight"].shape[1]
+    id_type = TensorProto.INT32 if int32_inputs else TensorProto.INT64
+    graph = helper.make_graph(
+        nodes, "bert_embeddings", [helper.make_tensor_value_info(n, id_type, list(AXES.values())) for n in inputs],
+        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [*AXES.values(), width])],
+        [numpy_helper.from_array(v, k) for k, v in tables.items() if k in operands])
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    # the oldest IR the opsets allow (9 for opset 18): newer onnx writes its newest, which older ORT cannot read
+    model = helper.make_model(graph, opset_imports=opsets,
+                              ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
+    onnx.checker.check_model(model)
+    return model
+
+
+def _int32_inputs(inputs: tuple[str, ...], already: bool) -> tuple[list, dict[str, str]]:
+    """(Cast nodes, input name -> the name of its int32 tensor) for the graph's id inputs."""
+    from onnx import TensorProto, helper
+
+    if already:
+        return [], {name: name for name in inputs}
+    nodes = [helper.make_node("Cast", [name], [f"{name}_i32"], to=TensorProto.INT32) for name in inputs]
+    return nodes, {name: f"{name}_i32" for name in inputs}
+
+
+def _positions_from_padding(ids: str, pad: int) -> list:
+    """Nodes computing `position_ids` [B, L] int32 from int32 `ids` as RoBERTa does: tokens count from pad + 1,
+    padding tokens get pad's row."""
+    from onnx import TensorProto, helper
+
+    def const(name: str, value: int) -> Any:
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT32, [], [value]))
+
+    return [const("pad_id", pad), const("length_axis", 1),
+            helper.make_node("Equal", [ids, "pad_id"], ["is_pad"]),
+            helper.make_node("Not", ["is_pad"], ["is_token"]),
+            helper.make_node("Cast", ["is_token"], ["token_mask"], to=TensorProto.INT32),
+            helper.make_node("CumSum", ["token_mask", "length_axis"], ["token_count"]),
+            helper.make_node("Mul", ["token_count", "token_mask"], ["token_positions"]),
+            helper.make_node("Add", ["token_positions", "pad_id"], ["position_ids"])]
+
+
+def require_onnx():
+    """The onnx package, or an ImportError that says how to install it."""
+    try:
+        import onnx
+    except ImportError as err:
+        raise ImportError(f"ONNX export needs onnx and onnxscript ({err}); pip install 'bertembed[onnx]'") from err
+    return onnx

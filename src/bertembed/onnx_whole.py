@@ -1,0 +1,198 @@
+"""A whole transformers model as ONNX, its embedding subgraph optionally replaced by ONNX Runtime's fused op.
+
+torch.onnx.export (dynamo) writes the model's embeddings as Gather, Add and LayerNormalization, which ONNX Runtime
+leaves unfused (its optimizer fuses them only in graphs whose attention it also fuses, and never RoBERTa's).
+`fuse_embeddings` replaces that LayerNormalization by one com.microsoft EmbedLayerNormalization over the same tables,
+fed with the same word, segment and position ids the graph already computes (RoBERTa's positions from the padding
+included), then drops the nodes nothing reads any more.
+
+Dimension letters: B batch, L length, H hidden.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bertembed.family import layout
+from bertembed.onnx_export import (
+    NOT_FUSED_FIX,
+    check_opset,
+    checked_path,
+    fused_problem,
+    require_onnx,
+    torch_export,
+    write_model,
+)
+
+if TYPE_CHECKING:
+    import onnx
+
+    from bertembed.config import EmbeddingConfig
+
+OUTPUT = "last_hidden_state"
+
+
+def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
+    """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
+    `path`, atomically; returns the path. Inputs as optimum's (int64 [B, L] `input_ids`, `attention_mask`, and
+    `token_type_ids` where the member takes them), output `last_hidden_state` [B, L, H], float32, B and L dynamic.
+    `fused`: the embedding subgraph becomes ONNX Runtime's EmbedLayerNormalization (`fuse_embeddings`)."""
+    target, opset = checked_path(path), check_opset(opset)
+    hf, config = load_model(model)
+    if fused:  # (refused before the export's seconds are spent)
+        _refuse_unfusable(config, "float32")
+    graph = export_model(hf, config, opset)
+    return write_model(fuse_embeddings(graph, config) if fused else graph, target)
+
+
+def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
+    """(transformers' base model of the checkpoint in float32 eval mode, the embedding layer's config)."""
+    from bertembed.config import EmbeddingConfig
+    from bertembed.sources import resolve
+
+    source = resolve(model)
+    if source.kind == "file":
+        raise ValueError(f"{source.weights_file} is a single weights file, but exporting the whole model needs its "
+                         f"config.json: give the checkpoint's folder or hub id")
+    config = EmbeddingConfig.from_hf_config(source.file("config.json") or source.folder)
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"exporting the whole model builds it with transformers ({err}); pip install transformers, "
+                          f"or export the embedding layer alone (no --whole)") from err
+
+    where = source.name if source.kind == "hub" else str(source.folder)
+    try:
+        hf = transformers.AutoModel.from_pretrained(where, revision=source.revision,
+                                                    local_files_only=source.local_files_only)
+    except (ValueError, KeyError) as err:  # a member this transformers lacks (ModernBERT before 4.48, nomic_bert)
+        raise ValueError(f"transformers {transformers.__version__} cannot build the {config.model_type} model of "
+                         f"{where} ({str(err)[:200]}); export the embedding layer alone (no --whole)") from err
+    return hf.float().eval(), config
+
+
+def export_model(hf, config: EmbeddingConfig, opset: int = 18) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) of transformers model `hf`: optimum's inputs for `config`'s member, its
+    `last_hidden_state` as the one output."""
+    import torch
+
+    class Exported(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = hf
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            given = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **given).last_hidden_state
+
+    return torch_export(Exported(), config, OUTPUT, opset, f"the {config.model_type} model")
+
+
+def _refuse_unfusable(config: EmbeddingConfig, dtype: Any) -> None:
+    problem = fused_problem(config, dtype)
+    if problem:
+        raise ValueError(f"cannot fuse the embeddings into EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+
+
+def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
+    """A copy of `model` (a transformers model exported by `export_model`) whose embedding LayerNormalization and the
+    Gathers and Adds feeding it are one com.microsoft EmbedLayerNormalization; ValueError where the member cannot be
+    fused (`fused_problem`) or the graph has no embedding subgraph of the expected form."""
+    onnx = require_onnx()
+    from onnx import helper
+
+    _refuse_unfusable(config, "float32")
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    graph = fused.graph
+    tables = _table_names(graph, config)
+    norm, gathers = _embedding_subgraph(graph, tables)
+    casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
+                                    to=onnx.TensorProto.INT32) for role in gathers}
+    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
+    segment = "token_type_embeddings.weight" in gathers
+    node = helper.make_node(
+        "EmbedLayerNormalization",
+        [casts["word_embeddings.weight"].output[0], casts["token_type_embeddings.weight"].output[0] if segment
+         else "", tables["word_embeddings.weight"], tables["position_embeddings.weight"],
+         tables["token_type_embeddings.weight"] if segment else "", norm.input[1], norm.input[2],
+         "", casts["position_embeddings.weight"].output[0]],
+        [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
+        epsilon=eps)
+    at = list(graph.node).index(norm)
+    kept = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
+    del graph.node[:]
+    graph.node.extend(_live(kept, {o.name for o in graph.output}))
+    _drop_unused_initializers(graph)
+    if not any(o.domain == "com.microsoft" for o in fused.opset_import):
+        fused.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.checker.check_model(fused)
+    return fused
+
+
+def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
+    """The layer's state-dict name -> the graph's initializer of that table (the member's checkpoint key, `layout`)."""
+    initializers = {i.name for i in graph.initializer}
+    names = {}
+    for ours, key in layout(config.model_type).items():
+        found = [name for name in initializers if name == key or name.endswith("." + key)]
+        if len(found) == 1:
+            names[ours] = found[0]
+    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight", "LayerNorm.weight") if
+               k not in names]
+    if missing:
+        raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
+                         f"{[layout(config.model_type)[k] for k in missing]}); cannot fuse its embeddings; "
+                         f"{NOT_FUSED_FIX}")
+    return names
+
+
+def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+    """(the embedding LayerNormalization, table name -> the Gather that reads it), checking that the norm's input
+    is a sum of those Gathers alone and that it normalises over the last axis with a scale and a bias."""
+    producer = {out: node for node in graph.node for out in node.output}
+    norms = [n for n in graph.node if n.op_type == "LayerNormalization" and n.input[1] == tables["LayerNorm.weight"]]
+    if len(norms) != 1 or len(norms[0].input) < 3 or any(a.name == "axis" and a.i != -1 for a in norms[0].attribute):
+        raise ValueError(f"found {len(norms)} LayerNormalization nodes over {tables['LayerNorm.weight']} (with a bias "
+                         f"and axis -1), expected one; cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    leaves, pending = [], [norms[0].input[0]]
+    while pending:
+        node = producer.get(pending.pop())
+        if node is not None and node.op_type == "Add":
+            pending += list(node.input)
+        else:
+            leaves.append(node)
+    by_table = {n.input[0]: n for n in leaves if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
+                not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
+    roles = {ours: by_table.get(name) for ours, name in tables.items() if ours.endswith("embeddings.weight")}
+    if len(by_table) != len(leaves) or None in roles.values() or len(roles) != len(leaves):
+        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
+                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    return norms[0], roles
+
+
+def _reads(node) -> set[str]:
+    """The names `node` reads, those its subgraphs (If, Loop, Scan) read from the outer scope included."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        for sub in [attribute.g, *attribute.graphs]:
+            names |= {name for inner in sub.node for name in _reads(inner)}
+    return names
+
+
+def _live(nodes: list, outputs: set[str]) -> list:
+    """`nodes` (in order) less those whose outputs nothing reads, repeatedly: the subgraph the fused node replaced."""
+    while True:
+        read = set().union(*map(_reads, nodes)) | outputs
+        kept = [node for node in nodes if any(out in read for out in node.output if out)]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept
+
+
+def _drop_unused_initializers(graph) -> None:
+    read = set().union(*map(_reads, graph.node))
+    kept = [init for init in graph.initializer if init.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)

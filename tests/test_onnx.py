@@ -1,0 +1,231 @@
+"""ONNX export: the layer's plain and fused graphs, and whole transformers models, run in ONNX Runtime against torch.
+
+References are independent of the export: bertembed's torch layer (tested against transformers elsewhere) for the
+layer, transformers' own model for the whole one. Hidden size 30 (not a power of two) in the small members.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+ort = pytest.importorskip("onnxruntime", reason="ONNX export tests run graphs in onnxruntime: pip install "
+                          "'bertembed[dev]'")
+onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx: pip install 'bertembed[dev]'")
+pytest.importorskip("onnxscript", reason="torch's dynamo ONNX exporter needs onnxscript: pip install 'bertembed[dev]'")
+
+from bertembed import BertEmbeddings, EmbeddingConfig, export_onnx  # noqa: E402
+from bertembed.cli.app import app  # noqa: E402
+from bertembed.onnx_export import input_names  # noqa: E402
+from bertembed.onnx_whole import export_model, export_whole, fuse_embeddings, load_model  # noqa: E402
+
+LAYER_TOLERANCE, WHOLE_TOLERANCE = 1e-5, 1e-4
+
+
+def session(model) -> ort.InferenceSession:
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def op_counts(model) -> Counter:
+    model = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    return Counter((node.domain or "ai.onnx", node.op_type) for node in model.graph.node)
+
+
+def batches(config: EmbeddingConfig, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Feeds [B, L]: one token; a batch whose rows end in padding; the longest length the position table allows."""
+    gen = torch.Generator().manual_seed(seed)
+    longest = config.max_position_embeddings - config.first_position
+    feeds = []
+    for batch, length in ((1, 1), (3, 9), (2, longest)):
+        ids = torch.randint(3, config.vocab_size, (batch, length), generator=gen)
+        ids[ids == config.pad_token_id] = config.pad_token_id + 1
+        if batch == 3:
+            ids[1, 5:], ids[2, 2:] = config.pad_token_id, config.pad_token_id
+        feed = {"input_ids": ids, "attention_mask": (ids != config.pad_token_id).long(),
+                "token_type_ids": torch.randint(0, max(config.type_vocab_size, 1), (batch, length), generator=gen)}
+        feeds.append({name: feed[name] for name in input_names(config)})
+    return feeds
+
+
+def layer_reference(layer: BertEmbeddings, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return layer(input_ids=feed["input_ids"], token_type_ids=feed.get("token_type_ids"),
+                     attention_mask=feed["attention_mask"] if layer.config.mask_output else None)
+
+
+def assert_runs_like(path_or_model, reference, feeds, tolerance: float) -> None:
+    runner = session(path_or_model)
+    for feed in feeds:
+        out = runner.run(None, {k: v.numpy() for k, v in feed.items()})[0]
+        torch.testing.assert_close(torch.from_numpy(out), reference(feed), atol=tolerance, rtol=0)
+
+
+def member_layer(member_checkpoint, name: str) -> BertEmbeddings:
+    return BertEmbeddings.from_pretrained(member_checkpoint(name)[0])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_layer_graph_matches_the_torch_layer(member_checkpoint, tmp_path, name, fused):
+    layer = member_layer(member_checkpoint, name)
+    path = export_onnx(layer, tmp_path / "layer.onnx", fused=fused)
+    model = onnx.load(str(path))
+    expected = ["input_ids", "attention_mask", "token_type_ids"] if name == "bert" else ["input_ids", "attention_mask"]
+    assert [i.name for i in model.graph.input] == expected
+    for value in (*model.graph.input, *model.graph.output):
+        assert [d.dim_param for d in value.type.tensor_type.shape.dim][:2] == ["batch_size", "sequence_length"]
+    ops = op_counts(model)
+    if fused:
+        assert ops[("com.microsoft", "EmbedLayerNormalization")] == 1
+        assert not ops[("ai.onnx", "Gather")] and not ops[("ai.onnx", "LayerNormalization")]
+        node = next(n for n in model.graph.node if n.op_type == "EmbedLayerNormalization")
+        assert onnx.helper.get_attribute_value(node.attribute[0]) == pytest.approx(layer.config.layer_norm_eps)
+    else:
+        assert {"Gather", "Add", "LayerNormalization"} <= {op for _, op in ops}
+        assert all(domain == "ai.onnx" for domain, _ in ops)
+    assert_runs_like(path, lambda feed: layer_reference(layer, feed), batches(layer.config), LAYER_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["distilbert-sinusoidal", "albert", "mpnet", "deberta", "modernbert"])
+def test_plain_export_of_other_members(member_checkpoint, tmp_path, name):
+    layer = member_layer(member_checkpoint, name)
+    path = export_onnx(layer, tmp_path / "layer.onnx")
+    assert_runs_like(path, lambda feed: layer_reference(layer, feed), batches(layer.config)[1:2], LAYER_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["distilbert-sinusoidal", "albert", "mpnet"])
+def test_fused_export_of_other_members(member_checkpoint, tmp_path, name):
+    """Sinusoidal tables, ALBERT's E-wide output (its projection comes after the layer), MPNet's padding positions."""
+    layer = member_layer(member_checkpoint, name)
+    path = export_onnx(layer, tmp_path / "layer.onnx", fused=True)
+    assert_runs_like(path, lambda feed: layer_reference(layer, feed), batches(layer.config)[1:2], LAYER_TOLERANCE)
+
+
+def test_a_layer_in_training_mode_is_exported_without_dropout(tmp_path):
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=50, hidden_size=12, max_position_embeddings=16)).train()
+    path = export_onnx(layer, tmp_path / "layer.onnx")
+    assert layer.training
+    assert_runs_like(path, lambda feed: layer_reference(layer.eval(), feed), batches(layer.config)[:2],
+                     LAYER_TOLERANCE)
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    (EmbeddingConfig.for_member("modernbert", vocab_size=50, hidden_size=16, pad_token_id=0), "no position table"),
+    (EmbeddingConfig.for_member("deberta-v2", vocab_size=50, hidden_size=16, embedding_size=8,
+                                position_biased_input=True), "projects E=8 -> H=16 before its LayerNorm"),
+    (EmbeddingConfig.for_member("deberta", vocab_size=50, hidden_size=16, position_biased_input=True),
+     "multiplies its output by the attention mask"),
+])
+def test_fused_refuses_what_the_op_cannot_compute(tmp_path, config, reason):
+    target = tmp_path / "layer.onnx"
+    target.write_bytes(b"old")
+    with pytest.raises(ValueError, match=reason) as caught:
+        export_onnx(BertEmbeddings(config), target, fused=True)
+    assert "fused=False" in str(caught.value)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["layer.onnx"]
+
+
+def test_fused_refuses_bfloat16_tables(tmp_path):
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=50, hidden_size=16)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"torch.bfloat16.*\.float\(\)"):
+        export_onnx(layer, tmp_path / "layer.onnx", fused=True)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=50, hidden_size=16))
+    with pytest.raises(ValueError, match="is a folder; give the name of a file in it"):
+        export_onnx(layer, tmp_path)
+    with pytest.raises(ValueError, match="does not exist; create it first"):
+        export_onnx(layer, tmp_path / "missing" / "layer.onnx")
+    with pytest.raises(ValueError, match=r"opset=12 must be an integer in \[17, "):
+        export_onnx(layer, tmp_path / "layer.onnx", opset=12)
+    with pytest.raises(TypeError, match="takes a bertembed.BertEmbeddings"):
+        export_onnx(torch.nn.Embedding(3, 4), tmp_path / "layer.onnx")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_fused_op_rejects_ids_outside_the_table(tmp_path):
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=50, hidden_size=16))
+    runner = session(export_onnx(layer, tmp_path / "layer.onnx", fused=True))
+    feed = {"input_ids": np.array([[1, 50]]), "attention_mask": np.ones((1, 2), np.int64),
+            "token_type_ids": np.zeros((1, 2), np.int64)}
+    with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+        runner.run(None, feed)
+
+
+@pytest.fixture(scope="module")
+def whole_graphs(member_checkpoint, bundled_path):
+    """Factory: name -> (transformers model, its config, plain graph, fused graph), exported once."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = bundled_path if name == "all-MiniLM-L6-v2" else member_checkpoint(name)[0]
+            hf, config = load_model(folder)
+            plain = export_model(hf, config)
+            cache[name] = hf, config, plain, fuse_embeddings(plain, config)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "all-MiniLM-L6-v2"])
+def test_whole_model_plain_and_fused_match_transformers(whole_graphs, name):
+    hf, config, plain, fused = whole_graphs(name)
+    before, after = op_counts(plain), op_counts(fused)
+    assert not before[("com.microsoft", "EmbedLayerNormalization")]
+    assert after[("com.microsoft", "EmbedLayerNormalization")] == 1
+    assert after[("ai.onnx", "LayerNormalization")] == before[("ai.onnx", "LayerNormalization")] - 1
+    assert after[("ai.onnx", "Gather")] == before[("ai.onnx", "Gather")] - 3
+    assert [i.name for i in fused.graph.input] == list(input_names(config))
+
+    def reference(feed):
+        with torch.no_grad():
+            return hf(**feed).last_hidden_state
+
+    feeds = batches(config)[:2]
+    for graph in (plain, fused):
+        assert_runs_like(graph, reference, feeds, WHOLE_TOLERANCE)
+
+
+def test_whole_fused_refuses_a_member_without_position_table(member_checkpoint, tmp_path):
+    folder, _ = member_checkpoint("modernbert")
+    with pytest.raises(ValueError, match="modernbert layer has no position table"):
+        export_whole(folder, tmp_path / "model.onnx", fused=True)
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_exports_the_fused_layer_and_the_fused_whole_model(member_checkpoint, tmp_path):
+    folder, hf = member_checkpoint("roberta")
+    layer = BertEmbeddings.from_pretrained(folder)
+    runner = CliRunner()
+    for args, reference, tolerance in (
+        ([], lambda feed: layer_reference(layer, feed), LAYER_TOLERANCE),
+        (["--whole"], lambda feed: hf(**feed).last_hidden_state.detach(), WHOLE_TOLERANCE),
+    ):
+        out = tmp_path / f"model{len(args)}.onnx"
+        done = runner.invoke(app, ["export", "onnx", str(out), "--model", str(folder), "--fused", *args])
+        assert done.exit_code == 0, done.output
+        assert f"wrote {out}" in " ".join(done.output.split())
+        assert op_counts(out)[("com.microsoft", "EmbedLayerNormalization")] == 1
+        assert_runs_like(out, reference, batches(layer.config)[1:2], tolerance)
+
+
+def test_cli_bad_output_exits_2_without_traceback(tmp_path):
+    for args, message in ((["export", "onnx", str(tmp_path)], "is a folder"),
+                          (["export", "onnx", str(tmp_path / "no" / "m.onnx")], "does not exist"),
+                          (["export", "onnx", str(tmp_path / "m.onnx"), "--opset", "9"], "opset=9")):
+        done = subprocess.run([sys.executable, "-m", "bertembed", *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert message in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.iterdir())
