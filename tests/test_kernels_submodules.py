@@ -1,8 +1,9 @@
 """The fused layer reads its submodules' tables and calls none of them, so it may stand in for them only while they are
 plain. Hooks (captum's layer attributions, activation capture, a global module hook), a subclass with its own forward,
 a wrapper (a LoRA adapter), a parametrized weight and `max_norm` make it run the reference layer, which calls them
-(`bertembed.fast.can_fuse` says why); a LayerNorm eps or a dropout flag changed is read at the next call. Every case
-is first checked to change the output, so that agreeing with the reference means something."""
+(`bertembed.fast.can_fuse` says why); on the word table alone, they make the word module look its rows up itself and
+the kernel do the rest (`bertembed.fast.gathered_rows`); a LayerNorm eps or a dropout flag changed is read at the
+next call. Every case is first checked to change the output, so that agreeing with the reference means something."""
 
 from __future__ import annotations
 

@@ -455,3 +455,33 @@ def test_the_kernel_serves_the_family_members_it_covers(member):
         assert_grad_close(got.grad, expected.grad, name)
     if config.positions_from_padding:
         assert not fused.position_embeddings.weight.grad[1].any()
+
+
+def test_gathered_word_rows_run_the_kernel(caplog, monkeypatch):
+    """Word rows the kernel does not look up itself (`inputs_embeds`; a hooked word table's own forward; a sharded
+    table's lookup, bertembed.parallel) are added and normalised by the kernel: outputs and gradients as the
+    reference's, nothing falling back."""
+    import logging
+
+    import bertembed.fast as kernels
+
+    monkeypatch.setattr(kernels, "_told", set())
+    ref, fused = on_device(*twins(24, "triton"))
+    given = [torch.randn(2, 3, 24, device=DEVICE).requires_grad_() for _ in range(2)]
+    with torch.no_grad():
+        given[1].copy_(given[0])
+    upstream = torch.randn(2, 3, 24, device=DEVICE)
+    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
+        out_ref, out = ref(inputs_embeds=given[0]), fused(inputs_embeds=given[1])
+        ((out_ref * upstream).sum() + (out * upstream).sum()).backward()
+        assert_output_close(out, out_ref)
+        assert_grad_close(given[1].grad, given[0].grad, "inputs_embeds")
+        for layer in (ref, fused):
+            layer.zero_grad()
+            layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2)
+        ids = awkward_ids(2, 5, ref.config.vocab_size).to(DEVICE)
+        out_ref, out = ref(ids), fused(ids)
+        ((out_ref * upstream[:, :1]).sum() + (out * upstream[:, :1]).sum()).backward()
+        assert_output_close(out, out_ref)
+        assert_grads_match(ref, fused)
+    assert "reference" not in caplog.text

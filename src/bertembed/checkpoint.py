@@ -28,6 +28,7 @@ from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,13 @@ class Checkpoint:
 
 
 def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | None = None,
-                    local_files_only: bool = False, framework: str = "pt") -> Checkpoint:
+                    local_files_only: bool = False, framework: str = "pt",
+                    word_reader: Callable[[Any], Any] | None = None) -> Checkpoint:
     """Resolve a checkpoint and read its embedding tensors, checking every name, dtype and shape against its config.
 
-    framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). A local folder that a save
+    framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). `word_reader` reads the word
+    table from safetensors' slice of it (`get_slice`), part of it say (`bertembed.parallel.rank_reader`); its result
+    stands for the table, and must have the table's shape. A local folder that a save
     replaces while it is read (`bertembed.atomic`) is read again, so config and tensors always come from one version.
     """
     if framework not in ("pt", "np"):
@@ -60,7 +64,7 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
         source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
         with _pinned(source) as unchanged:
             try:
-                checkpoint = _read(source, framework)
+                checkpoint = _read(source, framework, word_reader)
             except (OSError, ValueError) as err:
                 if unchanged():
                     raise
@@ -104,13 +108,13 @@ def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
         os.close(fd)
 
 
-def _read(source: Source, framework: str) -> Checkpoint:
+def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
     config_path = source.file("config.json")
     # the config first: an unsupported member is refused before any weights are read (or downloaded)
     config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
     member = "bert" if config is None else config.model_type
     files, index = _weight_files(source, member)
-    tensors = _select(files, index, framework, member)
+    tensors = _select(files, index, framework, member, word_reader)
     if config is None:
         config = _infer_config(tensors, files[0])
         log.info("no config.json beside %s: sizes read from the tensor shapes, other settings are BERT's defaults",
@@ -198,7 +202,8 @@ def _keys(member: str) -> dict[str, str]:
     return keys
 
 
-def _select(files: list[Path], index: dict[str, Path], framework: str, member: str) -> dict[str, Any]:
+def _select(files: list[Path], index: dict[str, Path], framework: str, member: str,
+            word_reader=None) -> dict[str, Any]:
     """Read the embedding tensors of one model from the files, choosing one model prefix if several share them."""
     handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
@@ -215,7 +220,8 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
                     raise ValueError(f"{path} holds both {seen[name]!r} and {key!r} for {name}; the checkpoint is "
                                      f"ambiguous: delete one of them and load again")
                 seen[name] = key
-                tensors[name] = read_tensor(handle, path, key, framework)
+                tensors[name] = read_tensor(handle, path, key, framework,
+                                            word_reader if name == "word_embeddings.weight" else None)
     return tensors
 
 
@@ -376,7 +382,7 @@ class Pretrained:
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
-        backend: str = "reference", dtype: torch.dtype | None = None,
+        backend: str = "reference", dtype: torch.dtype | None = None, device_mesh: DeviceMesh | None = None,
     ) -> Pretrained:
         """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
 
@@ -384,17 +390,28 @@ class Pretrained:
         bundled default (`bertembed.DEFAULT_MODEL`). Only the embedding tensors are read.
         `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
         `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
+        `device_mesh`: a 1-D DeviceMesh, to shard the word table by rows over it (`bertembed.parallel.shard_vocab`):
+        each rank reads its own rows from safetensors and no more, so no rank ever holds the whole table (a `.bin`
+        checkpoint, which cannot be read in part, is refused).
         The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
         to fine-tune it.
         """
         import torch
 
-        checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only)
+        reader = None
+        if device_mesh is not None:
+            from bertembed import parallel
+
+            reader = parallel.rank_reader(device_mesh)
+        checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only,
+                                     word_reader=reader)
         with torch.device("meta"):  # (the checkpoint's tensors replace the tables at once)
             layer = cls(checkpoint.config, backend=backend)
+        if device_mesh is not None:
+            parallel.shard_vocab(layer, device_mesh)  # (on the meta device: to_empty allocates the rank's rows alone)
         dtype = dtype or checkpoint.tensors["word_embeddings.weight"].dtype
         layer = layer.to_empty(device="cpu").to(dtype)
-        layer.reset_parameters()  # (the buffers, and a computed position table)
+        layer.reset_buffers()  # (the checkpoint holds every parameter: only the buffers are left to fill)
         layer.load_state_dict(checkpoint.tensors)
         layer.source = checkpoint.source
         return layer.eval()

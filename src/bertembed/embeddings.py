@@ -156,12 +156,17 @@ class BertEmbeddings(Pretrained, nn.Module):
             for table in (self.word_embeddings, self.position_embeddings):
                 if getattr(table, "padding_idx", None) is not None:
                     table.weight[table.padding_idx].zero_()
+        self.reset_buffers()
+        self.LayerNorm.reset_parameters()
+
+    def reset_buffers(self) -> None:
+        """The buffers no state dict holds, refilled: the default ids and a computed position table."""
+        with torch.no_grad():
             self.position_ids.copy_(torch.arange(self.position_ids.shape[-1])[None])
             self.token_type_ids.zero_()
             if isinstance(self.position_embeddings, SinusoidalPositions):
                 table = self.position_embeddings.weight
                 table.copy_(sinusoidal_table(*table.shape))
-        self.LayerNorm.reset_parameters()
 
     _stored_as: dict[str, str] = {}  # BERT's name -> the one a submodule is stored under, where they differ
 

@@ -6,6 +6,7 @@ needs it (a `.bin`, or bfloat16 for numpy).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,19 @@ _SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "
                        "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8"}  # torch's names
 
 
-def read_tensor(handle, path: Path, key: str, framework: str) -> Any:
-    """One tensor, refused unless it is a dense floating-point array (`tensor_problem`)."""
+def read_tensor(handle, path: Path, key: str, framework: str, reader: Callable[[Any], Any] | None = None) -> Any:
+    """One tensor, refused unless it is a dense floating-point array (`tensor_problem`); with `reader`, what it
+    reads from safetensors' slice of the tensor (`get_slice`: rows without the rest)."""
+    if reader is not None and not isinstance(handle, _SafetensorsHandle):
+        raise ValueError(f"{path} cannot be read in part ({key}): only safetensors files can; convert it with "
+                         f"transformers' model.save_pretrained(folder) (safetensors by default), or load it whole")
     try:
         stored = handle.get_dtype(key)
         problem = None if stored in FLOAT_DTYPES else f"stored as {stored}"
+        sliced = handle.handle.get_slice(key) if problem is None and reader is not None else None
         if problem is None and isinstance(handle, _StateDictHandle):
             problem = tensor_problem(handle.get_tensor(key))
-        if problem is None:
+        if problem is None and sliced is None:
             tensor = handle.get_tensor(key)
             if framework == "np" and not isinstance(tensor, np.ndarray):  # a torch tensor: from a .bin, or bfloat16
                 tensor = tensor.detach()
@@ -33,7 +39,7 @@ def read_tensor(handle, path: Path, key: str, framework: str) -> Any:
     if problem is not None:
         raise ValueError(f"{path}: {key} is {problem}, not a table of floating-point numbers "
                          f"({', '.join(FLOAT_DTYPES)}); re-save it with float tables")
-    return tensor
+    return tensor if sliced is None else reader(sliced)
 
 
 def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:

@@ -117,36 +117,44 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return ("reference", reason) if reason else (backend, None)
 
 
-def can_fuse(layer: nn.Module, modules: dict | None = None) -> str | None:
+def can_fuse(layer: nn.Module, modules: dict | None = None, *, gathered: bool = False) -> str | None:
     """Why the fused kernel cannot stand in for `layer`'s submodules (`layer.submodules()`, given or read), or None
     when it computes what they would: each runs its type's own forward (`_PLAIN`), with no hooks and no `nn.Embedding`
-    option the kernels do not have."""
+    option the kernels do not have. `gathered`: the word rows come already looked up (`gathered_rows`), so the word
+    module is not asked."""
     if any(_GLOBAL_HOOKS):
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
     modules = modules or layer.submodules()
     if layer.config.projection == "before_norm":
         return "the layer projects its sum E -> H before the LayerNorm (DeBERTa), which the kernels do not"
-    for name, plain in _PLAIN.items():
+    for name in _PLAIN:
         module = modules.get(name)
         if module is None and name in ("position_embeddings", "token_type_embeddings"):  # a member without one
             continue
-        if type(module) is not plain:
-            kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            if not (name == "position_embeddings" and kind == _COMPUTED_TABLE):
-                return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
-        if "forward" in module.__dict__:
-            return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
-            return f"{name} has hooks, which run only when its own forward does"
-        if isinstance(module, nn.Embedding):
-            if module.max_norm is not None:
-                return f"{name} has max_norm={module.max_norm} (rows renormalised as they are read)"
-            if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
-                option = "sparse=True" if module.sparse else "scale_grad_by_freq=True"
-                return f"{name} has {option} (the kernels write dense, unscaled gradients)"
+        if not (gathered and name == "word_embeddings") and (reason := _module_reason(name, module)):
+            return reason
     if modules["LayerNorm"].weight is None:
         return "LayerNorm has no weight (elementwise_affine=False)"
+    return None
+
+
+def _module_reason(name: str, module: nn.Module) -> str | None:
+    """Why the kernel cannot compute what submodule `name` would, or None."""
+    if type(module) is not _PLAIN[name]:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        if not (name == "position_embeddings" and kind == _COMPUTED_TABLE):
+            return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
+    if "forward" in module.__dict__:
+        return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        return f"{name} has hooks, which run only when its own forward does"
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None:
+            return f"{name} has max_norm={module.max_norm} (rows renormalised as they are read)"
+        if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
+            option = "sparse=True" if module.sparse else "scale_grad_by_freq=True"
+            return f"{name} has {option} (the kernels write dense, unscaled gradients)"
     return None
 
 
@@ -179,31 +187,58 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     CPU kernel, which reads nothing for a bad id and reports it; before the Triton one, which gives it a NaN row on a
     GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
     p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
-    fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`)."""
+    fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`).
+    Word rows the kernel cannot read from the table itself (`inputs_embeds`, or a word module with hooks, a wrapper
+    or a sharded table: its own forward looks them up) come gathered (`gathered_rows`); the kernel does the rest."""
     modules = layer.submodules()
-    reason = "inputs_embeds was given (the kernels gather word rows themselves)" if inputs_embeds is not None \
-        else can_fuse(layer, modules)
+    word = modules["word_embeddings"]
+    gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
+    reason = can_fuse(layer, modules, gathered=gathered)
     if reason is None:
-        word, norm, positions, segments = (modules[k] for k in ("word_embeddings", "LayerNorm", "position_embeddings",
-                                                                "token_type_embeddings"))  # (checked by can_fuse)
-        tables = (word.weight, None if segments is None else segments.weight,
-                  None if positions is None else positions.weight, norm.weight, norm.bias)
+        norm, positions, segments = (modules[k] for k in ("LayerNorm", "position_embeddings", "token_type_embeddings"))
+        lead = word.weight if inputs_embeds is None else inputs_embeds  # (what sets the kernels' dtype and device)
+        tables = (lead, None if segments is None else segments.weight, None if positions is None else positions.weight,
+                  norm.weight, norm.bias)
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:
         _fall_back(reason)
         return None
+    padding = (None if gathered else word.padding_idx, getattr(positions, "padding_idx", None))
+    if gathered:
+        rows, input_ids = gathered_rows(word, input_ids, token_type_ids, position_ids, inputs_embeds, tables)
+        if rows.dtype != tables[0].dtype or rows.device != tables[0].device:  # a wrapper that cast them: no kernel
+            _fall_back(f"word_embeddings gave {rows.dtype} rows on {rows.device} from a {tables[0].dtype} table")
+            rows = rows.view(*input_ids.shape, -1)
+            return modules["dropout"](layer._normalised(*layer._rows(None, token_type_ids, position_ids, rows))[1])
+        tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
     dropout = modules["dropout"]
     p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
     if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
-                      p if dropout.training else 0.0, (word.padding_idx, getattr(positions, "padding_idx", None)),
-                      vars(layer).get("deterministic", False), None)
+                      p if dropout.training else 0.0, padding, vars(layer).get("deterministic", False), None)
     except IdsOutsideTables:
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
         raise
+
+
+def gathered_rows(word: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
+                  inputs_embeds: Tensor | None, tables: tuple) -> tuple[Tensor, Tensor]:
+    """(rows [B*L, E], ids [B, L]: 0, 1, ..., B*L - 1): the word rows as a table the kernel reads in token order, so
+    it adds, normalises and differentiates them as it does its own lookups (their gradient [B*L, E] flows back to
+    whatever gave them). The rows are `inputs_embeds`, or `word(input_ids)`, the module's own forward (its hooks, a
+    wrapper's update, torch's sharded lookup of a DTensor table), on ids checked first against the table's rows: a
+    sharded lookup would give a bad id a row of zeros, silently."""
+    if inputs_embeds is None:
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+        inputs_embeds = word(input_ids)
+    rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])
+    if type(rows) is not Tensor:  # a tensor subclass (a collective's pending result): its values, in plain memory
+        rows = rows.clone()
+    ids = torch.arange(rows.shape[0], device=rows.device).view(inputs_embeds.shape[:2])
+    return rows, ids
 
 
 def _needs_autograd(tables) -> bool:

@@ -294,9 +294,27 @@ def _add_row(grad, row, dx, wanted):
             grad[row, j] += dx[j]
 
 
+_NUMPY = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(np.uint16), torch.int64: np.dtype(np.int64)}
+
+
+class _Memory:
+    """A CPU tensor's memory as numpy's array interface describes it (bfloat16 as uint16 bits); the array made from
+    it holds it, and it the tensor (a temporary's memory stays alive while the array does)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        dtype, self.tensor = _NUMPY[t.dtype], t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape), "version": 3,
+                                    "strides": tuple(s * dtype.itemsize for s in t.stride()), "typestr": dtype.str}
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits)."""
-    return t.view(torch.int16).numpy(force=True).view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy(force=True)
+    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits). Made from its address, not by
+    `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers for a step by
+    resizing their storage to nothing."""
+    if t.dtype not in _NUMPY or t.numel() == 0 or t.device.type != "cpu":
+        return t.view(torch.int16).numpy(force=True).view(np.uint16) if t.dtype == torch.bfloat16 else \
+            t.numpy(force=True)
+    return np.asarray(_Memory(t))
 
 
 def _threads() -> int:

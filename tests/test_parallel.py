@@ -1,0 +1,297 @@
+"""Scaling out on torch's engines (`bertembed.parallel`, docs/distributed.md) with gloo on the CPU: 2 and 3 processes
+on this machine stand in for ranks on several hosts (torchrun gives each rank the same few environment variables:
+its rank, the world size, the rendezvous address). The vocabulary's 101 rows split unevenly: 51 + 50, 34 + 34 + 33.
+
+One spawn per world size runs every case on every rank and saves what each rank saw; the tests hold it to the
+single-process model, built from the same seed:
+- tensor parallel (`shard_vocab`) on bertembed's layer (reference and fused CPU backends), on a patched transformers
+  model and on a plain one: outputs and whole gradients;
+- a bad id: the same ValueError on every rank, and a collective after it still pairs up (no rank waits in a lookup);
+- FSDP2 (`fully_shard`) on a patched model, the batch split over the ranks: outputs and gradients;
+- torch.distributed.checkpoint: a sharded model saved, then loaded into one of other weights: equal;
+- `from_pretrained(device_mesh=...)`: each rank's rows are torch's own split of the table, read while reading the
+  whole word table raises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
+transformers = pytest.importorskip("transformers")
+
+import bertembed  # noqa: E402
+import bertembed.fast  # noqa: E402
+from bertembed import BertEmbeddings, EmbeddingConfig  # noqa: E402
+from bertembed.checkpoint import load_checkpoint  # noqa: E402
+
+VOCAB, HIDDEN = 101, 24  # 101: uneven over 2 and 3 ranks
+BATCH = 6  # split over 2 or 3 ranks under FSDP2
+TP_CASES = ("layer reference", "layer cpu", "patched model", "plain model")
+
+
+def layer(backend: str, seed: int = 0) -> BertEmbeddings:
+    torch.manual_seed(seed)
+    net = BertEmbeddings(EmbeddingConfig(vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=32,
+                                         hidden_dropout_prob=0.0), backend=backend)
+    with torch.no_grad():
+        net.LayerNorm.weight.uniform_(0.5, 1.5)
+        net.LayerNorm.bias.uniform_(-0.2, 0.2)
+    return net.train()
+
+
+def hf_model(patched: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(config, add_pooling_layer=False).train()
+    return bertembed.patch(model, backend="cpu") if patched else model
+
+
+def make(case: str):
+    return {"layer reference": lambda: layer("reference"), "layer cpu": lambda: layer("cpu"),
+            "patched model": lambda: hf_model(True), "plain model": lambda: hf_model(False)}[case]()
+
+
+def batch():
+    """ids [BATCH, 10] reaching the last row of the table, a word repeated in every row (its gradient sums over
+    tokens, across shards' boundaries) and padding; the attention mask; an upstream gradient [BATCH, 10, H]."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (BATCH, 10), generator=gen)
+    ids[:, 0], ids[0, 1], ids[:, 5], ids[3, 7:] = 7, VOCAB - 1, 50, 0
+    return ids, (ids != 0).long(), torch.randn(BATCH, 10, HIDDEN, generator=gen)
+
+
+def step(net, ids, mask, upstream) -> torch.Tensor:
+    """Forward, then backward of sum(output * upstream); returns the output [B, L, H]."""
+    out = net(ids) if isinstance(net, BertEmbeddings) else net(input_ids=ids, attention_mask=mask).last_hidden_state
+    (out * upstream).sum().backward()
+    return out.detach()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+
+def grads(net) -> dict[str, torch.Tensor]:
+    return {name: whole(p.grad) for name, p in net.named_parameters()}
+
+
+# --- on each rank ---
+
+def worker(rank: int, world: int, port: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        mesh = init_device_mesh("cpu", (world,))
+        seen = {case: tensor_parallel(case, mesh) for case in TP_CASES}
+        seen |= {"bad id": bad_ids(mesh), "fsdp2": fsdp2(rank, world), "dcp": dcp_round_trip(mesh, folder),
+                 "loading": rank_local(mesh, folder)}
+        torch.save(seen, os.path.join(folder, f"rank{rank}.pt"))
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (as tests/test_kernels_ddp.py: past the interpreter's teardown, which now and then aborts a rank)
+
+
+def tensor_parallel(case: str, mesh) -> dict:
+    from bertembed.parallel import shard_vocab
+
+    bertembed.fast._told.clear()  # the reasons the reference ran instead of the kernel, from here on
+    net = shard_vocab(make(case), mesh)
+    word = net.word_embeddings if isinstance(net, BertEmbeddings) else net.embeddings.word_embeddings
+    out = step(net, *batch())
+    return {"out": out, "grads": grads(net), "fell back": sorted(bertembed.fast._told),
+            "rows": word.weight.to_local().shape[0], "grad rows": word.weight.grad.to_local().shape[0]}
+
+
+def bad_ids(mesh) -> dict:
+    from bertembed.parallel import shard_vocab
+
+    messages = []
+    for net, bad in ((layer("cpu"), VOCAB), (layer("reference"), -1), (hf_model(True), VOCAB),
+                     (hf_model(False), VOCAB + 5)):
+        shard_vocab(net, mesh)
+        ids = batch()[0]
+        ids[2, 4] = bad
+        try:
+            net(ids)
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
+    count = torch.ones(1)
+    torch.distributed.all_reduce(count)  # every rank gets here: none waits in a lookup's all-reduce
+    return {"messages": messages, "ranks": count.item()}
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    bertembed.fast._told.clear()
+    net = hf_model(True)
+    inside = []
+    net.embeddings.register_forward_pre_hook(lambda m, args: inside.append(tuple(m.word_embeddings.weight.shape)))
+    fully_shard(net.embeddings)
+    fully_shard(net)
+    at_rest = net.embeddings.word_embeddings.weight.to_local().shape[0]
+    ids, mask, upstream = batch()
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    out = step(net, ids[mine], mask[mine], upstream[mine] * world)  # FSDP2 averages gradients over the ranks
+    return {"out": out, "grads": grads(net), "rows at rest": at_rest, "inside forward": inside,
+            "fell back": sorted(bertembed.fast._told)}
+
+
+def dcp_round_trip(mesh, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from bertembed.parallel import shard_vocab
+
+    saved, loaded = shard_vocab(hf_model(True), mesh), shard_vocab(hf_model(True, seed=1), mesh)
+    before = max((whole(a) - whole(b)).abs().max().item()
+                 for a, b in zip(saved.state_dict().values(), loaded.state_dict().values(), strict=True))
+    dcp.save(saved.state_dict(), checkpoint_id=os.path.join(folder, "dcp"))
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(folder, "dcp"))  # (in place: the state dict's tensors are the model's)
+    equal = all(torch.equal(whole(a), whole(b))
+                for a, b in zip(saved.state_dict().values(), loaded.state_dict().values(), strict=True))
+    return {"differed before": before, "equal after": equal,
+            "word sharded": type(loaded.embeddings.word_embeddings.weight).__name__}
+
+
+def rank_local(mesh, folder: str) -> dict:
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from bertembed import tensor_files
+
+    read = tensor_files._SafetensorsHandle.get_tensor
+
+    def refuse_the_word_table(handle, key):
+        if key.endswith("word_embeddings.weight"):
+            raise AssertionError(f"the whole word table {key} was read")
+        return read(handle, key)
+
+    tensor_files._SafetensorsHandle.get_tensor = refuse_the_word_table
+    try:
+        net = BertEmbeddings.from_pretrained(os.path.join(folder, "layer"), device_mesh=mesh, backend="cpu")
+    finally:
+        tensor_files._SafetensorsHandle.get_tensor = read
+    weight = net.word_embeddings.weight
+    full = load_file(os.path.join(folder, "layer", "model.safetensors"))["embeddings.word_embeddings.weight"]
+    ids, _, upstream = batch()
+    out = net(ids)
+    (out * upstream).sum().backward()  # (the gradient rests sharded too, on a table made by to_empty)
+    return {"rows": weight.to_local(), "torch's split": distribute_tensor(full, mesh, [Shard(0)]).to_local(),
+            "shape": tuple(weight.shape), "out": out.detach(), "grad rows": weight.grad.to_local().shape[0]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the tests, in the process that spawns the ranks ---
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request, tmp_path_factory):
+    """What each rank saw: [rank] -> {case: ...}."""
+    world, folder = request.param, tmp_path_factory.mktemp(f"world{request.param}")
+    layer("cpu").eval().save_pretrained(folder / "layer")
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), str(folder)), nprocs=world, join=True)
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def single(case: str) -> dict:
+    net = make(case)
+    return {"out": step(net, *batch()), "grads": grads(net)}
+
+
+def assert_grads_close(got: dict, expected: dict) -> None:
+    """Gradients within rtol 1e-5: the word table's sums the same tokens' rows in another order than the single
+    process does (torch's dense backward over the gathered rows; FSDP2's sum over ranks). atol 1e-5 of the table's own
+    largest entry for the embedding tables, of the model's largest gradient elsewhere: the attention key bias's is zero
+    analytically, rounding noise in each run (tests/test_kernels_ddp.py)."""
+    assert got.keys() == expected.keys()
+    largest = max(grad.abs().max().item() for grad in expected.values())
+    for name, grad in expected.items():
+        scale = grad.abs().max().item() if "embeddings" in name or "LayerNorm" in name else largest
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tensor_parallel_equals_one_process(ranks, case):
+    """Outputs bit for bit (the sharded lookup adds each row to zeros), gradients to rounding; the fused kernel ran
+    (nothing fell back to the reference); the table and its gradient rest sharded, in torch's split."""
+    expected, world = single(case), len(ranks)
+    for rank, seen in enumerate(ranks):
+        got = seen[case]
+        torch.testing.assert_close(got["out"], expected["out"], rtol=0, atol=0)
+        assert_grads_close(got["grads"], expected["grads"])
+        assert got["fell back"] == []
+        assert got["rows"] == got["grad rows"] == torch.arange(VOCAB).chunk(world)[rank].numel()
+
+
+def test_a_bad_id_raises_on_every_rank(ranks):
+    for seen in ranks:
+        messages = seen["bad id"]["messages"]
+        assert all(m is not None and "input_ids" in m for m in messages), messages
+        assert str(VOCAB) in messages[0] and "-1" in messages[1] and str(VOCAB + 5) in messages[3]
+        assert seen["bad id"]["ranks"] == len(ranks)
+    assert len({tuple(seen["bad id"]["messages"]) for seen in ranks}) == 1  # the same words everywhere
+
+
+def test_fsdp2_equals_one_process(ranks):
+    """Each rank computes its part of the batch with the whole table, gathered for the forward (and the fused kernel
+    reads it), and rests with its own rows."""
+    expected, world = single("patched model"), len(ranks)
+    for rank, seen in enumerate(ranks):
+        got = seen["fsdp2"]
+        mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        torch.testing.assert_close(got["out"], expected["out"][mine], rtol=0, atol=0)
+        assert_grads_close(got["grads"], expected["grads"])
+        assert got["rows at rest"] == torch.arange(VOCAB).chunk(world)[rank].numel()
+        assert got["inside forward"] == [(VOCAB, HIDDEN)]
+        assert got["fell back"] == []
+
+
+def test_a_sharded_checkpoint_saves_and_loads_back_equal(ranks):
+    for seen in ranks:
+        assert seen["dcp"]["differed before"] > 0.01
+        assert seen["dcp"]["equal after"]
+        assert seen["dcp"]["word sharded"] == "DTensor"
+
+
+def test_loading_by_rank_reads_only_its_rows(ranks, tmp_path_factory):
+    """The rows are torch's own split (`distribute_tensor`), read while `get_tensor` of the word table raises; the
+    layer gives the single-process layer's outputs."""
+    world = len(ranks)
+    expected = layer("cpu").eval()(batch()[0]).detach()
+    for rank, seen in enumerate(ranks):
+        got = seen["loading"]
+        assert torch.equal(got["rows"], got["torch's split"])
+        assert got["rows"].shape[0] == got["grad rows"] == torch.arange(VOCAB).chunk(world)[rank].numel()
+        assert got["shape"] == (VOCAB, HIDDEN)
+        torch.testing.assert_close(got["out"], expected, rtol=0, atol=0)
+
+
+def test_a_bin_checkpoint_cannot_be_read_by_rank(tmp_path):
+    """A `.bin` file is read whole by torch.load: refused, naming the fix, rather than each rank holding the table."""
+    net = layer("reference")
+    torch.save({f"embeddings.{k}": v for k, v in net.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="cannot be read in part.*safetensors"):
+        load_checkpoint(tmp_path, word_reader=lambda sliced: sliced[:])
