@@ -266,3 +266,42 @@ def test_a_hub_id_from_the_cache_offline(tmp_path, bundled_path):
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(tmp_path / "long")) == sorted(os.listdir(bundled_path))
     assert _loaded(tmp_path / "long").config.max_position_embeddings == 1024
+
+
+def test_a_tied_bin_checkpoint_keeps_its_word_table(tmp_path):
+    """A `.bin` whose MLM decoder shares the word table's memory (older saves): DST has both tensors, and transformers
+    loads it whole (the save would otherwise keep one name of the two, the decoder's)."""
+    model = member_or_skip("roberta", head="AutoModelForMaskedLM")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    (src / "model.safetensors").unlink()
+    state = model.state_dict()
+    assert state["lm_head.decoder.weight"].data_ptr() == state["roberta.embeddings.word_embeddings.weight"].data_ptr()
+    torch.save(state, src / "pytorch_model.bin")
+    result = _run("extend-positions", src, tmp_path / "dst", "--to", "80")
+    assert result.exit_code == 0, result.output
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "dst" / "model.safetensors"), "pt") as written:
+        assert {"roberta.embeddings.word_embeddings.weight", "lm_head.decoder.weight"} <= set(written.keys())
+    ids = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(_loaded(tmp_path / "dst", "AutoModelForMaskedLM")(ids).logits, model(ids).logits,
+                                   rtol=0, atol=0)
+
+
+def test_copies_in_other_formats_are_left_out_and_added_tokens_json_follows(tmp_path):
+    src, _ = _source(tmp_path, "bert")
+    (src / "onnx").mkdir()
+    (src / "onnx" / "model.onnx").write_bytes(b"old tables")
+    (src / "tf_model.h5").write_bytes(b"old tables")
+    (src / "added_tokens.json").write_text(json.dumps({"extra": 119}))
+    (tmp_path / "corpus.txt").write_text("the dog\n")
+    result = _run("add-tokens", src, tmp_path / "grown", "newword", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["dropped_files"] == ["onnx", "tf_model.h5"]
+    assert not (tmp_path / "grown" / "onnx").exists() and not (tmp_path / "grown" / "tf_model.h5").exists()
+    assert json.loads((tmp_path / "grown" / "added_tokens.json").read_text()) == {"extra": 119, "newword": 120}
+    result = _run("prune-vocab", src, tmp_path / "pruned", "--keep-from", tmp_path / "corpus.txt")
+    assert result.exit_code == 0 and "left out of DST" in result.output and "tf_model.h5" in result.output
+    assert json.loads((tmp_path / "pruned" / "added_tokens.json").read_text()) == {}  # (119 is not in the corpus)

@@ -11,6 +11,7 @@ whole or not at all (`bertembed.atomic`): a failure at any point leaves no DST b
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -31,6 +32,10 @@ from bertembed.tensor_files import open_weights
 log = logging.getLogger(__name__)
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# copies of the model in other formats (TensorFlow, Flax, Rust, ONNX, OpenVINO, Core ML, TFLite): DST would carry
+# them unchanged, old tables under new ids, so they are left out (and, for a hub id, not downloaded)
+STALE = ("*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.mlpackage", "onnx",
+         "openvino", "openvino_*", "coreml")
 
 
 @dataclass
@@ -44,7 +49,7 @@ class WholeCheckpoint:
     weight_files: set[str]  # SRC's weight files and index, replaced by DST's own
     layer: BertEmbeddings
     files: dict[str, str] = field(default_factory=dict)  # text files of DST that replace SRC's (config, tokenizer)
-    dropped: set[str] = field(default_factory=set)  # SRC files that DST must not carry (a stale slow tokenizer's)
+    dropped: set[str] = field(default_factory=set)  # SRC entries DST must not carry (other formats' stale copies)
 
     def put(self, name: str, value: torch.Tensor) -> None:
         """Store the layer's `name` (a state-dict name) into the checkpoint under its own key."""
@@ -90,13 +95,20 @@ def read_whole(src: str | Path | Source | None, *, revision: str | None = None, 
         layer = BertEmbeddings.from_pretrained(folder)
     files = _weight_paths(source, folder)
     tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
     for path in files:
         handle = open_weights(path, "pt")
-        tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+        for key in handle.keys():
+            tensor = handle.get_tensor(key)
+            if tensor.untyped_storage().data_ptr() in storages:  # a tied head in a .bin: its own copy, or the save
+                tensor = tensor.clone()  # would keep one of the names (maybe the head's) and drop the other
+            storages.add(tensor.untyped_storage().data_ptr())
+            tensors[key] = tensor
     wanted = embedding_keys(list(tensors), layer.config.model_type, files[0])
     keys = {name: key for key, name in wanted.items() if key in tensors}
     names = {p.name for p in files} | {n for n in _WEIGHTS if (folder / n).is_file()}
-    return WholeCheckpoint(folder, read_json(config_path), tensors, keys, names, layer)
+    stale = {p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pattern) for pattern in STALE)}
+    return WholeCheckpoint(folder, read_json(config_path), tensors, keys, names, layer, dropped=stale)
 
 
 def _local_folder(source: Source) -> Path:
@@ -105,7 +117,9 @@ def _local_folder(source: Source) -> Path:
         return source.folder
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source.name, revision=source.revision, local_files_only=source.local_files_only))
+    patterns = [*STALE, *(f"{name}/*" for name in STALE if "." not in name)]
+    return Path(snapshot_download(source.name, revision=source.revision, local_files_only=source.local_files_only,
+                                  ignore_patterns=patterns))
 
 
 def _weight_paths(source: Source, folder: Path) -> list[Path]:
@@ -171,4 +185,5 @@ def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int,
         whole.set_json("tokenizer_config.json", dict(tokenizer_config, model_max_length=n))
     write_whole(whole, target)
     return {"positions_before": before - whole.layer.config.first_position, "positions_after": n,
-            "rows_before": before, "rows_after": rows, "method": method, "destination": str(target)}
+            "rows_before": before, "rows_after": rows, "method": method, "destination": str(target),
+            "dropped_files": sorted(whole.dropped)}

@@ -108,7 +108,7 @@ def _plain_layer_model(layer: BertEmbeddings, opset: int) -> onnx.ModelProto:
     the reference skips its id checks under torch.export, so the graph holds only the computation."""
     import torch
 
-    reference = copy.deepcopy(layer).eval()
+    reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
     reference.backend = "reference"
 
     class Exported(torch.nn.Module):

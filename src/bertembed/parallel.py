@@ -50,8 +50,9 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     and the rest of the model are not sharded (replicated: each rank holds them whole, as before). A table may be on
     the meta device (`to_empty` then gives each rank its own rows alone).
 
-    A word table tied to another module (a masked-LM head's decoder) is refused: sharding it would untie them. Train
-    such a model with FSDP2 (`fully_shard`), which keeps ties.
+    A word table tied to another module of `module` (a masked-LM head's decoder) is refused: sharding it would untie
+    them. Train such a model with FSDP2 (`fully_shard`), which keeps ties. Only `module` is searched: pass the whole
+    model (`BertForMaskedLM`), not its base (`model.bert`), or a head outside it keeps an untied copy.
     """
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"

@@ -60,11 +60,12 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
         whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, _std(whole))
     _retokenized(whole, json.dumps(json.loads(tokenizer.to_str()) | stored, ensure_ascii=False), rows)
     entry = {"lstrip": False, "normalized": True, "rstrip": False, "single_word": False, "special": False}
-    _update_added_decoder(whole, lambda decoder: decoder | {str(i): dict(entry, content=t) for t, i in added.items()})
+    _update_added_decoder(whole, lambda decoder: decoder | {str(i): dict(entry, content=t) for t, i in added.items()},
+                          lambda legacy: legacy | added)
     write_whole(whole, target)
     return {"added": added, "already_present": present, "pieces": dict(zip(fresh, pieces, strict=True)),
             "rows_before": before, "rows_after": rows, "init": init, "destination": str(target),
-            "resized": sorted(_indexed_by_token(whole, rows))}
+            "resized": sorted(_indexed_by_token(whole, rows)), "dropped_files": sorted(whole.dropped)}
 
 
 def _tokenizer(whole: WholeCheckpoint):
@@ -129,12 +130,16 @@ def _retokenized(whole: WholeCheckpoint, tokenizer_json: str, rows: int) -> None
     whole.set_json("config.json", dict(whole.config, vocab_size=rows))
 
 
-def _update_added_decoder(whole: WholeCheckpoint, change) -> None:
-    """Apply `change` to tokenizer_config.json's `added_tokens_decoder` (id -> token), where SRC has one."""
+def _update_added_decoder(whole: WholeCheckpoint, change, change_legacy) -> None:
+    """Apply `change` to tokenizer_config.json's `added_tokens_decoder` (id -> token), and `change_legacy` to the slow
+    tokenizers' added_tokens.json (token -> id), where SRC has them."""
     config = whole.json_file("tokenizer_config.json")
     decoder = None if config is None else config.get("added_tokens_decoder")
     if isinstance(decoder, dict):
         whole.set_json("tokenizer_config.json", dict(config, added_tokens_decoder=change(decoder)))
+    legacy = whole.json_file("added_tokens.json")
+    if legacy is not None:
+        whole.set_json("added_tokens.json", change_legacy(legacy))
 
 
 def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str | Path) -> dict:
@@ -171,7 +176,8 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
         saved += (value.shape[0] - len(keep)) * value[0].numel() * value.element_size()
     _retokenized(whole, json.dumps(data, ensure_ascii=False), len(keep))
     whole.set_json("config.json", _renumbered_config(whole.json_file("config.json"), new_id))
-    _update_added_decoder(whole, lambda d: {str(new_id[int(k)]): v for k, v in d.items() if int(k) in new_id})
+    _update_added_decoder(whole, lambda d: {str(new_id[int(k)]): v for k, v in d.items() if int(k) in new_id},
+                          lambda legacy: {t: new_id[i] for t, i in legacy.items() if i in new_id})
     _slow_files(whole, data, [tokenizer.id_to_token(i) for i in keep])
     write_whole(whole, target)
     return {"rows_before": before, "rows_after": len(keep), "bytes_saved": saved, "corpus_lines": len(lines),

@@ -25,6 +25,9 @@ def _report(result: dict, as_json: bool, lines: list[str]) -> None:
     if as_json:
         print(json.dumps(result))
         return
+    if result["dropped_files"]:
+        lines.append(f"left out of DST (copies of the old model in other formats, or files this cannot edit): "
+                     f"{', '.join(result['dropped_files'])}")
     for line in lines:
         console.print(escape(line), soft_wrap=True)
 
@@ -87,7 +90,4 @@ def prune_vocab(src: SrcArg, dst: DstArg,
         lines = [f"vocabulary {result['rows_before']} -> {result['rows_after']} rows ({result['corpus_lines']} corpus "
                  f"lines, each tokenized as before); {result['bytes_saved'] / 2**20:.1f} MiB saved",
                  f"wrote {result['destination']}"]
-        if result["dropped_files"]:
-            lines.append(f"not carried over (cannot be edited here; tokenizer.json stands): "
-                         f"{', '.join(result['dropped_files'])}")
         _report(result, as_json, lines)
