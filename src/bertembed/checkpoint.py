@@ -392,7 +392,7 @@ class Pretrained:
         `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
         `device_mesh`: a 1-D DeviceMesh, to shard the word table by rows over it (`bertembed.parallel.shard_vocab`):
         each rank reads its own rows from safetensors and no more, so no rank ever holds the whole table (a `.bin`
-        checkpoint, which cannot be read in part, is refused).
+        checkpoint, which cannot be read in part, is refused); the layer is then on the mesh's device.
         The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
         to fine-tune it.
         """
@@ -410,7 +410,8 @@ class Pretrained:
         if device_mesh is not None:
             parallel.shard_vocab(layer, device_mesh)  # (on the meta device: to_empty allocates the rank's rows alone)
         dtype = dtype or checkpoint.tensors["word_embeddings.weight"].dtype
-        layer = layer.to_empty(device="cpu").to(dtype)
+        # (sharded: on the mesh's device, where its rows are; "cuda" is the current device, as torchrun users set it)
+        layer = layer.to_empty(device="cpu" if device_mesh is None else device_mesh.device_type).to(dtype)
         layer.reset_buffers()  # (the checkpoint holds every parameter: only the buffers are left to fill)
         layer.load_state_dict(checkpoint.tensors)
         layer.source = checkpoint.source
