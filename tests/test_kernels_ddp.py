@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the references are transformers models (the dev extra)")
 
 WORLD = 2
 

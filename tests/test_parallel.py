@@ -24,7 +24,8 @@ import pytest
 import torch
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the patched and plain models come from transformers "
+                                   "(the dev extra)")
 
 import bertembed  # noqa: E402
 import bertembed.fast  # noqa: E402

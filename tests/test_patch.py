@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the references are transformers models (the dev extra)")
 
 import bertembed  # noqa: E402
 from bertembed.embeddings import BertEmbeddings  # noqa: E402

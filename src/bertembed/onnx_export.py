@@ -70,12 +70,13 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
     cast to int32 as the op takes them, and RoBERTa-style positions counted from the padding inside the graph;
     ValueError naming the reason for a member the op cannot compute (`fused_problem`).
     """
+    from bertembed.atomic import check_output
     from bertembed.embeddings import BertEmbeddings
 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
                         f"transformers model use bertembed.onnx_whole.export_whole")
-    target, opset = checked_path(path), check_opset(opset)
+    target, opset = check_output(path), check_opset(opset)
     model = fused_layer_model(layer, opset) if fused else _plain_layer_model(layer, opset)
     return write_model(model, target)
 
@@ -159,14 +160,6 @@ def _quiet_exporter() -> Iterator[None]:
             yield
     finally:
         registration.setLevel(level)
-
-
-def checked_path(path: str | Path) -> Path:
-    """`path` as a Path, after a ValueError where a file cannot be written there (a folder, a missing or read-only
-    folder): checked before any work."""
-    from bertembed.atomic import check_output
-
-    return check_output(path)
 
 
 def layer_tables(layer: BertEmbeddings) -> dict[str, np.ndarray]:

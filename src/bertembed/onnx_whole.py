@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bertembed.atomic import check_output
 from bertembed.family import layout
 from bertembed.onnx_export import (
     NOT_FUSED_FIX,
     check_opset,
-    checked_path,
     fused_problem,
     require_onnx,
     torch_export,
@@ -38,7 +38,7 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     `path`, atomically; returns the path. Inputs as optimum's (int64 [B, L] `input_ids`, `attention_mask`, and
     `token_type_ids` where the member takes them), output `last_hidden_state` [B, L, H], float32, B and L dynamic.
     `fused`: the embedding subgraph becomes ONNX Runtime's EmbedLayerNormalization (`fuse_embeddings`)."""
-    target, opset = checked_path(path), check_opset(opset)
+    target, opset = check_output(path), check_opset(opset)
     hf, config = load_model(model)
     if fused:  # (refused before the export's seconds are spent)
         _refuse_unfusable(config, "float32")

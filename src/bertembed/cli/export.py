@@ -27,10 +27,11 @@ def onnx_command(
     """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
     with user_errors():
-        from bertembed.onnx_export import check_opset, checked_path
+        from bertembed.atomic import check_output
+        from bertembed.onnx_export import check_opset
         from bertembed.sources import resolve
 
-        checked_path(out)  # (both before any checkpoint is read)
+        check_output(out)  # (both before any checkpoint is read)
         check_opset(opset)
         say_model(resolve(model))
         if whole:

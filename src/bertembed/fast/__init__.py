@@ -193,7 +193,7 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     modules = layer.submodules()
     word = modules["word_embeddings"]
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
-    reason = can_fuse(layer, modules, gathered=gathered)
+    reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
     if reason is None:
         norm, positions, segments = (modules[k] for k in ("LayerNorm", "position_embeddings", "token_type_embeddings"))
         lead = word.weight if inputs_embeds is None else inputs_embeds  # (what sets the kernels' dtype and device)
