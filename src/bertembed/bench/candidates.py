@@ -1,11 +1,4 @@
-"""What `bertembed bench` runs: the cases, and the candidates built around the same weights and ids.
-
-    hf-eager             transformers' embeddings module of the member (BertEmbeddings, ...; from a config)
-    hf-compile           torch.compile of it (static shapes, compiled afresh per case)
-    ort-fused            ONNX Runtime's com.microsoft EmbedLayerNormalization in a hand-built graph (CPU, fwd, float32)
-    bertembed-reference  bertembed.BertEmbeddings (timed only with --reference; it is always the correctness yardstick)
-    bertembed-fused      bertembed.BertEmbeddings(config, backend="cpu" | "triton")
-    bertembed-fused-device-checks   the same on a GPU with `id_checks = "device"`
+"""What `bertembed bench` runs: the cases, and the candidates (BENCHMARKS.md's table) around the same weights and ids.
 
 Only the layer's public API is used. Dimension letters: B batch, L length, H hidden.
 """
@@ -79,15 +72,13 @@ def plan(quick: bool, hiddens=None, shapes=None, dtypes=None, devices=("cpu",)) 
     """float32 forward and training step over hiddens x shapes, and each other dtype's forward (the full run:
     bfloat16 too), grouped by device, hidden and dtype so each group's modules are built once; then, unless shapes
     were given, the forward of RoBERTa, DistilBERT and ModernBERT (`MEMBERS`) at the first shape past a sentence."""
-    given_shapes = bool(shapes)
+    members = () if shapes else MEMBERS
     hiddens, shapes = hiddens or (QUICK_HIDDENS if quick else HIDDENS), shapes or (QUICK_SHAPES if quick else SHAPES)
     dtypes = dtypes or (("float32",) if quick else ("float32", "bfloat16"))
     cases = [Case(h, b, n, mode, dtype, device) for device in devices for h in hiddens for dtype in dtypes
              for b, n in shapes for mode in MODES if mode == "fwd" or dtype == "float32"]
-    if given_shapes:  # (shapes asked for by name: those alone)
-        return cases
     longer = [shape for shape in shapes if shape[0] * shape[1] > 11][:1]
-    return cases + [Case(h, b, n, "fwd", "float32", device, member) for member in MEMBERS for device in devices
+    return cases + [Case(h, b, n, "fwd", "float32", device, member) for member in members for device in devices
                     for h in hiddens for b, n in longer]
 
 
@@ -104,8 +95,8 @@ def runs(name: str, case: Case) -> bool:
 
 def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VOCAB,
             member: str = "bert") -> dict[str, Any]:
-    """The weights (float32 state dict, Hugging Face names) and every torch candidate's module for one group of cases;
-    a candidate that cannot be built maps to its NotAvailable."""
+    """The weights (float32 state dict, Hugging Face names), the float32 reference and every torch candidate's module
+    for one group of cases; a candidate that cannot be built maps to its NotAvailable."""
     from bertembed import BertEmbeddings, EmbeddingConfig
 
     torch.manual_seed(seed)
@@ -116,22 +107,22 @@ def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VO
         for param in reference.LayerNorm.parameters():
             param.add_(0.1 * torch.randn(hidden))
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    built: dict[str, Any] = {"state": state, "config": config, "reference32": reference.to(device)}
+    built: dict[str, Any] = {"state": state, "config": config, "reference32": reference.to(device),
+                             "bertembed-reference": copy.deepcopy(reference)}
     try:
         built["hf-eager"] = built["hf-compile"] = _transformers_layer(config, state)
     except (ImportError, ValueError) as err:
         built["hf-eager"] = built["hf-compile"] = NotAvailable(f"transformers cannot build it here ({err})")
-    built["bertembed-reference"] = copy.deepcopy(reference)
     backend = "cpu" if device == "cpu" else "triton"
     try:
-        fused = BertEmbeddings(config, backend=backend)
+        built["bertembed-fused"] = fused = BertEmbeddings(config, backend=backend)
         fused.load_state_dict(state)
-        built["bertembed-fused"] = fused
         if device != "cpu":
             built["bertembed-fused-device-checks"] = checks = copy.deepcopy(fused)
             checks.id_checks = "device"  # ids checked by the kernel: no wait for the device per call
     except (ImportError, ValueError, RuntimeError) as err:
-        built["bertembed-fused"] = NotAvailable(f"backend={backend!r} refused: {err}")
+        built["bertembed-fused"] = built["bertembed-fused-device-checks"] = NotAvailable(
+            f"backend={backend!r} refused: {err}")
     for name in CANDIDATES:
         if isinstance(built.get(name), torch.nn.Module):
             built[name] = built[name].to(device, DTYPES[dtype])
@@ -139,8 +130,7 @@ def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VO
 
 
 def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' own embeddings module of `config`'s member (one encoder layer is built around it, then dropped),
-    holding `state`'s tables under the member's names."""
+    """transformers' own embeddings module of `config`'s member, holding `state`'s tables under the member's names."""
     import transformers
 
     from bertembed.family import layout
@@ -170,7 +160,7 @@ def arguments(built: dict[str, Any], ids, types) -> dict[str, Any]:
 
 def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Callable[[], Any]:
     """A no-argument callable of candidate `name` on `case`: a forward returning its output, or a training step
-    (forward in train mode, backward of a fixed gradient into fresh gradients, then set to None as zero_grad does)."""
+    (forward in train mode, backward of a fixed gradient into fresh gradients, then `zero_grad()`: set to None)."""
     module = built.get(name)
     if isinstance(module, NotAvailable):
         raise module
@@ -183,18 +173,12 @@ def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Call
         torch._dynamo.reset()  # every case compiles afresh, with static shapes
         module = torch.compile(module, dynamic=False)
     module.train(case.mode == "fwdbwd")
-    if case.mode == "fwd":
-        def forward() -> torch.Tensor:
-            with torch.no_grad():
-                return module(**given)
-        return _logging_fallbacks(forward) if name.startswith("bertembed-fused") else forward
-    params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> None:
         module(**given).backward(grad)
-        for p in params:
-            p.grad = None
-    return _logging_fallbacks(step) if name.startswith("bertembed-fused") else step
+        module.zero_grad(set_to_none=True)
+    fn = torch.no_grad()(lambda: module(**given)) if case.mode == "fwd" else step
+    return _logging_fallbacks(fn) if name.startswith("bertembed-fused") else fn
 
 
 class _Fallbacks(logging.Handler):

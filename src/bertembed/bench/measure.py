@@ -1,18 +1,19 @@
 """How `bertembed bench` measures: every candidate of a case in one process, timed in interleaved rounds.
 
 The allocator condition is glibc's environment, which holds only from a process's start: a condition the running
-process is not in runs in a child, `python -m bertembed.bench.measure SPEC_JSON`, with the environment set.
+process is not in runs in a child, `python -m bertembed.bench.measure SPEC_JSON OUT`, with the environment set.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ class Options:
 
     def __post_init__(self) -> None:
         self.allocator = self.allocator or ("steady" if self.quick or self.device == "cuda" else "both")
+        self.min_run_time = self.min_run_time or (0.05 if self.quick else 0.3)
         checks = [(self.allocator in CONDITIONS,
                    f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}"),
                   (self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}"),
@@ -61,19 +63,12 @@ class Options:
                   (not self.shapes or max(n for _, n in self.shapes) <= 512,
                    f"--shape lengths stop at 512, the rows of BERT's position table; got {self.shapes}"),
                   (set(self.dtypes or ()) <= set(DTYPES), f"--dtype must be among {tuple(DTYPES)}, got {self.dtypes}"),
-                  (set(self.candidates) <= set(CANDIDATES), f"candidates must be among {CANDIDATES}")]
+                  (set(self.candidates) <= set(CANDIDATES), f"candidates must be among {CANDIDATES}"),
+                  (self.device != "cuda" or torch.cuda.is_available(),
+                   "--device cuda asked for, but torch sees no CUDA device")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-
-    def planned(self) -> list[Case]:
-        if self.cases is not None:
-            return list(self.cases)
-        gpu = ("cuda",) if torch.cuda.is_available() else ()
-        devices = {"cpu": ("cpu",), "cuda": ("cuda",)}.get(self.device, ("cpu", *gpu))
-        return cands.plan(self.quick, self.hiddens, self.shapes, self.dtypes, devices)
 
 
 def current_condition() -> str | None:
@@ -84,16 +79,20 @@ def current_condition() -> str | None:
 
 
 def run(options: Options) -> dict[str, Any]:
-    """Every condition of `options.allocator`; the report (without targets, see `report.finish`)."""
+    """Every condition of `options.allocator`, in this process where it started in it; the report without its
+    targets (`report.finish`)."""
     from bertembed.bench.report import header
 
-    cases = options.planned()
+    gpu = ("cuda",) if torch.cuda.is_available() else ()
+    devices = {"cpu": ("cpu",), "cuda": ("cuda",)}.get(options.device, ("cpu", *gpu))
+    cases = options.cases
+    if cases is None:
+        cases = cands.plan(options.quick, options.hiddens, options.shapes, options.dtypes, devices)
     report = {**header(options), "steady_env": STEADY_ENV, "conditions": {}}
     for condition in CONDITIONS[options.allocator]:
-        if current_condition() == condition:
-            report["conditions"][condition] = {**measure_all(options, cases, condition), "in_process": True}
-        else:
-            report["conditions"][condition] = {**_child(options, cases, condition), "in_process": False}
+        here = current_condition() == condition
+        done = measure_all(options, cases, condition) if here else _child(options, cases, condition)
+        report["conditions"][condition] = {**done, "in_process": here}
     return report
 
 
@@ -104,8 +103,8 @@ def _child(options: Options, cases: list[Case], condition: str) -> dict[str, Any
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[2]), env.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory(prefix="bertembed-bench-") as folder:
         out = Path(folder) / "condition.json"
-        spec = {**asdict(options), "cases": [c.to_dict() for c in cases], "condition": condition, "out": str(out)}
-        done = subprocess.run([sys.executable, "-m", "bertembed.bench.measure", json.dumps(spec)], env=env)
+        spec = json.dumps({**asdict(options), "cases": [c.to_dict() for c in cases], "condition": condition})
+        done = subprocess.run([sys.executable, "-m", "bertembed.bench.measure", spec, str(out)], env=env)
         if done.returncode != 0:
             raise RuntimeError(f"the {condition} allocator condition's process exited with status {done.returncode}")
         return json.loads(out.read_text())
@@ -119,17 +118,16 @@ def measure_all(options: Options, cases: list[Case], condition: str) -> dict[str
         numba.set_num_threads(min(options.threads, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
-    slow = 0.2 if options.quick else 1.0
     meta = {"condition": condition, "threads": options.threads, "load_average": os.getloadavg(),
-            "bandwidth_bytes_per_s": {d: copy_bandwidth(d, options.bandwidth_bytes, options.threads, slow)
+            "bandwidth_bytes_per_s": {d: copy_bandwidth(d, options.bandwidth_bytes, options.threads,
+                                                        0.2 if options.quick else 1.0)
                                       for d in sorted({c.device for c in cases})}}
     results, group, built = [], None, {}
     for i, case in enumerate(cases):
         print(f"bench ({condition}) {i + 1}/{len(cases)}: {case.key}", file=sys.stderr, flush=True)
         if group != (case.device, case.hidden, case.dtype, case.member):
-            group, built = None, {}  # (the last group's tables freed first)
+            group, built = (case.device, case.hidden, case.dtype, case.member), {}  # (the last group's tables freed)
             built = cands.modules(case.hidden, case.device, case.dtype, vocab=options.vocab, member=case.member)
-            group = (case.device, case.hidden, case.dtype, case.member)
         results += measure_case(case, built, options, meta["bandwidth_bytes_per_s"][case.device])
     return {"meta": meta, "results": results}
 
@@ -139,8 +137,8 @@ def measure_case(case: Case, built: dict[str, Any], options: Options, dram: floa
     `options.repeat` rounds, each candidate one `blocked_autorange` a round, the order rotated by one each round."""
     names = [n for n in options.candidates if cands.runs(n, case) and (options.reference or "reference" not in n)]
     ids, types, grad = cands.inputs(case, vocab=options.vocab)
-    base = {"case": case.to_dict(), "key": case.key, "output_bytes": case.output_bytes}
-    records = {n: {**base, "candidate": n} for n in names}
+    records = {n: {"case": case.to_dict(), "key": case.key, "output_bytes": case.output_bytes, "candidate": n}
+               for n in names}
     if case.mode == "fwd":
         with torch.no_grad():
             expected = built["reference32"].eval()(**cands.arguments(built, ids, types)).double()
@@ -160,20 +158,18 @@ def measure_case(case: Case, built: dict[str, Any], options: Options, dram: floa
             records[name].update(status="not available", note=str(err))
         except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
             records[name].update(status="error", note=f"{type(err).__name__}: {str(err)[:300]}")
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    medians: dict[str, list[float]] = {n: [] for n in calls}
-    for r in range(options.repeat):
-        order = list(calls)[r % max(len(calls), 1):] + list(calls)[:r % max(len(calls), 1)]
+    rounds: dict[str, list[benchmark.Measurement]] = {n: [] for n in calls}
+    order = deque(calls)
+    for _ in range(options.repeat):
         for name in order:
             timer = benchmark.Timer("fn()", globals={"fn": calls[name]}, num_threads=options.threads)
-            m = timer.blocked_autorange(min_run_time=options.min_run_time or (0.05 if options.quick else 0.3))
-            times[name] += m.times
-            medians[name].append(m.median)
+            rounds[name].append(timer.blocked_autorange(min_run_time=options.min_run_time))
             time.sleep(0.01)  # another library's thread pool stops spinning before the next candidate starts
+        order.rotate(-1)
     for name, fn in calls.items():
-        q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else times[name] * 3
-        records[name].update(status="ok", median_s=statistics.median(times[name]), iqr_s=q[2] - q[0],
-                             round_medians_s=medians[name], runs=len(times[name]))
+        every = benchmark.Measurement.merge(rounds[name])[0]  # every block of every round
+        records[name].update(status="ok", median_s=every.median, iqr_s=every.iqr, runs=len(every.times),
+                             round_medians_s=[m.median for m in rounds[name]])
         if name != "ort-fused":  # (ORT's buffers are outside torch's allocator)
             peak = peak_bytes(fn, case.device)
             if case.mode != "fwd" or peak >= case.output_bytes:
@@ -184,12 +180,11 @@ def measure_case(case: Case, built: dict[str, Any], options: Options, dram: floa
     eager = records.get("hf-eager", {}).get("median_s")
     traffic = cands.bound_bytes(case)
     copy = copy_bandwidth(case.device, max(traffic // 2, 4096), options.threads, 0.05) if case.mode == "fwd" else 0
-    for record in records.values():
-        if record.get("status") == "ok":
-            record["vs_eager"] = eager / record["median_s"] if eager else None
-            if case.mode == "fwd":
-                record.update(bound_s=traffic / copy, bound_dram_s=traffic / dram, copy_bytes_per_s=copy,
-                              achieved_bytes_per_s=traffic / record["median_s"])
+    for record in (r for r in records.values() if r.get("status") == "ok"):
+        record["vs_eager"] = eager / record["median_s"] if eager else None
+        if case.mode == "fwd":
+            record.update(bound_s=traffic / copy, bound_dram_s=traffic / dram, copy_bytes_per_s=copy,
+                          achieved_bytes_per_s=traffic / record["median_s"])
     return list(records.values())
 
 
@@ -209,18 +204,13 @@ def peak_bytes(fn, device: str) -> int:
         fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
 
 
 def copy_bandwidth(device: str, nbytes: int, threads: int, min_run_time: float) -> float:
     """Bytes/s of `dst.copy_(src)`, read + write, the best block of a `torch.utils.benchmark` run."""
     src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": dst, "src": src}, num_threads=threads)
+    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": torch.empty_like(src), "src": src}, num_threads=threads)
     return 2 * src.nbytes / min(timer.blocked_autorange(min_run_time=min_run_time).times)
 
 
@@ -233,14 +223,7 @@ def disturbances(threads: int, load: float, cpus: int) -> list[str]:
     return found
 
 
-def main(argv: list[str]) -> None:
-    spec = json.loads(argv[0])
-    condition, out = spec.pop("condition"), spec.pop("out")
-    spec["cases"] = [Case(**c) for c in spec["cases"]]
-    spec["shapes"] = spec["shapes"] and tuple(map(tuple, spec["shapes"]))
-    options = Options(**spec)
-    Path(out).write_text(json.dumps(measure_all(options, options.cases, condition)))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+if __name__ == "__main__":  # the child of `_child`: SPEC_JSON OUT
+    spec = json.loads(sys.argv[1])
+    condition, spec["cases"] = spec.pop("condition"), [Case(**c) for c in spec["cases"]]
+    Path(sys.argv[2]).write_text(json.dumps(measure_all(Options(**spec), spec["cases"], condition)))

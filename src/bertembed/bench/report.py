@@ -53,56 +53,51 @@ _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
 
 def header(options) -> dict[str, Any]:
     """When, where and with what a run was made."""
-    model = platform.processor() or "unknown"
-    if Path("/proc/cpuinfo").exists():
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), model)
     import torch
 
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                 platform.processor() or "unknown")
     machine = {"cpu": model, "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
                "os": platform.platform(), "libc": " ".join(platform.libc_ver()), "python": platform.python_version()}
     if torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(0)
-    found = {}
-    for name in VERSIONED:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
     return {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "revision": revision(),
-            "machine": machine, "versions": found, "quick": options.quick, "threads": options.threads,
-            "repeat": options.repeat, "timer": "torch.utils.benchmark.Timer.blocked_autorange, min_run_time "
-            f"{options.min_run_time or (0.05 if options.quick else 0.3)} s a round for each candidate, "
-            f"{options.repeat} rounds in rotated order; median and IQR over every block of every round",
-            "peak_memory_method": PEAK_METHOD}
+            "machine": machine, "versions": {name: _version(name) for name in VERSIONED}, "quick": options.quick,
+            "threads": options.threads, "repeat": options.repeat,
+            "timer": f"torch.utils.benchmark.Timer.blocked_autorange, min_run_time {options.min_run_time} s a round "
+            f"for each candidate, {options.repeat} rounds in rotated order; median and IQR over every block of every "
+            "round", "peak_memory_method": PEAK_METHOD}
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def revision() -> str | None:
     """The git commit bertembed runs from ("+modified" with uncommitted changes); None outside a git checkout."""
     root = Path(__file__).resolve().parents[3]
     try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return None
-        return git("rev-parse", "--short", "HEAD") + ("+modified" if git("status", "--porcelain", "-uno") else "")
-    except (OSError, subprocess.SubprocessError):
+        top, head = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
+    return head + ("+modified" if dirty else "") if Path(top).resolve() == root else None
 
 
 def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target's ratio and "pass" / "miss", or "not measured" with the reason, over one condition's results."""
     def lookup(field: str, key: str, candidate: str) -> tuple[float | None, str]:
-        record = next((r for r in results if r["key"] == key and r["candidate"] == candidate), None)
-        if record is None:
-            return None, f"{key} not measured in this run"
-        if record.get("status") != "ok":
-            return None, f"{candidate} {record.get('status')}"
-        if record.get(field) is None:
-            return None, f"{candidate} has no {field}"
-        return float(record[field]), ""
+        r = next((r for r in results if r["key"] == key and r["candidate"] == candidate), None)
+        why = (f"{key} not measured in this run" if r is None
+               else f"{candidate} {r.get('status')}" if r.get("status") != "ok"
+               else f"{candidate} has no {field}" if r.get(field) is None else "")
+        return (None if why else float(r[field])), why
 
     rows = []
     for name, numerator, denominator, op, goal in TARGETS:
@@ -178,9 +173,8 @@ def summary(report: dict[str, Any]) -> list[str]:
         rows = [COLUMNS] + [_cells(r) for r in condition["results"]]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
         lines += ["", f"allocator {name}:"]
-        lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
-                                                                                                 strict=True)))
-                  for row in rows]
+        just = [str.ljust, str.ljust] + [str.rjust] * (len(COLUMNS) - 2)  # (case and candidate to the left)
+        lines += ["  ".join(j(c, w) for j, c, w in zip(just, row, widths, strict=True)) for row in rows]
         lines += [f"  {r['candidate']} on {r['key']}: {r['note']}" for r in condition["results"] if r.get("note")]
         lines += [f"target ({name}) {t['result']}: {t['target']}: {t.get('shown', '-')} (goal {t['goal']})"
                   + (f" ({t['why']})" if t["value"] is None else "") for t in report["targets"][name]]
