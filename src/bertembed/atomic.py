@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
 import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,17 +34,32 @@ log = logging.getLogger(__name__)
 def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Path]:
     """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing).
 
-    Write every file of the new folder into the folder yielded. With `keep_others`, files and subfolders of the old
-    `path` that the new one lacks (a tokenizer beside saved weights, say) are carried over, hard-linked where the file
-    system allows, else copied. On an exception `path` is left as it was and the yielded folder is removed. The old
-    folder's permissions are kept (a new one gets mkdir's); `path` may be a symlink to a folder (the folder it points
-    to is replaced, the link kept), and a process whose working directory was `path` is moved into the new one.
-    Raises NotADirectoryError if `path` is a file, PermissionError if its parent cannot be written (the new folder is
-    made there), and OSError for other failures, all leaving `path` as it was.
+    With `keep_others`, entries of the old `path` that the new one lacks (a tokenizer beside saved weights, say) are
+    carried over, hard-linked where the file system allows, else copied. On an exception `path` is left as it was. The
+    old folder's permissions are kept; a symlink `path` stays a link (the folder it points to is replaced), and a
+    process whose working directory was `path` is moved into the new one. Raises NotADirectoryError if `path` is a
+    file, PermissionError if its parent cannot be written (the new folder is made there), and OSError for other
+    failures, all leaving `path` as it was.
     """
-    target = _target(path)
-    recover(target)
-    staging = _make_sibling(target, "tmp")
+    target = Path(os.path.abspath(Path(path).expanduser()))
+    target = target.resolve() if target.is_symlink() else target  # (the folder a link points to is replaced)
+    if not target.name:
+        raise ValueError(f"cannot save to {path}: it is a file system root; pass a folder inside it")
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"cannot save to {target}: it is a file, not a folder; pass a folder path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if (old := interrupted_save(target)) is not None:
+        log.warning("%s was missing after an interrupted save; restoring the previous version from %s", target, old)
+        os.rename(old, target)
+    for litter in _siblings(target, "tmp|old"):
+        if not _alive(int(litter.name.split("-")[-2])):
+            shutil.rmtree(litter, ignore_errors=True)
+    staging = _sibling(target, "tmp")
+    try:
+        staging.mkdir()  # (by mkdir, so that the umask applies)
+    except PermissionError as err:
+        raise PermissionError(f"cannot save to {target}: cannot create a folder in {target.parent} ({err.strerror}); "
+                              f"a save replaces the folder as a whole and needs write access to its parent") from err
     try:
         yield staging
         try:
@@ -52,9 +67,8 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
             if target.is_dir():
                 if keep_others:
                     _carry_over(target, staging)
-                    _fsync_tree(staging, files=False)  # (files linked in are on the disk already; their entries not)
                 os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
-            _fsync_dir(staging)
+                _fsync_tree(staging, files=False)  # (files linked in are on the disk already; their entries not)
             _switch(staging, target)
         except OSError as err:
             raise os_error(err, f"cannot replace {target} (it is left as it was)") from err
@@ -69,24 +83,10 @@ def interrupted_save(path: str | Path) -> Path | None:
         return None
     olds = []
     for old in _siblings(target, "old"):
-        try:
-            olds.append((old.lstat().st_mtime_ns, old))
-        except OSError:  # the save finished meanwhile and removed it
-            continue
-    return max((o for o in olds if o[1].is_dir() and not o[1].is_symlink()), default=(0, None))[1]
-
-
-def recover(path: str | Path) -> None:
-    """Undo what killed saves left beside `path`: a `.NAME.old-*` renamed back where NAME is missing, then the
-    temporary folders of saves whose process is gone deleted."""
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    old = interrupted_save(target)
-    if old is not None:
-        log.warning("%s was missing after an interrupted save; restoring the previous version from %s", target, old)
-        os.rename(old, target)
-    for litter in [*_siblings(target, "tmp"), *_siblings(target, "old")]:
-        if not _alive(litter.name.split("-")[-2]):
-            shutil.rmtree(litter, ignore_errors=True)
+        with contextlib.suppress(OSError):  # (the save finished meanwhile and removed it)
+            if old.is_dir() and not old.is_symlink():
+                olds.append((old.lstat().st_mtime_ns, old))
+    return max(olds, default=(0, None))[1]
 
 
 def os_error(err: OSError, what: str) -> OSError:
@@ -97,56 +97,27 @@ def os_error(err: OSError, what: str) -> OSError:
     return OSError(err.errno, f"{what}: {err.strerror}{where}")
 
 
-def _target(path: str | Path) -> Path:
-    """The absolute folder to replace, its parent created; a symlink stands for the folder it points to."""
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    if target.is_symlink():
-        target = target.resolve()
-    if not target.name:
-        raise ValueError(f"cannot save to {path}: it is a file system root; pass a folder inside it")
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"cannot save to {target}: it is a file, not a folder; pass a folder path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return target
-
-
-def _sibling_name(target: Path, kind: str) -> Path:
+def _sibling(target: Path, kind: str) -> Path:
     """`.NAME.{kind}-PID-RANDOM` beside `target`: the process id tells a later save whether it is litter."""
     return target.parent / f".{target.name}.{kind}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
-def _make_sibling(target: Path, kind: str) -> Path:
-    """A new folder `_sibling_name(target, kind)`, made by mkdir so that the umask applies."""
-    folder = _sibling_name(target, kind)
-    try:
-        folder.mkdir()
-    except PermissionError as err:
-        raise PermissionError(f"cannot save to {target}: cannot create a folder in {target.parent} ({err.strerror}); "
-                              f"a save replaces the folder as a whole and needs write access to its parent") from err
-    return folder
-
-
-def _siblings(target: Path, kind: str) -> list[Path]:
-    """The `.NAME.{kind}-PID-RANDOM` entries beside `target` (`_sibling_name`)."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.{kind}-\d+-[0-9a-f]{{8}}")
+def _siblings(target: Path, kinds: str) -> list[Path]:  # (kinds: "tmp", "old" or "tmp|old")
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:{kinds})-\d+-[0-9a-f]{{8}}")
     try:
         return [p for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
     except OSError:
         return []
 
 
-def _alive(pid: str) -> bool:
+def _alive(pid: int) -> bool:
     """Whether the process that made a temporary folder may still be using it (True when it cannot be told)."""
-    if os.name != "posix" or not pid.isdigit():
-        return True  # (on Windows os.kill would terminate the process, not probe it)
-    if int(pid) == os.getpid():
-        return True  # another thread's save, perhaps: every save of this process removes its own
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
+    if os.name != "posix" or pid == os.getpid():  # (Windows' os.kill would end it; this process removes its own)
         return True
+    try:
+        os.kill(pid, 0)
+    except OSError as err:
+        return not isinstance(err, ProcessLookupError)  # (PermissionError: another user's, alive)
     return True
 
 
@@ -154,45 +125,35 @@ def _carry_over(old: Path, new: Path) -> None:
     """Link (or copy) into `new` the entries of `old` that `new` lacks, recursing into folders both have."""
     for entry in old.iterdir():
         dest = new / entry.name
-        if entry.is_dir() and not entry.is_symlink():
-            if not dest.exists() and not dest.is_symlink():
+        if not os.path.lexists(dest):
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
-            elif dest.is_dir() and not dest.is_symlink():
-                _carry_over(entry, dest)
-        elif not dest.exists() and not dest.is_symlink():
-            if entry.is_symlink():
-                os.symlink(os.readlink(entry), dest)
             else:
                 _link_or_copy(entry, dest)
+        elif all(p.is_dir() and not p.is_symlink() for p in (entry, dest)):
+            _carry_over(entry, dest)
 
 
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
-    try:
-        os.link(src, dst)  # the old folder is deleted after the switch, so the new one ends up the only owner
-    except OSError:
-        shutil.copy2(src, dst)
+    try:  # (a symlink is linked or copied as a link)
+        os.link(src, dst, follow_symlinks=False)  # the old folder is deleted after the switch: the new one owns it
+    except (OSError, NotImplementedError):
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _fsync_tree(folder: Path, files: bool) -> None:
-    """Flush the folders under `folder` (not `folder` itself) and, with `files`, every file in them."""
-    for root, dirs, names in os.walk(folder):
-        for name in names if files else ():
-            path = os.path.join(root, name)
+    """Flush (with `files`, every file and then) the entries of every folder under and at `folder` (on POSIX only:
+    Windows cannot open a folder)."""
+    for root, _, names in os.walk(folder, topdown=False):
+        for path in [os.path.join(root, name) for name in names] if files else ():
             if not os.path.islink(path):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        for name in dirs:
-            _fsync_dir(Path(root, name))
+                _fsync(path)
+        if os.name == "posix":
+            _fsync(root)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Flush a folder's entries (POSIX only: Windows cannot open a folder)."""
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -201,11 +162,14 @@ def _fsync_dir(folder: Path) -> None:
 
 def _switch(staging: Path, target: Path) -> None:
     """Make `staging` the folder at `target`; afterwards `staging` holds the old files (or nothing)."""
-    in_it = _is_cwd(target)
+    try:
+        in_it = os.path.samefile(os.getcwd(), target)
+    except OSError:
+        in_it = False
     if not target.exists():
         os.rename(staging, target)  # (replaces an empty folder made meanwhile; fails if one with files appeared)
     elif not _exchange(staging, target):
-        old = _sibling_name(target, "old")
+        old = _sibling(target, "old")
         os.rename(target, old)
         try:
             os.rename(staging, target)
@@ -213,36 +177,29 @@ def _switch(staging: Path, target: Path) -> None:
             os.rename(old, target)
             raise
         os.rename(old, staging)  # so that the caller's cleanup deletes the old files
-    _fsync_dir(target.parent)
+    if os.name == "posix":
+        _fsync(target.parent)
     if in_it:
         os.chdir(target)
 
 
-def _is_cwd(target: Path) -> bool:
-    try:
-        return os.path.samefile(os.getcwd(), target)
-    except OSError:
-        return False
+@functools.cache
+def _renameat2():
+    """libc's renameat2, or None; ctypes is imported here, not at the top: the command line imports this module."""
+    import ctypes
 
-
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-_libc: list = []
+    return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two folders in one step with Linux's renameat2(RENAME_EXCHANGE); False where it is not available."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes  # (here, not at the top: the command line imports this module on every start)
-
-    if not _libc:
-        libc = ctypes.CDLL(None, use_errno=True)
-        _libc.append(getattr(libc, "renameat2", None))
-    renameat2 = _libc[0]
+    renameat2 = _renameat2() if sys.platform.startswith("linux") else None
     if renameat2 is None:
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # (AT_FDCWD, ..., RENAME_EXCHANGE)
         return True
+    import ctypes
+
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False  # an old kernel or a file system without the exchange: two renames instead
@@ -264,15 +221,11 @@ def check_output(path: str | Path) -> Path:
 def write_atomic(path: str | Path, data: bytes) -> Path:
     """Write `data` to a temporary file beside `path`, then rename it into place (all or nothing)."""
     path = check_output(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with open(tmp, "xb") as handle:  # (a new file, with the permissions open() gives under the umask)
             handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions open() would
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
     return path

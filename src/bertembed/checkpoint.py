@@ -1,12 +1,11 @@
 """Reading the embedding tensors out of a checkpoint of BERT or its family, and writing an embedding-only one.
 
 Only the embedding tensors are read (`bertembed.family` says where each member keeps them): from `.safetensors` by
-name (the rest of the file is never touched), from `.bin`
-through `torch.load(weights_only=True, mmap=True)`, from sharded checkpoints only the shards that hold them. Keys are
-returned under `BertEmbeddings.state_dict()` names. With framework="np" nothing imports torch unless the file needs it.
-Everything read is checked where it enters: the family (config.json's member, and tensors that agree with it), every
-name, dtype and shape,
-and where a sharded index points; a broken checkpoint raises ValueError or FileNotFoundError naming the file.
+name (the rest of the file is never touched), from `.bin` through `torch.load(weights_only=True, mmap=True)`, from
+sharded checkpoints only the shards that hold them. Keys are returned under `BertEmbeddings.state_dict()` names. With
+framework="np" nothing imports torch unless the file needs it. Everything read is checked where it enters: the family
+(config.json's member, and tensors that agree with it), every name, dtype and shape, and where a sharded index points;
+a broken checkpoint raises ValueError or FileNotFoundError naming the file.
 """
 
 from __future__ import annotations
@@ -137,34 +136,25 @@ def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
 
 
 def _weight_files(source: Source, member: str) -> tuple[list[Path], dict[str, Path]]:
-    """The weight files to read and, for sharded checkpoints, which file holds each key."""
+    """The weight files to read and, for a sharded checkpoint, which shard holds each embedding key (the shards its
+    index names, each checked to lie inside the checkpoint)."""
     if source.kind == "file":
         return [source.weights_file], {}
-    for candidate in WEIGHT_FILES:
-        path = source.file(candidate)
-        if path is None:
-            continue
-        return _sharded(source, path, member) if candidate.endswith(".index.json") else ([path], {})
-    raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}; pass a folder with "
-                            f"PyTorch weights, or the weights file itself")
-
-
-def _sharded(source: Source, index: Path, member: str) -> tuple[list[Path], dict[str, Path]]:
-    """The shards a sharded checkpoint's index names for the embedding tensors, each checked to lie inside it."""
+    index = next((path for name in WEIGHT_FILES if (path := source.file(name)) is not None), None)
+    if index is None:
+        raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}; pass a folder with "
+                                f"PyTorch weights, or the weights file itself")
+    if not index.name.endswith(".index.json"):
+        return [index], {}
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
     check_key_family(weight_map, str(index), member)
-    names = tuple(_keys(member))
-    prefixed = tuple("." + n for n in names)  # (whatever the model prefix)
-    wanted = {k: v for k, v in weight_map.items() if k in names or k.endswith(prefixed)}
+    wanted = {k: weight_map[k] for k in embedding_keys(list(weight_map), member, index) if k in weight_map}
     bad = next((k for k, v in wanted.items() if not isinstance(v, str)), None)
     if bad is not None:
         raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(wanted[bad]).__name__}, not a shard's file name; "
                          f"the index is corrupt: re-download the checkpoint")
-    if not wanted:
-        raise ValueError(f"{index} lists no {member} embedding tensors ({layout(member)['word_embeddings.weight']!r}) "
-                         f"among {len(weight_map)} keys such as {list(weight_map)[:3]}; is it a {member} checkpoint?")
     shards = {name: _shard(source, index, name) for name in sorted(set(wanted.values()))}
     return list(shards.values()), {k: shards[v] for k, v in wanted.items()}
 
@@ -187,19 +177,9 @@ def _shard(source: Source, index: Path, name: str) -> Path:
 def _inside(path: Path, folder: Path) -> bool:
     """Whether `path`, links followed, lies in `folder`, or in its repository's blobs for a hub cache snapshot folder
     (whose files are links to ../../blobs)."""
-    real = path.resolve()
-    roots = [folder.resolve()]
-    if folder.resolve().parent.name == "snapshots":
-        roots.append(folder.resolve().parent.parent / "blobs")
-    return any(real.is_relative_to(root) for root in roots)
-
-
-def _keys(member: str) -> dict[str, str]:
-    """A `member` checkpoint's key (after the model prefix) -> the layer's name, legacy names included."""
-    keys = {key: name for name, key in layout(member).items()}
-    for old, new in LEGACY.items():  # TF-era LayerNorm.gamma and .beta
-        keys |= {k.removesuffix(new) + old: new for k, name in list(keys.items()) if name == new and k.endswith(new)}
-    return keys
+    real, root = path.resolve(), folder.resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root
+    return real.is_relative_to(root) or real.is_relative_to(blobs)
 
 
 def _select(files: list[Path], index: dict[str, Path], framework: str, member: str,
@@ -226,14 +206,15 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
 
 
 def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
-    """Which of a checkpoint's `keys` are the embedding tensors: checkpoint key -> the layer's state-dict name, under
-    one model prefix (a head's "bert.", a sentence-transformers folder's none) chosen if several models share a file."""
-    names = _keys(member)
-    word = layout(member)["word_embeddings.weight"]
+    """Which of a checkpoint's `keys` are the embedding tensors: checkpoint key -> the layer's state-dict name (legacy
+    names included), under one model prefix (a head's "bert.", a sentence-transformers folder's none) chosen if several
+    models share a file."""
+    layer = layout(member)  # the layer's name -> the member's key, after the model prefix
+    word = layer["word_embeddings.weight"]
     found = {k[: -len(word)] for k in keys if k.endswith(word)}
     found = {p for p in found if p == "" or p.endswith(".")}
     if not found and "word_embeddings.weight" in keys:  # a bare state dict of the layer itself
-        found, names = {""}, {n: n for n in layout(member)} | {old: new for old, new in LEGACY.items()}
+        found, layer = {""}, {n: n for n in layer}
     if not found:
         raise ValueError(f"{where} holds no {member} word embeddings (no '*{word}' among {len(keys)} keys such as "
                          f"{keys[:3]}); is it a {member} checkpoint? {SUPPORTED}")
@@ -242,47 +223,39 @@ def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
         if len(found) > 1:
             raise ValueError(f"{where} holds several embedding layers {sorted(found)}; extract one first")
         prefix = found.pop()
-    return {prefix + key: name for key, name in names.items()}
+    names = {prefix + key: name for name, key in layer.items()}
+    for old, new in LEGACY.items():  # TF-era LayerNorm.gamma and .beta
+        names |= {k.removesuffix(new) + old: new for k, name in list(names.items()) if name == new and k.endswith(new)}
+    return names
 
 
 def _infer_config(tensors: dict[str, Any], path: Path) -> EmbeddingConfig:
     """Sizes from the tensors' shapes, for a checkpoint without config.json."""
-    if "word_embeddings.weight" not in tensors or "token_type_embeddings.weight" not in tensors:
-        raise ValueError(f"cannot size the layer without config.json: {path} has only {sorted(tensors)}; "
-                         f"{SUPPORTED}")
-    tables = [k for k in ("word_embeddings.weight", "token_type_embeddings.weight", "position_embeddings.weight")
-              if k in tensors]
-    if any(tensors[k].ndim != 2 for k in tables):
-        raise ValueError(f"{path}: the tables' shapes " + ", ".join(f"{k} {tuple(tensors[k].shape)}" for k in tables)
-                         + " are not all [rows, hidden]; re-save the checkpoint")
-    vocab, hidden = tensors["word_embeddings.weight"].shape
-    kwargs = {"vocab_size": int(vocab), "hidden_size": int(hidden),
-              "type_vocab_size": int(tensors["token_type_embeddings.weight"].shape[0])}
-    if "position_embeddings.weight" in tensors:
-        kwargs["max_position_embeddings"] = int(tensors["position_embeddings.weight"].shape[0])
-    else:
-        kwargs["position_embedding_type"] = "none"
+    shapes = {k.removesuffix("_embeddings.weight"): tuple(v.shape) for k, v in tensors.items()
+              if k.endswith("_embeddings.weight")}  # (the word, token type and position tables)
+    if "word" not in shapes or "token_type" not in shapes:
+        raise ValueError(f"cannot size the layer without config.json: {path} has only {sorted(tensors)}; {SUPPORTED}")
+    if any(len(shape) != 2 for shape in shapes.values()):
+        raise ValueError(f"{path}: the tables' shapes {shapes} are not all [rows, hidden]; re-save the checkpoint")
+    positions = {"max_position_embeddings": shapes["position"][0]} if "position" in shapes else {
+        "position_embedding_type": "none"}
     try:
-        return EmbeddingConfig(**kwargs)
+        return EmbeddingConfig(vocab_size=shapes["word"][0], hidden_size=shapes["word"][1],
+                               type_vocab_size=shapes["token_type"][0], **positions)
     except ValueError as err:
         raise ValueError(f"{path}: the tables' shapes give no valid config ({err}); re-save the checkpoint") from err
 
 
 def expected_shapes(config: EmbeddingConfig) -> dict[str, tuple[int, ...]]:
     """The state-dict name and shape of every tensor a layer of this config holds."""
-    e, n = config.table_width, config.output_width
-    expected = {"word_embeddings.weight": (config.vocab_size, e), "LayerNorm.weight": (n,)}
-    if config.norm_bias:
-        expected["LayerNorm.bias"] = (n,)
-    if config.type_vocab_size:
-        expected["token_type_embeddings.weight"] = (config.type_vocab_size, e)
-    if config.position_embedding_type == "absolute":
-        expected["position_embeddings.weight"] = (config.max_position_embeddings, e)
-    if config.projection != "none":
-        expected["projection.weight"] = (config.hidden_size, e)
-    if config.projection == "output":
-        expected["projection.bias"] = (config.hidden_size,)
-    return expected
+    e, n, h, absolute = config.table_width, config.output_width, config.hidden_size, config.position_embedding_type
+    shapes = {"word_embeddings.weight": (config.vocab_size, e), "LayerNorm.weight": (n,),
+              "LayerNorm.bias": (n,) if config.norm_bias else None,
+              "token_type_embeddings.weight": (config.type_vocab_size, e) if config.type_vocab_size else None,
+              "position_embeddings.weight": (config.max_position_embeddings, e) if absolute == "absolute" else None,
+              "projection.weight": (h, e) if config.projection != "none" else None,
+              "projection.bias": (h,) if config.projection == "output" else None}
+    return {k: shape for k, shape in shapes.items() if shape is not None}
 
 
 def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Source) -> None:
@@ -294,7 +267,10 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
     unexpected = [k for k in tensors if k not in expected]
     if unexpected:
         raise ValueError(f"checkpoint {source.describe()} holds {unexpected}, which its config ({config.model_type}: "
-                         f"{_describe(config)}) has no place for: is config.json the checkpoint's own?")
+                         f"type_vocab_size={config.type_vocab_size}, position_embedding_type="
+                         f"{config.position_embedding_type!r}, embedding_size={config.table_width}, hidden_size="
+                         f"{config.hidden_size}, norm_bias={config.norm_bias}) has no place for: is config.json the "
+                         f"checkpoint's own?")
     wrong = [f"{k} is {tuple(tensors[k].shape)}, config says {shape}"
              for k, shape in expected.items() if tuple(tensors[k].shape) != shape]
     if wrong:
@@ -302,53 +278,15 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
                          + ". The weights and the config come from different models")
 
 
-def _describe(config: EmbeddingConfig) -> str:
-    return f"type_vocab_size={config.type_vocab_size}, position_embedding_type={config.position_embedding_type!r}, " \
-        f"embedding_size={config.table_width}, hidden_size={config.hidden_size}, norm_bias={config.norm_bias}"
-
-
-def save_checkpoint(layer, folder: str | Path) -> Path:
-    """Write `config.json` and `model.safetensors` (keys as the member's base model keeps them: `embeddings.*`, as in
-    a transformers `BertModel`).
-
-    The layer is checked against its config and both files are prepared before anything is written (ValueError:
-    nothing written). The folder is then replaced as a whole (`atomic.atomic_folder`; its other files, a tokenizer
-    say, are kept): a reader, or a save killed at any moment, finds the whole old checkpoint or the whole new one.
-    """
-    write = checkpoint_writer(layer, folder)  # (checks first: nothing is written for a layer that cannot be saved)
-    with atomic_folder(folder) as staging:
-        write(staging)
-    return Path(folder)
-
-
 def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     """Check `layer` against its config and prepare its two files (ValueError: nothing prepared); returns a function
-    that writes them into a staging folder, for `atomic_folder` to switch in as `folder` (the name in its errors)."""
+    that writes them into a staging folder, for `atomic_folder` to switch in as `folder` (the name in its errors).
+
+    A layer that disagrees with its config (a table replaced by one of another size, a non-float one, LayerNorm's eps
+    changed) is refused, as its checkpoint would load wrongly or not at all."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    tensors = _tables_to_save(layer)
-    try:
-        config_text = json.dumps(layer.config.to_hf_config(), indent=2) + "\n"
-    except (TypeError, ValueError, RecursionError) as err:
-        raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
-                         f"fix layer.config.extra") from err
-
-    def write(staging: Path) -> None:
-        try:
-            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-            (staging / "config.json").write_text(config_text, encoding="utf-8")
-        except OSError as err:
-            raise os_error(err, f"cannot save to {folder}") from err
-        except SafetensorError as err:
-            raise OSError(f"cannot save to {folder}: writing model.safetensors failed ({err})") from err
-    return write
-
-
-def _tables_to_save(layer) -> dict[str, Any]:
-    """The layer's tensors under `embeddings.*` keys, on the CPU; ValueError if they disagree with `layer.config`
-    (a table replaced by one of another size, a non-float one, LayerNorm's eps changed), as such a checkpoint would
-    load wrongly or not at all."""
     config, state = layer.config, layer.state_dict()
     expected = expected_shapes(config)
     problems = [f"{k} is missing" for k in expected if k not in state]
@@ -365,14 +303,28 @@ def _tables_to_save(layer) -> dict[str, Any]:
     if problems:
         raise ValueError("cannot save: the layer disagrees with layer.config (" + "; ".join(problems) + "); nothing "
                          "was written. Restore the tables, or set layer.config = layer.config.replace(...) to match")
-    tensors, storages = {}, set()
+    try:
+        config_text = json.dumps(config.to_hf_config(), indent=2) + "\n"
+    except (TypeError, ValueError, RecursionError) as err:
+        raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
+                         f"fix layer.config.extra") from err
+    tensors, storages = {}, set()  # under the member's base model keys (`embeddings.*`), on the CPU
     for key, value in state.items():
         value = value.detach().cpu().contiguous()
         if value.untyped_storage().data_ptr() in storages:
             value = value.clone()  # safetensors refuses tensors that share memory (a table assigned twice)
         storages.add(value.untyped_storage().data_ptr())
         tensors[layout(config.model_type)[key]] = value
-    return tensors
+
+    def write(staging: Path) -> None:
+        try:
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            (staging / "config.json").write_text(config_text, encoding="utf-8")
+        except OSError as err:
+            raise os_error(err, f"cannot save to {folder}") from err
+        except SafetensorError as err:
+            raise OSError(f"cannot save to {folder}: writing model.safetensors failed ({err})") from err
+    return write
 
 
 class Pretrained:
@@ -426,8 +378,13 @@ class Pretrained:
         self.load_state_dict(checkpoint.tensors)
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read.
+        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read (keys
+        as the member's base model keeps them: `embeddings.*`, as in a transformers `BertModel`).
 
-        The folder is replaced as a whole, its other files kept (`bertembed.atomic`); a layer that disagrees with its
-        config (a table of another size or dtype) raises ValueError before anything is written."""
-        return save_checkpoint(self, folder)
+        A layer that disagrees with its config (a table of another size or dtype) raises ValueError before anything
+        is written. The folder is then replaced as a whole, its other files (a tokenizer, say) kept
+        (`bertembed.atomic`): a reader, or a save killed at any moment, finds the whole old checkpoint or new one."""
+        write = checkpoint_writer(self, folder)  # (checks first: nothing is written for a layer that cannot be saved)
+        with atomic_folder(folder) as staging:
+            write(staging)
+        return Path(folder)

