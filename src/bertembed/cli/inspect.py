@@ -32,7 +32,8 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
          title: str = "", models: tuple = (None,)) -> None:
     """Print which checkpoint(s) were measured (`models`, as the command got them), then a result's summary (and rows,
     under `title`) as rich tables or JSON; write its figures to `plot`."""
-    from bertembed.explain._common import to_jsonable
+    from bertembed.explain._common import label, to_jsonable
+    from bertembed.explain.figures import specs_for
     from bertembed.sources import resolve
 
     summary = result.summary()
@@ -47,8 +48,6 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     for model in models:
         say_model(resolve(model))
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    from bertembed.explain._common import label
-
     rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
             for k, v in summary.items()]
     console.print(_table(type(result).__name__, rows))
@@ -58,16 +57,10 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     if warning:
         console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
-    for spec in _specs(result):
+    for spec in specs_for(result):
         console.print(f"[dim]{spec.title}: {escape(spec.caption(result))}[/dim]")
     if plot is not None:
         console.print(f"figures written to {plot}")
-
-
-def _specs(result):
-    from bertembed.explain import figures
-
-    return figures.specs_for(result)
 
 
 def _table(title: str, rows: list[dict]):

@@ -56,7 +56,7 @@ def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")
              "The quick brown fox jumps over the lazy dog") -> None:
     """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
     with user_errors():
-        from bertembed.explain.notebook import write_notebook
+        from bertembed.explain.walkthrough import write_notebook
         from bertembed.sources import resolve
 
         say_model(resolve(model))

@@ -26,8 +26,6 @@ def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
     return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
 
 
-
-
 @dataclasses.dataclass
 class NotMeasured:
     """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
@@ -143,23 +141,28 @@ def img_tag(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def repr_html(result: Any) -> str:
-    """Notebook view of a result: its summary as a table, then its figures when matplotlib is installed."""
-    from bertembed.explain.figures import specs_for
-    from bertembed.sources import DEFAULT_MODEL
+class Result:
+    """An analysis's result: `summary()` (and `rows()` where `rows_title` names them) as notebook HTML."""
 
-    title = html.escape(type(result).__name__)
-    summary = result.summary()
-    rows = [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
-    parts = [f"<h4>{title}</h4>"]
-    if DEFAULT_MODEL in (summary.get("model"), summary.get("model_a"), summary.get("model_b")):
-        parts.append("<p>measured on the bundled all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
-                     "embeddings), not bert-base-uncased</p>")
-    parts.append(html_table(rows))
-    try:
-        for spec in specs_for(result):
-            parts.append(img_tag(figure_png(spec.draw(result)), spec.title))
-            parts.append(f"<p>{html.escape(spec.caption(result))}</p>")
-    except ImportError:
-        parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
-    return "\n".join(parts)
+    rows_title = ""  # the caption of the `rows()` table under the summary; "" for no such table
+
+    def _repr_html_(self) -> str:
+        """Its summary as a table, then its figures when matplotlib is installed (then its rows)."""
+        from bertembed.explain.figures import specs_for
+        from bertembed.sources import DEFAULT_MODEL
+
+        summary = self.summary()
+        rows = [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
+        parts = [f"<h4>{html.escape(type(self).__name__)}</h4>"]
+        if DEFAULT_MODEL in (summary.get("model"), summary.get("model_a"), summary.get("model_b")):
+            parts.append("<p>measured on the bundled all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
+                         "embeddings), not bert-base-uncased</p>")
+        parts.append(html_table(rows))
+        try:
+            for spec in specs_for(self):
+                parts.append(img_tag(figure_png(spec.draw(self)), spec.title))
+                parts.append(f"<p>{html.escape(spec.caption(self))}</p>")
+        except ImportError:
+            parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
+        page = "\n".join(parts)
+        return page + html_table(self.rows(), self.rows_title) if self.rows_title else page

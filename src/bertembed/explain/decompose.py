@@ -11,14 +11,17 @@ from pathlib import Path
 
 import numpy as np
 
+from bertembed.explain._common import Result
 from bertembed.sources import Source, resolve
 
 PARTS = ("word", "position", "segment")
 
 
 @dataclass
-class TextDecomposition:
+class TextDecomposition(Result):
     """The parts of one sequence. Vectors are [L, H] float32 arrays; statistics are [L]."""
+
+    rows_title = "one row per token"
 
     source: Source
     engine: str  # "numpy" (torch-free, fast start) or "torch" (the BertEmbeddings module)
@@ -53,7 +56,13 @@ class TextDecomposition:
     def norms(self) -> dict[str, np.ndarray]:
         """Euclidean norm per token of each part: [L] arrays."""
         return {name: np.linalg.norm(getattr(self, name).astype(np.float64), axis=-1)
-                for name in ("word", "position", "segment", "sum", "output")}
+                for name in (*PARTS, "sum", "output")}
+
+    def _covariances(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Per part, part * (sum - its mean over H), and that centred sum squared: [L, H] float64 arrays."""
+        total = self.sum.astype(np.float64)
+        centred = total - total.mean(-1, keepdims=True)
+        return {name: getattr(self, name).astype(np.float64) * centred for name in PARTS}, centred ** 2
 
     def variance_shares(self) -> dict[str, np.ndarray]:
         """Each part's share of the variance (over H) of the sum that LayerNorm divides by: [L] arrays.
@@ -61,28 +70,21 @@ class TextDecomposition:
         Var(w + p + s) = Cov(w, sum) + Cov(p, sum) + Cov(s, sum), so share_c = Cov_H(c, sum) / Var_H(sum) and the
         three shares add up to 1 for every token (a share can be negative when a part cancels the others).
         """
-        total = self.sum.astype(np.float64)
-        centred = total - total.mean(-1, keepdims=True)
-        var = (centred ** 2).mean(-1)
-        return {name: (getattr(self, name).astype(np.float64) * centred).mean(-1) / var
-                for name in PARTS}
+        cov, var = self._covariances()
+        return {name: c.mean(-1) / var.mean(-1) for name, c in cov.items()}
 
     def overall_shares(self) -> dict[str, float]:
         """The same shares pooled over all tokens (covariances and variances summed before dividing)."""
-        total = self.sum.astype(np.float64)
-        centred = total - total.mean(-1, keepdims=True)
-        var = float((centred ** 2).sum())
-        return {name: float((getattr(self, name).astype(np.float64) * centred).sum() / var) for name in PARTS}
+        cov, var = self._covariances()
+        return {name: float(c.sum() / float(var.sum())) for name, c in cov.items()}
 
     def rows(self) -> list[dict]:
         """One dict per token, for tables and JSON."""
         norms, shares = self.norms(), self.variance_shares()
-        return [{"position": self.positions[i], "token": self.tokens[i], "id": self.ids[i],
-                 "segment": self.segments[i], "word_norm": float(norms["word"][i]),
-                 "position_norm": float(norms["position"][i]), "segment_norm": float(norms["segment"][i]),
-                 "word_share": float(shares["word"][i]), "position_share": float(shares["position"][i]),
-                 "segment_share": float(shares["segment"][i]),
-                 "ln_mean": float(self.mean[i]), "ln_std": float(self.std[i]), "output_norm": float(norms["output"][i])}
+        columns = {"position": self.positions, "token": self.tokens, "id": self.ids, "segment": self.segments,
+                   **{f"{k}_norm": norms[k] for k in PARTS}, **{f"{k}_share": shares[k] for k in PARTS},
+                   "ln_mean": self.mean, "ln_std": self.std, "output_norm": norms["output"]}
+        return [{k: float(v[i]) if isinstance(v, np.ndarray) else v[i] for k, v in columns.items()}
                 for i in range(len(self.tokens))]
 
     def summary(self) -> dict:
@@ -90,14 +92,9 @@ class TextDecomposition:
         norms = self.norms()
         out = {"model": self.source.name, "tokens": len(self.tokens), "segment_b_tokens": int(sum(self.segments))}
         out |= {f"{k}_share": v for k, v in self.overall_shares().items()}
-        out |= {f"mean_{k}_norm": float(norms[k].mean()) for k in ("word", "position", "segment", "sum", "output")}
+        out |= {f"mean_{k}_norm": float(v.mean()) for k, v in norms.items()}
         out["max_abs_diff"] = self.max_abs_diff
         return out
-
-    def _repr_html_(self) -> str:
-        from bertembed.explain._common import html_table, repr_html
-
-        return repr_html(self) + html_table(self.rows(), "one row per token")
 
 
 def explain_text(text: str, text_b: str | None = None, model=None, *,

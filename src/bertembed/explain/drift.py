@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, load_layer, repr_html, row_norms
+from bertembed.explain._common import ModelArg, Result, load_layer, row_norms
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
                 "segment": "token_type_embeddings.weight", "LayerNorm.weight": "LayerNorm.weight",
@@ -34,7 +34,9 @@ class TableDrift:
 
 
 @dataclass
-class DriftReport:
+class DriftReport(Result):
+    rows_title = "drift per table"
+
     model_a: str
     model_b: str
     tables: list[TableDrift]
@@ -42,9 +44,7 @@ class DriftReport:
     def summary(self) -> dict:
         out = {"model_a": self.model_a, "model_b": self.model_b}
         for t in self.tables:
-            out[f"{t.table}_relative_change"] = t.relative_change
-            out[f"{t.table}_rows_changed"] = t.rows_changed
-            out[f"{t.table}_median_row_change"] = t.median_row_change
+            out |= {f"{t.table}_{k}": getattr(t, k) for k in ("relative_change", "rows_changed", "median_row_change")}
         if self.warning():
             out["warning"] = self.warning()
         return out
@@ -65,11 +65,6 @@ class DriftReport:
                  "max_abs_change": t.max_abs_change,
                  "most_changed": ", ".join(f"{r['label']} ({r['relative']:.2g} of its norm)" for r in t.top[:5])}
                 for t in self.tables]
-
-    def _repr_html_(self) -> str:
-        from bertembed.explain._common import html_table
-
-        return repr_html(self) + html_table(self.rows(), "drift per table")
 
 
 def _labeller(layer, name: str):

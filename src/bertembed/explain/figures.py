@@ -13,11 +13,46 @@ from typing import Any
 
 import numpy as np
 
-import bertembed.explain.captions as captions
+from bertembed.explain.captions import (
+    caption_decomposition_norms,
+    caption_drift,
+    caption_finetune_positions,
+    caption_finetune_rows,
+    caption_neighbours,
+    caption_onehot,
+    caption_position_norms,
+    caption_position_pca,
+    caption_position_similarity,
+    caption_position_spectrum,
+    caption_segment_effect,
+    caption_segments,
+    caption_token_norms,
+    caption_variance_shares,
+)
 
 PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B
 SEGMENT_B_SHADE = "#f3e6c4"
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str  # file stem for --plots DIR
+    title: str
+    kind: str  # the result class it draws
+    draw: Callable[[Any], Any]
+    caption: Callable[[Any], str]
+
+
+FIGURES: list[FigureSpec] = []  # in the order the report shows them
+
+
+def figure(kind: str, title: str, caption: Callable[[Any], str]):
+    """Register a `plot_*` function as a figure of results of class `kind`, named after the function."""
+    def register(draw):
+        FIGURES.append(FigureSpec(draw.__name__.removeprefix("plot_"), title, kind, draw, caption))
+        return draw
+    return register
 
 
 def _axes(ax=None, size=(7.5, 3.6)):
@@ -43,6 +78,7 @@ def _token_axis(ax, tokens) -> None:
     ax.set_xlim(-0.6, len(tokens) - 0.4)
 
 
+@figure("TextDecomposition", "Norms per token", caption_decomposition_norms)
 def plot_decomposition_norms(dec, ax=None):
     """Per token: the norms of its word, position and segment vectors (grouped bars)."""
     fig, ax = _axes(ax)
@@ -56,6 +92,7 @@ def plot_decomposition_norms(dec, ax=None):
     return fig
 
 
+@figure("TextDecomposition", "Variance shares", caption_variance_shares)
 def plot_variance_shares(dec, ax=None):
     """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
     fig, ax = _axes(ax)
@@ -80,6 +117,7 @@ def _heatmap(ax, matrix, title):
     return image
 
 
+@figure("PositionReport", "Position similarity", caption_position_similarity)
 def plot_position_similarity(report):
     """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
     fig, _ = _axes(size=(10, 4.6))
@@ -92,6 +130,7 @@ def plot_position_similarity(report):
     return fig
 
 
+@figure("PositionReport", "Position norms", caption_position_norms)
 def plot_position_norms(report, ax=None):
     """Norm of each position vector and the cosine with the next position; a line at each seam found in the table."""
     fig, ax = _axes(ax)
@@ -111,6 +150,7 @@ def plot_position_norms(report, ax=None):
     return fig
 
 
+@figure("PositionReport", "Position spectrum", caption_position_spectrum)
 def plot_position_spectrum(report, ax=None):
     """Share of variance over positions at each frequency, pooled over hidden dims: learned vs sinusoidal; the band
     shaded is the one `lowfreq_share` sums."""
@@ -127,6 +167,7 @@ def plot_position_spectrum(report, ax=None):
     return fig
 
 
+@figure("PositionReport", "Positions on two principal components", caption_position_pca)
 def plot_position_pca(report, ax=None):
     """The positions on the first two principal components of the table (hidden dimensions centred), coloured by
     position: a smooth curve is how order is encoded."""
@@ -140,6 +181,7 @@ def plot_position_pca(report, ax=None):
     return fig
 
 
+@figure("SegmentReport", "Segment vectors", caption_segments)
 def plot_segments(report, ax=None):
     """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
     fig, ax = _axes(ax, size=(6.5, 3.4))
@@ -152,6 +194,7 @@ def plot_segments(report, ax=None):
     return fig
 
 
+@figure("SegmentReport", "Segment A vs B", caption_segment_effect)
 def plot_segment_effect(report, ax=None):
     """Per token: how far the output moves when the same text is put in segment B instead of A."""
     fig, ax = _axes(ax)
@@ -164,6 +207,7 @@ def plot_segment_effect(report, ax=None):
     return fig
 
 
+@figure("TokenReport", "Token norms", caption_token_norms)
 def plot_token_norms(report, ax=None):
     """Norm of every word-table row against its id; special tokens marked."""
     fig, ax = _axes(ax)
@@ -183,6 +227,7 @@ def plot_token_norms(report, ax=None):
     return fig
 
 
+@figure("TokenReport", "Nearest neighbours", caption_neighbours)
 def plot_neighbours(report, ax=None):
     """The token's nearest rows in the word table by cosine."""
     fig, ax = _axes(ax, size=(6, 3.6))
@@ -193,6 +238,7 @@ def plot_neighbours(report, ax=None):
     return fig
 
 
+@figure("OneHotReport", "One-hot vs lookup", caption_onehot)
 def plot_onehot(report):
     """Time and memory of the lookup and of the one-hot product (log scale)."""
     fig, _ = _axes(size=(8, 3.2))
@@ -209,6 +255,7 @@ def plot_onehot(report):
     return fig
 
 
+@figure("FinetuneReport", "Rows moved by fine-tuning", caption_finetune_rows)
 def plot_finetune_rows(report, ax=None):
     """Rows moved per table in each run (log scale), with the table sizes for reference."""
     fig, ax = _axes(ax)
@@ -230,6 +277,7 @@ def plot_finetune_rows(report, ax=None):
     return fig
 
 
+@figure("FinetuneReport", "Position rows after fine-tuning", caption_finetune_positions)
 def plot_finetune_positions(report, ax=None, first: int = 24):
     """|change| of the first position rows in each run: only positions that occurred move under Adam."""
     fig, ax = _axes(ax)
@@ -245,6 +293,7 @@ def plot_finetune_positions(report, ax=None, first: int = 24):
     return fig
 
 
+@figure("DriftReport", "Drift per tensor", caption_drift)
 def plot_drift(report, ax=None):
     """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
     labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
@@ -260,40 +309,6 @@ def plot_drift(report, ax=None):
         ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
     ax.tick_params(axis="x", labelsize=8)
     return fig
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    name: str  # file stem for --plots DIR
-    title: str
-    kind: str  # the result class it draws
-    draw: Callable[[Any], Any]
-    caption: Callable[[Any], str]
-
-
-FIGURES = (
-    FigureSpec("decomposition_norms", "Norms per token", "TextDecomposition", plot_decomposition_norms,
-               captions.decomposition_norms),
-    FigureSpec("variance_shares", "Variance shares", "TextDecomposition", plot_variance_shares,
-               captions.variance_shares),
-    FigureSpec("position_similarity", "Position similarity", "PositionReport", plot_position_similarity,
-               captions.position_similarity),
-    FigureSpec("position_norms", "Position norms", "PositionReport", plot_position_norms, captions.position_norms),
-    FigureSpec("position_spectrum", "Position spectrum", "PositionReport", plot_position_spectrum,
-               captions.position_spectrum),
-    FigureSpec("position_pca", "Positions on two principal components", "PositionReport", plot_position_pca,
-               captions.position_pca),
-    FigureSpec("segments", "Segment vectors", "SegmentReport", plot_segments, captions.segments),
-    FigureSpec("segment_effect", "Segment A vs B", "SegmentReport", plot_segment_effect, captions.segment_effect),
-    FigureSpec("token_norms", "Token norms", "TokenReport", plot_token_norms, captions.token_norms),
-    FigureSpec("neighbours", "Nearest neighbours", "TokenReport", plot_neighbours, captions.neighbours),
-    FigureSpec("onehot", "One-hot vs lookup", "OneHotReport", plot_onehot, captions.onehot),
-    FigureSpec("finetune_rows", "Rows moved by fine-tuning", "FinetuneReport", plot_finetune_rows,
-               captions.finetune_rows),
-    FigureSpec("finetune_positions", "Position rows after fine-tuning", "FinetuneReport", plot_finetune_positions,
-               captions.finetune_positions),
-    FigureSpec("drift", "Drift per tensor", "DriftReport", plot_drift, captions.drift),
-)
 
 
 def specs_for(result: Any) -> list[FigureSpec]:

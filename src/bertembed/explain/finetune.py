@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import repr_html
+from bertembed.explain._common import Result
 
 SENTENCES = (
     ("a wonderful, moving film", 1), ("i loved every minute of it", 1), ("great acting and a clever plot", 1),
@@ -69,8 +69,10 @@ class RunResult:
 
 
 @dataclass
-class FinetuneReport:
+class FinetuneReport(Result):
     """Which parameters train by default, which rows occurred, and what each run moved."""
+
+    rows_title = "rows moved per run and table"
 
     model: str
     trainable: list[dict]  # {"name", "shape", "requires_grad"} of BertEmbeddings.named_parameters()
@@ -94,24 +96,6 @@ class FinetuneReport:
         return [{"run": r.spec.name, "table": t.table, "moved": t.moved, "rows": t.rows, "expected": t.expected,
                  "max_abs_change": t.max_abs_change, "median_relative_change": t.median_relative_change}
                 for r in self.runs for t in r.tables]
-
-    def _repr_html_(self) -> str:
-        from bertembed.explain._common import html_table
-
-        return repr_html(self) + html_table(self.rows(), "rows moved per run and table")
-
-
-def _batch(model, sentences):
-    """The sentences padded into one batch ([B, L] tensors) and their labels [B]."""
-    import torch
-
-    from bertembed.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_pretrained(model)
-    for i, (sentence, _) in enumerate(sentences):
-        tokenizer.require_tokens(sentence, f"sentence {i}")
-    enc = tokenizer([s for s, _ in sentences], return_tensors="pt")
-    return enc, torch.tensor([label for _, label in sentences])
 
 
 def occurred_rows(enc, pad_id: int) -> dict[str, list[int]]:
@@ -187,8 +171,10 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
     run's fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`; it is checked before anything
     runs, and written whole or not at all (see `save_with_tokenizer`).
     """
+    import torch
 
     from bertembed.embeddings import BertEmbeddings
+    from bertembed.tokenizer import Tokenizer
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
@@ -198,7 +184,11 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
         check_save_folder(save)
     base = BertEmbeddings.from_pretrained(model)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    enc, labels = _batch(model, sentences)
+    tokenizer = Tokenizer.from_pretrained(model)
+    for i, (sentence, _) in enumerate(sentences):
+        tokenizer.require_tokens(sentence, f"sentence {i}")
+    enc = tokenizer([s for s, _ in sentences], return_tensors="pt")  # padded into one batch: [B, L] tensors
+    labels = torch.tensor([label for _, label in sentences])
     occurred = occurred_rows(enc, base.config.pad_token_id)
     trainable = [{"name": n, "shape": list(p.shape), "requires_grad": p.requires_grad}
                  for n, p in base.named_parameters()]

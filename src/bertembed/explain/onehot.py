@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, load_layer, repr_html
+from bertembed.explain._common import ModelArg, Result, load_layer
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
 # the time (a few seconds) of the demonstration; BERT's own case, 512 positions x 30522 ids, is 60 MiB.
@@ -20,7 +20,7 @@ MAX_ONEHOT_BYTES = 512 * 2**20
 
 
 @dataclass
-class OneHotReport:
+class OneHotReport(Result):
     """Lookup versus one-hot product on one text's ids (numpy, float32, one thread of work each)."""
 
     model: str
@@ -42,9 +42,6 @@ class OneHotReport:
                 "lookup_bytes": self.lookup_bytes, "onehot_bytes": self.onehot_bytes,
                 "memory_ratio": self.onehot_bytes / max(self.lookup_bytes, 1)}
 
-    def _repr_html_(self) -> str:
-        return repr_html(self)
-
 
 def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     """[L] integer ids -> [L, V] float32 rows with a single 1."""
@@ -59,19 +56,6 @@ def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
     once = max(timer.timeit(number=1), 1e-7)
     number = max(1, int(budget / once))
     return float(np.median(timer.repeat(repeat=repeats, number=number))) / number
-
-
-def check_onehot_size(tokens: int, vocab: int, positions: int) -> None:
-    """Refuse a one-hot matrix [tokens, vocab] the model could not take (more tokens than its `positions`) or one
-    over MAX_ONEHOT_BYTES (a vocabulary so large that even a short text's matrix would not be a demonstration)."""
-    if tokens > positions:
-        raise ValueError(f"the text is {tokens} tokens with [CLS] and [SEP], but the model has {positions} positions: "
-                         f"shorten it by {tokens - positions} tokens")
-    size = tokens * vocab * 4
-    if size > MAX_ONEHOT_BYTES:
-        raise ValueError(f"the one-hot matrix of {tokens} tokens x {vocab} ids would take {size:,} bytes "
-                         f"({size / 2**20:.1f} MiB), over the limit of {MAX_ONEHOT_BYTES:,} (MAX_ONEHOT_BYTES): give "
-                         f"at most {MAX_ONEHOT_BYTES // (vocab * 4)} tokens")
 
 
 def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
@@ -92,16 +76,21 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape
-    check_onehot_size(len(ids), vocab, tokenizer.max_length)
+    tokens, positions, size = len(ids), tokenizer.max_length, len(ids) * vocab * 4
+    if tokens > positions:
+        raise ValueError(f"the text is {tokens} tokens with [CLS] and [SEP], but the model has {positions} positions: "
+                         f"shorten it by {tokens - positions} tokens")
+    if size > MAX_ONEHOT_BYTES:  # a vocabulary so large that even a short text's matrix is no demonstration
+        raise ValueError(f"the one-hot matrix of {tokens} tokens x {vocab} ids would take {size:,} bytes "
+                         f"({size / 2**20:.1f} MiB), over the limit of {MAX_ONEHOT_BYTES:,} (MAX_ONEHOT_BYTES): give "
+                         f"at most {MAX_ONEHOT_BYTES // (vocab * 4)} tokens")
     if ids.max() >= vocab:
         raise ValueError(f"the tokenizer gave id {ids.max()}, but the word table has {vocab} rows; "
                          f"the tokenizer and the weights come from different models")
     looked_up, product = words[ids], one_hot(ids, vocab) @ words
     return OneHotReport(
-        model=layer.source.name, tokens=list(enc.tokens), ids=ids.tolist(), equal=bool(np.array_equal(looked_up,
-                                                                                                     product)),
-        max_abs_diff=float(np.abs(looked_up - product).max()),
+        model=layer.source.name, tokens=list(enc.tokens), ids=ids.tolist(),
+        equal=bool(np.array_equal(looked_up, product)), max_abs_diff=float(np.abs(looked_up - product).max()),
         lookup_seconds=_median_time(lambda: words[ids], repeats),
         onehot_seconds=_median_time(lambda: one_hot(ids, vocab) @ words, repeats),
-        lookup_bytes=len(ids) * hidden * 4, onehot_bytes=len(ids) * vocab * 4 + vocab * hidden * 4,
-        vocab_size=vocab, hidden=hidden)
+        lookup_bytes=tokens * hidden * 4, onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, cosine_matrix, load_layer, repr_html, row_norms, table
+from bertembed.explain._common import ModelArg, Result, cosine_matrix, load_layer, row_norms, table
 from bertembed.explain.captions import seam_hypothesis
 from bertembed.numpy_layer import sinusoidal_table_np
 
@@ -100,7 +100,7 @@ def _robust_z(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class PositionReport:
+class PositionReport(Result):
     """The learned position table [P, E] (the rows tokens use) next to a sinusoidal table of the same size."""
 
     model: str
@@ -134,9 +134,6 @@ class PositionReport:
                 "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
                 "mean_adjacent_cosine": float(np.diag(self.similarity, 1).mean()),
                 "seams": [s["at"] for s in self.seams], "noise_like": self.noise_like, "verdict": self.verdict}
-
-    def _repr_html_(self) -> str:
-        return repr_html(self)
 
 
 def _verdict(r: PositionReport) -> str:

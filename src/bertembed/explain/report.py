@@ -91,21 +91,16 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
                  progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
     """All analyses for one text: decomposition, positions, segments, tokens, one-hot; with `finetune`, the fine-tune
     demo too (needs torch; seconds)."""
-    from bertembed.explain.decompose import explain_text
-    from bertembed.explain.finetune import finetune_demo
-    from bertembed.explain.onehot import analyze_onehot
-    from bertembed.explain.positions import analyze_positions
-    from bertembed.explain.segments import analyze_segments
-    from bertembed.explain.tokens import analyze_tokens
+    from bertembed import explain
 
     layer = load_layer(model)
-    dec = explain_text(text, text_b, layer)
+    dec = explain.explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
-    results = [dec, _or_why("Positions", analyze_positions, layer),
-               _or_why("Segments", analyze_segments, text, text_b, layer),
-               analyze_tokens(token, layer), analyze_onehot(text, layer)]
+    results = [dec, _or_why("Positions", explain.analyze_positions, layer),
+               _or_why("Segments", explain.analyze_segments, text, text_b, layer),
+               explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer)]
     if finetune:
-        results.append(finetune_demo(layer.source.name, steps=steps, progress=progress))
+        results.append(explain.finetune_demo(layer.source.name, steps=steps, progress=progress))
     return results
 
 
@@ -158,8 +153,8 @@ def render_figures(result: Any) -> list[tuple[Any, bytes]]:
 _rendering: list[Any] = []  # the results a forked worker of `render_all` draws (inherited, never pickled)
 
 
-def _render_one(index: int) -> list[tuple[str, bytes]]:
-    return [(spec.name, png) for spec, png in render_figures(_rendering[index])]
+def _render_one(index: int) -> list[bytes]:
+    return [png for _, png in render_figures(_rendering[index])]
 
 
 def render_all(results: list[Any]) -> list[list[tuple[Any, bytes]]]:
@@ -178,8 +173,7 @@ def render_all(results: list[Any]) -> list[list[tuple[Any, bytes]]]:
             drawn = list(pool.map(_render_one, range(len(results))))
     finally:
         _rendering.clear()
-    by_name = [{s.name: s for s in specs_for(r)} for r in results]
-    return [[(specs[name], png) for name, png in pngs] for specs, pngs in zip(by_name, drawn, strict=True)]
+    return [list(zip(specs_for(r), pngs, strict=True)) for r, pngs in zip(results, drawn, strict=True)]
 
 
 def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Section:

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, NotInThisMember, load_layer, repr_html, row_norms, table
+from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
 
 
 @dataclass
-class SegmentReport:
+class SegmentReport(Result):
     """The segment table [T, H] and the effect of switching one text from segment A to segment B."""
 
     model: str
@@ -54,9 +54,6 @@ class SegmentReport:
                 "mean_output_change": float(self.output_change.mean()),
                 "mean_output_cosine": float(self.output_cosine.mean()), "mean_output_norm": self.output_norm,
                 **({"warning": self.warning} if self.warning else {})}
-
-    def _repr_html_(self) -> str:
-        return repr_html(self)
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, load_layer, repr_html, row_norms, table
+from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
 
 
 @dataclass
-class TokenReport:
+class TokenReport(Result):
     """A token's row and neighbours, the special rows, and norms against vocabulary order."""
 
     model: str
@@ -48,9 +48,6 @@ class TokenReport:
                 "pad_is_zero": self.pad_is_zero, "median_norm": self.median_norm,
                 "unused_median_norm": self.unused_median_norm, "rank_start": self.rank_start,
                 "rank_norm_correlation": self.rank_norm_correlation}
-
-    def _repr_html_(self) -> str:
-        return repr_html(self)
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:

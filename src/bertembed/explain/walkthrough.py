@@ -2,7 +2,8 @@
 tensors, each step checked against the layer's own intermediate (`BertEmbeddings.decompose`).
 
 The steps are code, written once (`steps`): `bertembed walkthrough` runs them and prints what each gives, and
-`bertembed notebook` writes the same code into cells a user can edit. The code follows the member's own recipe
+`bertembed notebook` writes the same code into Jupyter cells a user can edit and run (`write_notebook`), with an
+assert against the layer after each step and the figures. The code follows the member's own recipe
 (`EmbeddingConfig`'s facts): RoBERTa's positions from the padding id, no segment or position table where a member has
 none, DeBERTa's order of the sum and projection, a LayerNorm without bias.
 """
@@ -10,6 +11,7 @@ none, DeBERTa's order of the sum and projection, a LayerNorm without bias.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
@@ -163,14 +165,11 @@ def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
 
 def _note_repeats(result: StepResult, tokens: list[str], ids: list[int]) -> None:
     """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
-    first: dict[int, int] = {}
-    noted: set[int] = set()
+    places: dict[int, list[int]] = {}
     for i, token_id in enumerate(ids):
-        if token_id in first and token_id not in noted:
-            noted.add(token_id)
-            result.notes.append(f"{tokens[i]} at {first[token_id]} and {i}: the same id, so the same row, in any "
-                                f"sentence")
-        first.setdefault(token_id, i)
+        places.setdefault(token_id, []).append(i)
+    for first, second in sorted((p[:2] for p in places.values() if len(p) > 1), key=lambda p: p[1]):
+        result.notes.append(f"{tokens[second]} at {first} and {second}: the same id, so the same row, in any sentence")
     if not result.notes:
         result.notes.append(f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup")
 
@@ -178,3 +177,55 @@ def _note_repeats(result: StepResult, tokens: list[str], ids: list[int]) -> None
 def check_walkthrough(result: Walkthrough) -> list[str]:
     """The steps whose check failed (an exact step that differs), for tests and the command's exit status."""
     return [s.title for s in result.steps if s.check.startswith("differs")]
+
+
+def notebook_cells(model: str | None, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
+    """(kind, source) of each cell: "markdown" or "code"."""
+    from bertembed.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(model, framework="np")
+    config, where = checkpoint.config, checkpoint.source.describe()
+    intro = (f"# The embedding layer, rebuilt by hand\n\nCheckpoint: `{where}` ({config.model_type}). Each step "
+             f"below does with plain torch what the layer does, and checks the result against the layer's own "
+             f"intermediate (`layer.decompose`): bit for bit where the operations are the same, to float32 rounding "
+             f"where LayerNorm computes its statistics its own way. Edit the text and run again.")
+    setup = ("import torch\nfrom bertembed import BertEmbeddings, Tokenizer, sinusoidal_table\n\n"
+             f"MODEL = {model!r}  # None: the bundled all-MiniLM-L6-v2 (a BERT, not bert-base-uncased)\n"
+             f"text, text_b = {text!r}, {text_b!r}\n"
+             "layer = BertEmbeddings.from_pretrained(MODEL, dtype=torch.float32)  # eval mode: no dropout\n"
+             "tokenizer = Tokenizer.from_pretrained(MODEL)")
+    cells = [("markdown", intro), ("code", setup)]
+    for step in steps(config):
+        cells.append(("markdown", f"## {step.title}\n\n{step.why}"))
+        source = step.code
+        if step.result == "ids":
+            args = "ids, types" if config.type_vocab_size else "ids"
+            source += f"\nwith torch.no_grad():\n    parts = layer.decompose({args})  # the layer's own intermediates"
+        if step.against is not None:
+            check = (f"torch.equal({step.result}, {step.against})" if step.exact else
+                     f"torch.allclose({step.result}, {step.against}, rtol=0, atol=1e-5)")
+            source += f"\nassert {check}\nprint({step.result}.shape, {step.result}[0, :3, :4])"
+        cells.append(("code", source))
+    cells.append(("markdown", "## The figures\n\nThe same text measured by `bertembed explain`: each part's norm and "
+                              "share of the variance LayerNorm divides by."))
+    cells.append(("code", "from bertembed.explain import explain_text\nexplain_text(text, text_b, MODEL)"))
+    return cells
+
+
+def write_notebook(path: str | Path, model: str | None = None, text: str = "The quick brown fox jumps over the lazy "
+                   "dog", text_b: str | None = None) -> Path:
+    """Write the walkthrough notebook to `path` (needs nbformat: pip install 'bertembed[notebook]')."""
+    try:
+        import nbformat
+    except ImportError as err:
+        raise ValueError("writing a notebook needs nbformat: pip install 'bertembed[notebook]'") from err
+    from bertembed.atomic import check_output, write_atomic
+
+    path = check_output(path)
+    book = nbformat.v4.new_notebook()
+    book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
+                  for kind, s in notebook_cells(model, text, text_b)]
+    book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.validate(book)
+    write_atomic(path, nbformat.writes(book).encode("utf-8"))
+    return Path(path)
