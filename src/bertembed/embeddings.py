@@ -177,7 +177,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         modules, stored = self._modules, self._stored_as
         return {name: modules.get(stored.get(name, name)) for name in SUBMODULES}
 
-    def _tables(self, modules=None) -> tuple[torch.Tensor | None, ...]:
+    def tables(self, modules=None) -> tuple[torch.Tensor | None, ...]:
         """(word [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm weight, bias or None) as they are
         now."""
         m = modules or self.submodules()
@@ -190,7 +190,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         """Check the inputs' shapes and dtypes against the tables as they are now (ValueErrors that name the bad value
         and the fix) and return (token_type_ids, position_ids), the missing ones made as the member makes them.
         The ids' values are checked where the tables are read (`_rows`; the fused kernels report any they skip)."""
-        tables = self._tables()
+        tables = self.tables()
         check_table_shapes(tables, self.config.output_width)
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
@@ -246,7 +246,7 @@ class BertEmbeddings(Pretrained, nn.Module):
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
         """The word [B, L, E] and the segment and position rows (None: no such table) of checked, explicit ids,
         after a ValueError for any id outside its table."""
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self._tables()))
+        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self.tables()))
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         segments, positions = self.token_type_embeddings, self.position_embeddings
         segment = None if segments is None else segments(token_type_ids.expand(word.shape[:2]))  # (broadcasts)

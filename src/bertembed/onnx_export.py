@@ -3,24 +3,24 @@
     plain  (default)  torch.onnx.export(dynamo=True) of the reference layer: Gather, Add, LayerNormalization
     fused             one com.microsoft EmbedLayerNormalization node, built with onnx.helper
 
-Both take optimum's inputs as int64 [B, L] (`input_ids`, `attention_mask`, `token_type_ids`; no `token_type_ids`
-for the members optimum exports without them) with dynamic batch and length axes, and give `embeddings` [B, L, E].
-Whole transformers models, with their embedding subgraph replaced by the fused op, are `bertembed.onnx_whole`'s.
+Both take optimum's inputs as int64 [B, L] (`input_names`) with dynamic batch and length axes, and give
+`embeddings` [B, L, E]. Whole transformers models, their embedding subgraph replaced by the fused op, are
+`bertembed.onnx_whole`'s.
 
-Dimension letters: B batch, L length, E table width, V vocabulary, P positions, T segments.
+Dimension letters: B batch, L length, E table width.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
     import onnx
 
@@ -43,41 +43,53 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
     return ("input_ids", "attention_mask", "token_type_ids") if segments else ("input_ids", "attention_mask")
 
 
-def fused_problem(config: EmbeddingConfig, dtype: Any = None) -> str | None:
-    """Why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer (None: it can). The op adds a
+def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
+    """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer. The op adds a
     word, a position and an optional segment row of float32 tables and normalises the sum; nothing else."""
     member = config.model_type
     if config.position_embedding_type == "none":
-        return f"this {member} layer has no position table (its positions enter in attention), but the fused op " \
-               f"always adds a position row"
-    if config.projection == "before_norm":
-        return f"this {member} layer projects E={config.table_width} -> H={config.hidden_size} before its " \
-               f"LayerNorm, but the fused op normalises the sum of the rows itself"
-    if config.mask_output:
-        return f"this {member} layer multiplies its output by the attention mask, which the fused op does not"
-    if dtype is not None and str(dtype) not in ("torch.float32", "float32"):
-        return f"its tables are {dtype}, but ONNX Runtime's fused op runs float32 on the CPU; convert with .float()"
-    return None
+        problem = f"this {member} layer has no position table (its positions enter in attention), but the fused " \
+                  f"op always adds a position row"
+    elif config.projection == "before_norm":
+        problem = f"this {member} layer projects E={config.table_width} -> H={config.hidden_size} before its " \
+                  f"LayerNorm, but the fused op normalises the sum of the rows itself"
+    elif config.mask_output:
+        problem = f"this {member} layer multiplies its output by the attention mask, which the fused op does not"
+    elif str(dtype) not in ("torch.float32", "float32"):
+        problem = f"its tables are {dtype}, but ONNX Runtime's fused op runs float32 on the CPU; convert with .float()"
+    else:
+        return
+    raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
-    """Write `layer` as an ONNX model to `path` (atomically: a failure leaves nothing there); returns the path.
-
-    The graph takes int64 `input_ids` [B, L], `attention_mask` [B, L] (read only by DeBERTa's layer) and, for the
-    members that have them (`input_names`), `token_type_ids` [B, L]; it gives `embeddings` [B, L, E], the layer's
-    output in eval mode. B and L are dynamic. `fused=False`: plain operators, exported by torch from a reference copy
-    of the layer. `fused=True`: ONNX Runtime's com.microsoft EmbedLayerNormalization with the layer's eps, the ids
-    cast to int32 as the op takes them, and RoBERTa-style positions counted from the padding inside the graph;
-    ValueError naming the reason for a member the op cannot compute (`fused_problem`).
-    """
+    """Write `layer` in eval mode as an ONNX model to `path` (atomically: a failure leaves nothing there); returns
+    the path. `attention_mask` is read only by DeBERTa's layer. `fused=False`: plain operators, exported by torch
+    from a reference copy of the layer (the fused kernels refuse tracing; the reference skips its id checks under
+    torch.export). `fused=True`: `fused_graph` of the layer's tables; ValueError where the op cannot compute it."""
     from bertembed.atomic import check_output
     from bertembed.embeddings import BertEmbeddings
 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
                         f"transformers model use bertembed.onnx_whole.export_whole")
-    target, opset = check_output(path), check_opset(opset)
-    model = fused_layer_model(layer, opset) if fused else _plain_layer_model(layer, opset)
+    target, opset, config = check_output(path), check_opset(opset), layer.config
+    if fused:
+        word, segment, position, weight, bias = layer.tables()
+        refuse_unfusable(config, word.dtype)
+        tables = {"word_embeddings.weight": word, "position_embeddings.weight": position, "LayerNorm.weight": weight,
+                  "token_type_embeddings.weight": segment, "LayerNorm.bias": 0 * weight if bias is None else bias}
+        model = fused_graph({k: v.detach().float().cpu().numpy() for k, v in tables.items() if v is not None},
+                            config.layer_norm_eps, inputs=input_names(config),
+                            pad=config.pad_token_id if config.positions_from_padding else None, opset=opset)
+    else:
+        reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
+        reference.backend = "reference"
+
+        def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
+            return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
+
+        model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
     return write_model(model, target)
 
 
@@ -104,52 +116,28 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
     return write_atomic(path, model.SerializeToString())
 
 
-def _plain_layer_model(layer: BertEmbeddings, opset: int) -> onnx.ModelProto:
-    """torch.onnx.export (dynamo) of an eval-mode reference copy of `layer`: the fused kernels refuse tracing, and
-    the reference skips its id checks under torch.export, so the graph holds only the computation."""
+def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int,
+                 what: str) -> onnx.ModelProto:
+    """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs the keyword tensors [B, L] of
+    `input_names(config)`, both axes dynamic, its one output named `output`; ValueError naming `what` and the
+    exporter's reason where torch cannot export it."""
     import torch
 
-    reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
-    reference.backend = "reference"
-
-    class Exported(torch.nn.Module):
+    class Exported(torch.nn.Module):  # (torch.export reads the input names off forward's signature)
         def __init__(self) -> None:
             super().__init__()
-            self.layer = reference
+            self.model = module
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):
-            mask = attention_mask if self.layer.config.mask_output else None
-            return self.layer(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=mask)
-
-    return torch_export(Exported(), layer.config, OUTPUT, opset, f"this {layer.config.model_type} layer")
-
-
-def torch_export(module, config: EmbeddingConfig, output: str, opset: int, what: str) -> onnx.ModelProto:
-    """torch.onnx.export(dynamo=True) of `module`, called with the keyword tensors [B, L] of `input_names(config)`,
-    both axes dynamic, its one output named `output`; ValueError naming `what` and the exporter's reason where torch
-    cannot export it."""
-    import torch
+            given = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            return call(self.model, input_ids=input_ids, attention_mask=attention_mask, **given)
 
     ids = torch.full((2, 8), (config.pad_token_id + 1) % config.vocab_size)  # (a token, not padding)
     example = {name: (ids if name == "input_ids" else torch.ones_like(ids) if name == "attention_mask" else
                       torch.zeros_like(ids)) for name in input_names(config)}
     dims = {i: torch.export.Dim(name) for i, name in AXES.items()}
-    try:
-        with _quiet_exporter():
-            program = torch.onnx.export(module.eval(), (), kwargs=example, dynamo=True, opset_version=opset,
-                                        input_names=list(example), output_names=[output],
-                                        dynamic_shapes={name: dims for name in example}, verbose=False)
-    except Exception as err:  # (the exporter raises many types; each is a limit of torch's, not a bug here)
-        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise ValueError(f"torch {torch.__version__}'s ONNX exporter cannot export {what} ({type(err).__name__}: "
-                         f"{reason}); a newer torch may, else report it with the checkpoint's config.json") from err
-    return program.model_proto
-
-
-@contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """Silence what the exporter says on every export and that is no fault of the model's: that torchvision is not
-    installed, that an axis keeps the name it was given (it does), a deprecation inside torch."""
+    # what the exporter says on every export, no fault of the model's: that torchvision is not installed, that an
+    # axis keeps the name it was given (it does), a deprecation inside torch
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)
@@ -157,33 +145,16 @@ def _quiet_exporter() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"# The axis name")
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
-            yield
+            program = torch.onnx.export(Exported().eval(), (), kwargs=example, dynamo=True, opset_version=opset,
+                                        input_names=list(example), output_names=[output],
+                                        dynamic_shapes={name: dims for name in example}, verbose=False)
+    except Exception as err:  # (the exporter raises many types; each is a limit of torch's, not a bug here)
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ValueError(f"torch {torch.__version__}'s ONNX exporter cannot export {what} ({type(err).__name__}: "
+                         f"{reason}); a newer torch may, else report it with the checkpoint's config.json") from err
     finally:
         registration.setLevel(level)
-
-
-def layer_tables(layer: BertEmbeddings) -> dict[str, np.ndarray]:
-    """The layer's tables as float32 numpy arrays under its state-dict names (a computed sinusoidal table too,
-    which the state dict leaves out); a missing LayerNorm bias is zeros, which is the same norm."""
-    modules = layer.submodules()
-    arrays = {f"{name}.weight": modules[name].weight for name in
-              ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
-              if modules[name] is not None}
-    norm = modules["LayerNorm"]
-    arrays = {k: v.detach().float().cpu().numpy() for k, v in arrays.items()}
-    arrays["LayerNorm.bias"] = (norm.bias.detach().float().cpu().numpy() if norm.bias is not None else
-                                0 * arrays["LayerNorm.weight"])
-    return arrays
-
-
-def fused_layer_model(layer: BertEmbeddings, opset: int = 18) -> onnx.ModelProto:
-    """The graph of `export_onnx(..., fused=True)`; ValueError where the op cannot compute the layer."""
-    config = layer.config
-    problem = fused_problem(config, layer.word_embeddings.weight.dtype)
-    if problem:
-        raise ValueError(f"cannot write the fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
-    return fused_graph(layer_tables(layer), config.layer_norm_eps, inputs=input_names(config),
-                       pad=config.pad_token_id if config.positions_from_padding else None, opset=opset)
+    return program.model_proto
 
 
 def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str, ...] = ("input_ids", "token_type_ids"),
@@ -196,15 +167,23 @@ def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str,
     onnx = require_onnx()
     from onnx import TensorProto, helper, numpy_helper
 
-    nodes, ids = _int32_inputs(inputs, int32_inputs)
-    if "token_type_embeddings.weight" in tables and "token_type_ids" not in ids:
-        nodes.append(helper.make_node("Shape", [ids["input_ids"]], ["ids_shape"]))
-        nodes.append(helper.make_node("ConstantOfShape", ["ids_shape"], ["token_type_ids_i32"],
-                                      value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])))
+    ids = {name: name if int32_inputs else f"{name}_i32" for name in inputs}
+    nodes = [] if int32_inputs else [helper.make_node("Cast", [n], [ids[n]], to=TensorProto.INT32) for n in inputs]
+    segment = "token_type_embeddings.weight" in tables
+    if segment and "token_type_ids" not in ids:
         ids["token_type_ids"] = "token_type_ids_i32"
-    if pad is not None:
-        nodes += _positions_from_padding(ids["input_ids"], pad)
-    segment = "token_type_ids" in ids and "token_type_embeddings.weight" in tables
+        nodes.append(helper.make_node("Shape", [ids["input_ids"]], ["ids_shape"]))
+        nodes.append(helper.make_node("ConstantOfShape", ["ids_shape"], [ids["token_type_ids"]],
+                                      value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])))
+    if pad is not None:  # as RoBERTa: tokens count from pad + 1, padding tokens get pad's row
+        nodes += [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, TensorProto.INT32, [], [v]))
+                  for k, v in (("pad_id", pad), ("length_axis", 1))]
+        nodes += [helper.make_node("Equal", [ids["input_ids"], "pad_id"], ["is_pad"]),
+                  helper.make_node("Not", ["is_pad"], ["is_token"]),
+                  helper.make_node("Cast", ["is_token"], ["token_mask"], to=TensorProto.INT32),
+                  helper.make_node("CumSum", ["token_mask", "length_axis"], ["token_count"]),
+                  helper.make_node("Mul", ["token_count", "token_mask"], ["token_positions"]),
+                  helper.make_node("Add", ["token_positions", "pad_id"], ["position_ids"])]
     operands = [ids["input_ids"], ids["token_type_ids"] if segment else "", "word_embeddings.weight",
                 "position_embeddings.weight", "token_type_embeddings.weight" if segment else "", "LayerNorm.weight",
                 "LayerNorm.bias", ids.get("attention_mask", ""), "position_ids" if pad is not None else ""]
@@ -222,33 +201,6 @@ def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str,
                               ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
     onnx.checker.check_model(model)
     return model
-
-
-def _int32_inputs(inputs: tuple[str, ...], already: bool) -> tuple[list, dict[str, str]]:
-    """(Cast nodes, input name -> the name of its int32 tensor) for the graph's id inputs."""
-    from onnx import TensorProto, helper
-
-    if already:
-        return [], {name: name for name in inputs}
-    nodes = [helper.make_node("Cast", [name], [f"{name}_i32"], to=TensorProto.INT32) for name in inputs]
-    return nodes, {name: f"{name}_i32" for name in inputs}
-
-
-def _positions_from_padding(ids: str, pad: int) -> list:
-    """Nodes computing `position_ids` [B, L] int32 from int32 `ids` as RoBERTa does: tokens count from pad + 1,
-    padding tokens get pad's row."""
-    from onnx import TensorProto, helper
-
-    def const(name: str, value: int) -> Any:
-        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT32, [], [value]))
-
-    return [const("pad_id", pad), const("length_axis", 1),
-            helper.make_node("Equal", [ids, "pad_id"], ["is_pad"]),
-            helper.make_node("Not", ["is_pad"], ["is_token"]),
-            helper.make_node("Cast", ["is_token"], ["token_mask"], to=TensorProto.INT32),
-            helper.make_node("CumSum", ["token_mask", "length_axis"], ["token_count"]),
-            helper.make_node("Mul", ["token_count", "token_mask"], ["token_positions"]),
-            helper.make_node("Add", ["token_positions", "pad_id"], ["position_ids"])]
 
 
 def require_onnx():

@@ -19,7 +19,7 @@ from bertembed.family import layout
 from bertembed.onnx_export import (
     NOT_FUSED_FIX,
     check_opset,
-    fused_problem,
+    refuse_unfusable,
     require_onnx,
     torch_export,
     write_model,
@@ -41,7 +41,7 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     target, opset = check_output(path), check_opset(opset)
     hf, config = load_model(model)
     if fused:  # (refused before the export's seconds are spent)
-        _refuse_unfusable(config, "float32")
+        refuse_unfusable(config)
     graph = export_model(hf, config, opset)
     return write_model(fuse_embeddings(graph, config) if fused else graph, target)
 
@@ -75,34 +75,19 @@ def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
 def export_model(hf, config: EmbeddingConfig, opset: int = 18) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) of transformers model `hf`: optimum's inputs for `config`'s member, its
     `last_hidden_state` as the one output."""
-    import torch
-
-    class Exported(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = hf
-
-        def forward(self, input_ids, attention_mask, token_type_ids=None):
-            given = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, **given).last_hidden_state
-
-    return torch_export(Exported(), config, OUTPUT, opset, f"the {config.model_type} model")
-
-
-def _refuse_unfusable(config: EmbeddingConfig, dtype: Any) -> None:
-    problem = fused_problem(config, dtype)
-    if problem:
-        raise ValueError(f"cannot fuse the embeddings into EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+    return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, OUTPUT, opset,
+                        f"the {config.model_type} model")
 
 
 def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
     """A copy of `model` (a transformers model exported by `export_model`) whose embedding LayerNormalization and the
     Gathers and Adds feeding it are one com.microsoft EmbedLayerNormalization; ValueError where the member cannot be
-    fused (`fused_problem`) or the graph has no embedding subgraph of the expected form."""
+    fused (`refuse_unfusable`) or the graph has no embedding subgraph of the expected form."""
     onnx = require_onnx()
     from onnx import helper
+    from onnxscript.optimizer import remove_unused_nodes
 
-    _refuse_unfusable(config, "float32")
+    refuse_unfusable(config)
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     graph = fused.graph
@@ -121,30 +106,29 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
         [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
         epsilon=eps)
     at = list(graph.node).index(norm)
-    kept = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
+    nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
     del graph.node[:]
-    graph.node.extend(_live(kept, {o.name for o in graph.output}))
-    _drop_unused_initializers(graph)
+    graph.node.extend(nodes)
     if not any(o.domain == "com.microsoft" for o in fused.opset_import):
         fused.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    remove_unused_nodes(fused)  # (in place: the Gathers and Adds the fused node replaced, their tables too)
     onnx.checker.check_model(fused)
     return fused
 
 
 def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
     """The layer's state-dict name -> the graph's initializer of that table (the member's checkpoint key, `layout`)."""
-    initializers = {i.name for i in graph.initializer}
+    keys = layout(config.model_type)
     names = {}
-    for ours, key in layout(config.model_type).items():
-        found = [name for name in initializers if name == key or name.endswith("." + key)]
-        if len(found) == 1:
+    for ours, key in keys.items():
+        found = [i.name for i in graph.initializer if i.name == key or i.name.endswith("." + key)]
+        if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
             names[ours] = found[0]
     missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight", "LayerNorm.weight") if
                k not in names]
     if missing:
         raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
-                         f"{[layout(config.model_type)[k] for k in missing]}); cannot fuse its embeddings; "
-                         f"{NOT_FUSED_FIX}")
+                         f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
     return names
 
 
@@ -170,29 +154,3 @@ def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, A
         raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
                          f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
     return norms[0], roles
-
-
-def _reads(node) -> set[str]:
-    """The names `node` reads, those its subgraphs (If, Loop, Scan) read from the outer scope included."""
-    names = set(node.input)
-    for attribute in node.attribute:
-        for sub in [attribute.g, *attribute.graphs]:
-            names |= {name for inner in sub.node for name in _reads(inner)}
-    return names
-
-
-def _live(nodes: list, outputs: set[str]) -> list:
-    """`nodes` (in order) less those whose outputs nothing reads, repeatedly: the subgraph the fused node replaced."""
-    while True:
-        read = set().union(*map(_reads, nodes)) | outputs
-        kept = [node for node in nodes if any(out in read for out in node.output if out)]
-        if len(kept) == len(nodes):
-            return kept
-        nodes = kept
-
-
-def _drop_unused_initializers(graph) -> None:
-    read = set().union(*map(_reads, graph.node))
-    kept = [init for init in graph.initializer if init.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
