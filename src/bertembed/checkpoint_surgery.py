@@ -1,19 +1,12 @@
 """Surgery on whole checkpoints: every tensor of SRC read, the embedding tables changed by the layer's own surgery
-(`bertembed.surgery`) and a new checkpoint written to DST, which must not exist yet. SRC is only read.
-
-    extend_positions_checkpoint("roberta-base", "roberta-4096", 4096)    # bertembed surgery extend-positions
-    add_tokens_checkpoint / prune_vocab_checkpoint                         # bertembed.vocab_surgery
-
-DST gets every file of SRC: the weights as safetensors (sharded as transformers shards them, over 5 GB), config.json
-and the tokenizer's files updated, the rest (README, a sentence-transformers folder's modules) copied. It appears
-whole or not at all (`bertembed.atomic`): a failure at any point leaves no DST behind.
+(`bertembed.surgery`; `bertembed.vocab_surgery` for tokens) and a new checkpoint written to DST, which must not exist
+yet. SRC is only read; DST appears whole or not at all (`bertembed.atomic`). docs/surgery.md says what DST holds.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -23,15 +16,12 @@ from typing import Any
 import torch
 
 from bertembed.atomic import atomic_folder
-from bertembed.checkpoint import _shard, embedding_keys
+from bertembed.checkpoint import WEIGHT_FILES, _shard, embedding_keys
 from bertembed.config import read_json
 from bertembed.embeddings import BertEmbeddings
-from bertembed.sources import Source, resolve
+from bertembed.sources import resolve
 from bertembed.tensor_files import open_weights
 
-log = logging.getLogger(__name__)
-
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # copies of the model in other formats (TensorFlow, Flax, Rust, ONNX, OpenVINO, Core ML, TFLite): DST would carry
 # them unchanged, old tables under new ids, so they are left out (and, for a hub id, not downloaded)
 STALE = ("*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.mlpackage", "onnx",
@@ -48,17 +38,12 @@ class WholeCheckpoint:
     keys: dict[str, str]  # the layer's state-dict name -> the checkpoint key of each embedding tensor it has
     weight_files: set[str]  # SRC's weight files and index, replaced by DST's own
     layer: BertEmbeddings
+    target: Path  # DST, checked (`check_destination`)
     files: dict[str, str] = field(default_factory=dict)  # text files of DST that replace SRC's (config, tokenizer)
     dropped: set[str] = field(default_factory=set)  # SRC entries DST must not carry (other formats' stale copies)
 
-    def put(self, name: str, value: torch.Tensor) -> None:
-        """Store the layer's `name` (a state-dict name) into the checkpoint under its own key."""
-        self.tensors[self.keys[name]] = value.detach().contiguous()
-
     def json_file(self, name: str) -> dict[str, Any] | None:
-        """One of SRC's JSON files (or DST's version of it, once changed); None where SRC has none."""
-        if name in self.files:
-            return json.loads(self.files[name])
+        """One of SRC's JSON files; None where SRC has none."""
         path = self.folder / name
         return read_json(path) if path.is_file() else None
 
@@ -66,13 +51,13 @@ class WholeCheckpoint:
         self.files[name] = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def check_destination(dst: str | Path, src: Path | None = None) -> Path:
+def check_destination(dst: str | Path, src: Path) -> Path:
     """DST as an absolute path; ValueError if it exists or lies inside SRC, PermissionError if it cannot be made."""
     target = Path(os.path.abspath(Path(dst).expanduser()))
     if target.exists() or target.is_symlink():
         raise ValueError(f"{target} already exists; surgery writes a new checkpoint and never overwrites one: pass a "
                          f"new folder name, or delete that folder first")
-    if src is not None and target.is_relative_to(src.resolve()):
+    if target.is_relative_to(src.resolve()):
         raise ValueError(f"{target} lies inside the source checkpoint {src}; write the new checkpoint beside it")
     parent = next(p for p in target.parents if p.exists())
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -80,20 +65,32 @@ def check_destination(dst: str | Path, src: Path | None = None) -> Path:
     return target
 
 
-def read_whole(src: str | Path | Source | None, *, revision: str | None = None, local_files_only: bool = False) \
-        -> WholeCheckpoint:
-    """Every tensor of checkpoint `src` (a folder or hub id; sharded or not, safetensors or .bin) and its layer."""
-    source = resolve(src, revision=revision, local_files_only=local_files_only)
+def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
+    """DST checked first, then every tensor of checkpoint `src` (a folder or hub id; sharded or not, safetensors or
+    .bin) and its layer."""
+    source = resolve(src)
+    target = check_destination(dst, source.folder)
     if source.kind == "file":
         raise ValueError(f"{source.weights_file} is a single weights file; surgery rewrites a whole checkpoint and "
                          f"needs its folder (config.json, tokenizer files): pass the folder")
-    folder = _local_folder(source)
+    folder = source.folder
+    if source.kind == "hub":  # the whole snapshot, fetched into the cache
+        from huggingface_hub import snapshot_download
+
+        patterns = [*STALE, *(f"{name}/*" for name in STALE if "." not in name)]
+        folder = Path(snapshot_download(source.name, revision=source.revision,
+                                        local_files_only=source.local_files_only, ignore_patterns=patterns))
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")
     with torch.random.fork_rng(devices=[]):  # (building the layer draws; a seed set before the surgery is for it)
         layer = BertEmbeddings.from_pretrained(folder)
-    files = _weight_paths(source, folder)
+    files = [next(folder / name for name in WEIGHT_FILES if (folder / name).is_file())]  # (the layer found one)
+    if files[0].name.endswith(".index.json"):  # every shard the index names
+        weight_map = read_json(files[0]).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{files[0]} has no valid 'weight_map'; the sharded checkpoint's index is corrupt")
+        files = [_shard(source, files[0], shard) for shard in sorted(set(weight_map.values()))]
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for path in files:
@@ -106,84 +103,49 @@ def read_whole(src: str | Path | Source | None, *, revision: str | None = None, 
             tensors[key] = tensor
     wanted = embedding_keys(list(tensors), layer.config.model_type, files[0])
     keys = {name: key for key, name in wanted.items() if key in tensors}
-    names = {p.name for p in files} | {n for n in _WEIGHTS if (folder / n).is_file()}
+    names = {p.name for p in files} | {n for n in WEIGHT_FILES if (folder / n).is_file()}
     stale = {p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pattern) for pattern in STALE)}
-    return WholeCheckpoint(folder, read_json(config_path), tensors, keys, names, layer, dropped=stale)
+    return WholeCheckpoint(folder, read_json(config_path), tensors, keys, names, layer, target, dropped=stale)
 
 
-def _local_folder(source: Source) -> Path:
-    """The folder holding every file of `source`: for a hub id, the whole snapshot, fetched into the cache."""
-    if source.kind != "hub":
-        return source.folder
-    from huggingface_hub import snapshot_download
-
-    patterns = [*STALE, *(f"{name}/*" for name in STALE if "." not in name)]
-    return Path(snapshot_download(source.name, revision=source.revision, local_files_only=source.local_files_only,
-                                  ignore_patterns=patterns))
-
-
-def _weight_paths(source: Source, folder: Path) -> list[Path]:
-    """The weight files of the checkpoint: the one file, or every shard its index names."""
-    for name in _WEIGHTS:
-        path = folder / name
-        if not path.is_file():
-            continue
-        if not name.endswith(".index.json"):
-            return [path]
-        weight_map = read_json(path).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{path} has no valid 'weight_map'; the sharded checkpoint's index is corrupt")
-        return [_shard(source, path, shard) for shard in sorted(set(weight_map.values()))]
-    raise FileNotFoundError(f"{folder} has none of {', '.join(_WEIGHTS)}")
-
-
-def write_whole(whole: WholeCheckpoint, dst: Path) -> Path:
-    """Write DST: SRC's other files copied, the tensors as safetensors, then DST's own versions of the text files."""
+def write_whole(whole: WholeCheckpoint) -> dict[str, Any]:
+    """Write DST: SRC's other files copied, the tensors as safetensors, then DST's own versions of the text files.
+    Returns the report's common entries."""
     from huggingface_hub import save_torch_state_dict
 
     skip = whole.weight_files | set(whole.files) | whole.dropped
-    with atomic_folder(dst, keep_others=False) as staging:
-        for entry in whole.folder.iterdir():
-            if entry.name in skip:
-                continue
-            if entry.is_dir():
-                if entry.name.startswith("."):  # (.git, .cache: a clone's or the hub's bookkeeping, not the model's)
-                    continue
-                shutil.copytree(entry, staging / entry.name)
-            else:
-                shutil.copy2(entry, staging / entry.name)  # (the hub cache's links: the files they point to)
+    with atomic_folder(whole.target, keep_others=False) as staging:
+        for entry in whole.folder.iterdir():  # (links, as the hub cache's, copied as the files they point to)
+            if entry.name in skip or entry.is_dir() and entry.name.startswith("."):
+                continue  # (a hidden folder, .git or .cache: a clone's or the hub's bookkeeping, not the model's)
+            copy = shutil.copytree if entry.is_dir() else shutil.copy2
+            copy(entry, staging / entry.name)
         save_torch_state_dict(whole.tensors, staging, metadata={"format": "pt"})
         for name, text in whole.files.items():
             (staging / name).write_text(text, encoding="utf-8")
-    return dst
+    return {"destination": str(whole.target), "dropped_files": sorted(whole.dropped)}
 
 
 def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int, method: str = "copy") -> dict:
     """Write checkpoint `src` to `dst` with a position table for `n` positions (`BertEmbeddings.extend_positions`):
     config.json's `max_position_embeddings` (transformers' count: RoBERTa's 2 reserved rows included), a stored
     position-id buffer and the tokenizer's `model_max_length` follow. Returns what changed, for the report."""
-    source = resolve(src)
-    target = check_destination(dst, source.folder)
-    whole = read_whole(source)
-    before = whole.layer.config.max_position_embeddings
-    whole.layer.extend_positions(n, method=method)
-    rows = whole.layer.config.max_position_embeddings
-    whole.put("position_embeddings.weight", whole.layer.position_embeddings.weight)
-    prefix = whole.keys["position_embeddings.weight"].removesuffix("position_embeddings.weight")
+    whole = read_whole(src, dst)
+    layer = whole.layer
+    before = layer.config.max_position_embeddings
+    rows = layer.extend_positions(n, method=method).config.max_position_embeddings
+    key = whole.keys["position_embeddings.weight"]
+    whole.tensors[key] = layer.position_embeddings.weight.detach().contiguous()
+    prefix = key.removesuffix("position_embeddings.weight")
     for buffer in ("position_ids", "token_type_ids"):  # id buffers some checkpoints store ([1, P] int64)
-        stored = whole.tensors.get(prefix + buffer)
-        if stored is not None:
-            ids = torch.arange(rows) if buffer == "position_ids" else torch.zeros(rows)
-            whole.tensors[prefix + buffer] = ids.to(stored.dtype)[None]
+        if (stored := whole.tensors.get(prefix + buffer)) is not None:
+            whole.tensors[prefix + buffer] = getattr(layer, buffer).to(stored.dtype)
     config = dict(whole.config, max_position_embeddings=rows)
     if config.get("relative_attention") and config.get("max_relative_positions", -1) < 1 \
             and config.get("position_buckets", -1) <= 0:  # DeBERTa sizes its relative table by the position count
         config["max_relative_positions"] = before
     whole.set_json("config.json", config)
-    tokenizer_config = whole.json_file("tokenizer_config.json")
-    if tokenizer_config is not None:
+    if (tokenizer_config := whole.json_file("tokenizer_config.json")) is not None:
         whole.set_json("tokenizer_config.json", dict(tokenizer_config, model_max_length=n))
-    write_whole(whole, target)
-    return {"positions_before": before - whole.layer.config.first_position, "positions_after": n,
-            "rows_before": before, "rows_after": rows, "method": method, "destination": str(target),
-            "dropped_files": sorted(whole.dropped)}
+    return {"positions_before": before - layer.config.first_position, "positions_after": n, "rows_before": before,
+            "rows_after": rows, "method": method} | write_whole(whole)

@@ -1,10 +1,6 @@
-"""Surgery on the layer's tables: more positions than it was trained with, and a larger or smaller vocabulary.
-
-    layer.extend_positions(4096, method="copy")      # Longformer's tiling; "interpolate", "repeat_last", "sinusoidal"
-    layer.resize_vocab(30600, pad_to_multiple_of=8)  # transformers' resize_token_embeddings, on this layer
-
-Both change the layer in place, its config with it, and return it. Old rows are kept bit for bit (except where
-"interpolate" moves them by design), so inputs that fitted before give the same outputs after.
+"""Surgery on the layer's tables: more positions than it was trained with (`extend_positions`), and a larger or
+smaller vocabulary (`resize_vocab`, transformers' `resize_token_embeddings`). Both change the layer in place, its
+config with it, and return it.
 
 Dimension letters: P position rows, R reserved rows (RoBERTa's), N usable positions, V vocabulary, E table width.
 """
@@ -18,15 +14,11 @@ METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
 
 
 def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> torch.Tensor:
-    """The position table [R + N_old, E] grown to [R + n, E] by `method`; the R reserved rows (RoBERTa's row 0 and its
-    padding row) kept verbatim on top, the usable rows after them:
-
-    - "copy": the old usable rows tiled, as Longformer's conversion does;
-    - "interpolate": old row i at row f*i (f = n / N_old, a whole number), linear blends between, the last row
-      repeated at the end, as LongEmbed does (old rows move: row i is no longer at i);
-    - "repeat_last": the last row repeated, as PreSumm does;
-    - "sinusoidal": the new rows from the sin/cos table at their positions, scaled to the old rows' mean norm.
-    """
+    """The position table [R + N_old, E] grown to [R + n, E] by `method`, the R reserved rows (RoBERTa's row 0 and its
+    padding row) kept verbatim on top: "copy" tiles the old usable rows (Longformer); "interpolate" puts old row i at
+    row f*i (f = n / N_old, a whole number), blends linearly between and repeats the last row at the end (LongEmbed;
+    old rows move); "repeat_last" repeats the last row (PreSumm); "sinusoidal" fills the new rows with the sin/cos
+    table at their positions, scaled to the old rows' mean norm."""
     from bertembed.numpy_layer import sinusoidal_table_np
 
     head, old = table[:reserved], table[reserved:]
@@ -59,8 +51,7 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
 def extend_positions(layer, n: int, method: str = "copy"):
     """Let `layer` take sequences of `n` positions (its reserved rows not counted), its position table grown by
     `method` (`extended_rows`). The config's `max_position_embeddings` and the default-id buffers follow."""
-    config = layer.config
-    positions = layer.position_embeddings
+    config, positions = layer.config, layer.position_embeddings
     if not isinstance(positions, nn.Embedding):
         kind = "no position table (positions enter in attention)" if positions is None else \
             "a computed sinusoidal table (build the layer with a larger max_position_embeddings instead)"
@@ -70,16 +61,9 @@ def extend_positions(layer, n: int, method: str = "copy"):
     if not isinstance(n, int) or isinstance(n, bool) or n <= usable:
         raise ValueError(f"n={n!r} must be an integer above the {usable} positions the table has now; shrinking a "
                          f"table is not extending it")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
-    with torch.no_grad():
-        rows = extended_rows(positions.weight.detach(), reserved, n, method)
-    grown = nn.Embedding(rows.shape[0], rows.shape[1], padding_idx=positions.padding_idx, device=rows.device,
-                         dtype=rows.dtype)
-    with torch.no_grad():
-        grown.weight.copy_(rows)
-    grown.weight.requires_grad_(positions.weight.requires_grad)
-    layer.position_embeddings = grown
+    rows = extended_rows(positions.weight.detach(), reserved, n, method)  # (ValueError for an unknown method)
+    layer.position_embeddings = nn.Embedding.from_pretrained(rows, freeze=not positions.weight.requires_grad,
+                                                             padding_idx=positions.padding_idx)
     layer.config = config.replace(max_position_embeddings=rows.shape[0])
     ids = torch.arange(rows.shape[0], device=layer.position_ids.device)[None]
     layer.register_buffer("position_ids", ids, persistent=False)
@@ -89,10 +73,8 @@ def extend_positions(layer, n: int, method: str = "copy"):
 
 def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: str = "mean"):
     """Give the word table `n` rows (rounded up to `pad_to_multiple_of`), as transformers' `resize_token_embeddings`
-    does: old rows kept as they are (a trained pad row is not zeroed again), shrinking drops rows from the end (not
-    past the padding row: ValueError), new rows drawn near the old rows' mean with 1e-9 times their
-    covariance (`init="mean"`; the plain mean where that is not positive definite) or from normal(0,
-    initializer_range) (`init="normal"`), with torch's generator as transformers draws them."""
+    does: old rows kept (a trained pad row is not zeroed again), shrinking drops rows from the end (not past the
+    padding row: ValueError), new rows by `init` (`grown_rows`)."""
     if init not in ("mean", "normal"):
         raise ValueError(f"init={init!r} is not 'mean' or 'normal'")
     if pad_to_multiple_of is not None:
@@ -103,24 +85,23 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
         raise ValueError(f"n={n!r} must be a positive number of rows")
     words = layer.word_embeddings
     old = words.weight.detach()
-    count, width = old.shape
-    if n == count:
+    if n == old.shape[0]:
         return layer
     if words.padding_idx is not None and words.padding_idx >= n:
         raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
                          f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
                          f"least {words.padding_idx + 1} rows")
-    resized = grown_embedding(old, n, init, layer.config.initializer_range)
-    resized.padding_idx = words.padding_idx  # (set after the copy: the kept pad row is not zeroed again)
-    resized.weight.requires_grad_(words.weight.requires_grad)
-    layer.word_embeddings = resized
+    rows = grown_rows(old, n, init, layer.config.initializer_range)  # (the kept pad row is not zeroed again)
+    layer.word_embeddings = nn.Embedding.from_pretrained(rows, freeze=not words.weight.requires_grad,
+                                                         padding_idx=words.padding_idx)
     layer.config = layer.config.replace(vocab_size=n)
     return layer
 
 
-def grown_embedding(old: torch.Tensor, n: int, init: str, std: float) -> nn.Embedding:
-    """An Embedding of `n` rows: the first rows of `old` [V, E], new rows after them by `init` ("mean" or "normal",
-    as `resize_vocab` says), drawn in the order transformers draws them, so that one seed gives the same rows."""
+def grown_rows(old: torch.Tensor, n: int, init: str, std: float) -> torch.Tensor:
+    """A table of `n` rows: the first rows of `old` [V, E], new rows after them drawn near the old rows' mean
+    (`init="mean"`, `_near_the_mean`) or from normal(0, `std`) (`"normal"`), in the order transformers draws them, so
+    that one seed gives the same rows."""
     count, width = old.shape
     resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
     with torch.no_grad():
@@ -129,11 +110,12 @@ def grown_embedding(old: torch.Tensor, n: int, init: str, std: float) -> nn.Embe
         elif n > count:
             resized.weight[count:] = _near_the_mean(old, n - count)
         resized.weight[:min(n, count)] = old[:min(n, count)]
-    return resized
+    return resized.weight.detach()
 
 
 def _near_the_mean(old: torch.Tensor, count: int) -> torch.Tensor:
-    """`count` rows from a normal with the old rows' mean and 1e-9 times their covariance (transformers' rule)."""
+    """`count` rows from a normal with the old rows' mean and 1e-9 times their covariance (transformers' rule; the
+    plain mean where that is not positive definite)."""
     weights = old.float()
     mean = weights.mean(0)
     centred = weights - mean

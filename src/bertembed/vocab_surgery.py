@@ -1,7 +1,7 @@
 """Vocabulary surgery on whole checkpoints: tokens added to the tokenizer and rows to the word table, or the
-vocabulary pruned to what a corpus uses. The tokenizer is the checkpoint's tokenizer.json, edited with `tokenizers`
-(WordPiece, BPE, Unigram and WordLevel models); tensors indexed by token (a tied or untied MLM decoder, its bias)
-change with the word table. SRC is only read; DST is written whole (`bertembed.checkpoint_surgery`).
+vocabulary pruned to what a corpus uses. The checkpoint's tokenizer.json is edited with `tokenizers` (WordPiece, BPE,
+Unigram and WordLevel models); tensors indexed by token (a tied or untied MLM decoder, its bias) follow the word table.
+DST is written whole (`bertembed.checkpoint_surgery`).
 
 Dimension letters: V vocabulary rows, E table width.
 """
@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from bertembed.checkpoint_surgery import WholeCheckpoint, check_destination, read_whole, write_whole
-from bertembed.sources import resolve
-from bertembed.surgery import grown_embedding
+from bertembed.checkpoint_surgery import WholeCheckpoint, read_whole, write_whole
+from bertembed.surgery import grown_rows
 
 INITS = ("pieces", "mean", "normal")
 _ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "unk_token_id",
@@ -24,12 +23,10 @@ _ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls
 
 
 def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[str], init: str = "pieces") -> dict:
-    """Write checkpoint `src` to `dst` with `tokens` added to its tokenizer (new ids after the tokenizer's last, as
-    `tokenizers` assigns them) and rows for them in the word table and every tensor indexed by token.
-
-    A new row starts as the mean of the rows of the pieces the old tokenizer split the token into (`init="pieces"`),
-    or as transformers' `resize_token_embeddings` draws rows (`"mean"`, `"normal"`); a new token's MLM bias is 0.
-    Tokens the tokenizer already has are reported, not added. Returns what changed, for the report."""
+    """Write checkpoint `src` to `dst` with `tokens` added to its tokenizer (ids after its last, as `tokenizers`
+    assigns them) and rows for them in every tensor indexed by token: the mean of the rows of the pieces the old
+    tokenizer split a token into (`init="pieces"`), or transformers' draws (`"mean"`, `"normal"`); 0 in an MLM bias.
+    Returns what changed, for the report."""
     from tokenizers import AddedToken
 
     if init not in INITS:
@@ -37,10 +34,8 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
     tokens = list(dict.fromkeys(tokens))
     if not tokens or any(not isinstance(t, str) or not t.strip() for t in tokens):
         raise ValueError(f"tokens={tokens!r}: give at least one token, none of them blank")
-    source = resolve(src)
-    target = check_destination(dst, source.folder)
-    whole = read_whole(source)
-    tokenizer, stored = _tokenizer(whole)
+    whole = read_whole(src, dst)
+    tokenizer, data = _tokenizer(whole)
     present = [t for t in tokens if tokenizer.token_to_id(t) is not None]
     fresh = [t for t in tokens if t not in present]
     if not fresh:
@@ -56,36 +51,31 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
     added = dict(zip(fresh, ids, strict=True))
     before = whole.layer.config.vocab_size
     rows = max(before, max(ids) + 1)
-    for key, value in _indexed_by_token(whole, before).items():
-        whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, _std(whole))
-    _retokenized(whole, json.dumps(json.loads(tokenizer.to_str()) | stored, ensure_ascii=False), rows)
+    std = float(whole.config.get("initializer_range", whole.layer.config.initializer_range))
+    resized = _indexed_by_token(whole, before)
+    for key, value in resized.items():
+        whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, std)
+    whole.files["tokenizer.json"] = json.dumps(dict(json.loads(tokenizer.to_str()), padding=data["padding"],
+                                                    truncation=data["truncation"]), ensure_ascii=False)
+    whole.set_json("config.json", dict(whole.config, vocab_size=rows))
     entry = {"lstrip": False, "normalized": True, "rstrip": False, "single_word": False, "special": False}
     _update_added_decoder(whole, lambda decoder: decoder | {str(i): dict(entry, content=t) for t, i in added.items()},
                           lambda legacy: legacy | added)
-    write_whole(whole, target)
     return {"added": added, "already_present": present, "pieces": dict(zip(fresh, pieces, strict=True)),
-            "rows_before": before, "rows_after": rows, "init": init, "destination": str(target),
-            "resized": sorted(_indexed_by_token(whole, rows)), "dropped_files": sorted(whole.dropped)}
+            "rows_before": before, "rows_after": rows, "init": init, "resized": sorted(resized)} | write_whole(whole)
 
 
 def _tokenizer(whole: WholeCheckpoint):
-    """SRC's tokenizer.json loaded, its stored padding and truncation off (they would pad or cut what is encoded
-    here), and those settings, for DST's file."""
+    """SRC's tokenizer.json loaded with its stored padding and truncation off (they would pad or cut what is encoded
+    here), and the file's data as `tokenizers` writes it, those settings included."""
     from tokenizers import Tokenizer
 
     path = whole.folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{whole.folder} has no tokenizer.json; vocabulary surgery edits the fast tokenizer's "
                                 f"file: save the tokenizer with transformers (use_fast=True) into the folder first")
-    tokenizer = Tokenizer.from_file(str(path))
-    stored = {k: v for k, v in json.loads(tokenizer.to_str()).items() if k in ("padding", "truncation")}
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    return tokenizer, stored
-
-
-def _std(whole: WholeCheckpoint) -> float:
-    return float(whole.config.get("initializer_range", whole.layer.config.initializer_range))
+    data = json.loads(Tokenizer.from_file(str(path)).to_str())
+    return Tokenizer.from_str(json.dumps(dict(data, padding=None, truncation=None))), data
 
 
 def _indexed_by_token(whole: WholeCheckpoint, rows: int) -> dict[str, torch.Tensor]:
@@ -93,52 +83,38 @@ def _indexed_by_token(whole: WholeCheckpoint, rows: int) -> dict[str, torch.Tens
     MLM decoder) and [V] vector (its bias) of the checkpoint."""
     word_key = whole.keys["word_embeddings.weight"]
     width = whole.tensors[word_key].shape[1]
-    embedding = set(whole.keys.values())
-    found = {word_key: whole.tensors[word_key]}
-    for key, value in whole.tensors.items():
-        if key not in embedding and value.is_floating_point() and value.shape[:1] == (rows,) and \
-                (value.dim() == 1 or value.dim() == 2 and value.shape[1] == width):
-            found[key] = value
-    return found
+    return {word_key: whole.tensors[word_key]} | {
+        key: value for key, value in whole.tensors.items() if key not in whole.keys.values()
+        and value.is_floating_point() and value.shape[:1] == (rows,) and value.shape[1:] in ((), (width,))}
 
 
 def _with_rows(value: torch.Tensor, ids: list[int], rows: int, pieces: list[list[int]], init: str, std: float):
     """`value` ([V] or [V, E]) grown to `rows`, the entries of the new `ids` set: 0 for a bias (as transformers pads
     one), else by `init`."""
-    if value.dim() == 1:
-        grown = torch.cat([value, value.new_zeros(rows - value.shape[0])])
-        grown[ids] = 0
-        return grown
     count = value.shape[0]
-    if init != "pieces":  # transformers' draws; then the rows of ids inside the table (a tokenizer smaller than it)
-        grown = grown_embedding(value, rows, init, std).weight.detach()
+    if value.dim() == 2 and init != "pieces":  # transformers' draws, then again for ids inside a padded table
+        grown = grown_rows(value, rows, init, std)
         inside = [i for i in ids if i < count]
         if inside:
-            grown[inside] = grown_embedding(value, count + len(inside), init, std).weight.detach()[count:]
+            grown[inside] = grown_rows(value, count + len(inside), init, std)[count:]
         return grown
-    empty = [i for i, p in zip(ids, pieces, strict=True) if not p]
-    if empty:
+    grown = torch.cat([value, value.new_zeros(rows - count, *value.shape[1:])])
+    if value.dim() == 1:
+        grown[ids] = 0
+    elif empty := [i for i, p in zip(ids, pieces, strict=True) if not p]:
         raise ValueError(f"the tokenizer splits the new token(s) with id {empty} into no pieces; use --init mean")
-    grown = torch.cat([value, value.new_zeros(rows - count, value.shape[1])])
-    grown[ids] = torch.stack([value[p].double().mean(0) for p in pieces]).to(value.dtype)
+    else:
+        grown[ids] = torch.stack([value[p].double().mean(0) for p in pieces]).to(value.dtype)
     return grown
-
-
-def _retokenized(whole: WholeCheckpoint, tokenizer_json: str, rows: int) -> None:
-    """Record DST's tokenizer.json and the vocabulary size in config.json."""
-    whole.files["tokenizer.json"] = tokenizer_json
-    whole.set_json("config.json", dict(whole.config, vocab_size=rows))
 
 
 def _update_added_decoder(whole: WholeCheckpoint, change, change_legacy) -> None:
     """Apply `change` to tokenizer_config.json's `added_tokens_decoder` (id -> token), and `change_legacy` to the slow
     tokenizers' added_tokens.json (token -> id), where SRC has them."""
-    config = whole.json_file("tokenizer_config.json")
-    decoder = None if config is None else config.get("added_tokens_decoder")
-    if isinstance(decoder, dict):
+    config = whole.json_file("tokenizer_config.json") or {}
+    if isinstance(decoder := config.get("added_tokens_decoder"), dict):
         whole.set_json("tokenizer_config.json", dict(config, added_tokens_decoder=change(decoder)))
-    legacy = whole.json_file("added_tokens.json")
-    if legacy is not None:
+    if (legacy := whole.json_file("added_tokens.json")) is not None:
         whole.set_json("added_tokens.json", change_legacy(legacy))
 
 
@@ -149,78 +125,61 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
     outputs on the corpus are unchanged; other text may meet the unknown token. Returns the sizes, for the report."""
     from tokenizers import Tokenizer
 
-    source = resolve(src)
-    target = check_destination(dst, source.folder)
-    lines = _corpus(corpus)
-    whole = read_whole(source)
-    tokenizer, stored = _tokenizer(whole)
-    data = json.loads(tokenizer.to_str()) | stored
-    used = {i for e in tokenizer.encode_batch(lines) for i in e.ids}
-    keep = sorted(used | _always_kept(whole, data))
-    keep = sorted(set(keep) | _merge_closure(data, {tokenizer.id_to_token(i) for i in keep}, tokenizer))
-    new_id = {old: new for new, old in enumerate(keep)}
-    before = whole.layer.config.vocab_size
-    if keep[-1] >= before:
-        raise ValueError(f"the tokenizer gives id {keep[-1]}, outside the {before}-row word table: fix the checkpoint")
-    _renumber_tokenizer(data, new_id)
-    pruned = Tokenizer.from_str(json.dumps(data))
-    pruned.no_truncation()
-    pruned.no_padding()
-    for line, old, new in zip(lines, tokenizer.encode_batch(lines), pruned.encode_batch(lines), strict=True):
-        if [new_id[i] for i in old.ids] != new.ids:
-            raise ValueError(f"pruning would change how {line[:60]!r} tokenizes; nothing was written (please report "
-                             f"it with the tokenizer)")
-    saved = 0
-    for key, value in _indexed_by_token(whole, before).items():
-        whole.tensors[key] = value[keep].clone()
-        saved += (value.shape[0] - len(keep)) * value[0].numel() * value.element_size()
-    _retokenized(whole, json.dumps(data, ensure_ascii=False), len(keep))
-    whole.set_json("config.json", _renumbered_config(whole.json_file("config.json"), new_id))
-    _update_added_decoder(whole, lambda d: {str(new_id[int(k)]): v for k, v in d.items() if int(k) in new_id},
-                          lambda legacy: {t: new_id[i] for t, i in legacy.items() if i in new_id})
-    _slow_files(whole, data, [tokenizer.id_to_token(i) for i in keep])
-    write_whole(whole, target)
-    return {"rows_before": before, "rows_after": len(keep), "bytes_saved": saved, "corpus_lines": len(lines),
-            "dropped_files": sorted(whole.dropped), "destination": str(target)}
-
-
-def _corpus(corpus: str | Path) -> list[str]:
     path = Path(corpus)
     if not path.is_file():
         raise FileNotFoundError(f"corpus {path} is not a file; pass a text file, one text a line")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"corpus {path} has no text: nothing tells which tokens to keep")
-    return lines
+    whole = read_whole(src, dst)
+    tokenizer, data = _tokenizer(whole)
+    keep = _kept_ids(whole, data, tokenizer, {i for e in tokenizer.encode_batch(lines) for i in e.ids})
+    new_id = {old: new for new, old in enumerate(keep)}
+    before = whole.layer.config.vocab_size
+    if keep[-1] >= before:
+        raise ValueError(f"the tokenizer gives id {keep[-1]}, outside the {before}-row word table: fix the checkpoint")
+    _renumber_tokenizer(data, new_id)
+    pruned = Tokenizer.from_str(json.dumps(dict(data, padding=None, truncation=None)))
+    for line, old, new in zip(lines, tokenizer.encode_batch(lines), pruned.encode_batch(lines), strict=True):
+        if [new_id[i] for i in old.ids] != new.ids:
+            raise ValueError(f"pruning would change how {line[:60]!r} tokenizes; nothing was written (please report "
+                             f"it with the tokenizer)")
+    saved = 0
+    for key, value in _indexed_by_token(whole, before).items():
+        whole.tensors[key] = value[keep]  # (a copy: indexed by a list)
+        saved += (value.shape[0] - len(keep)) * value[0].numel() * value.element_size()
+    whole.files["tokenizer.json"] = json.dumps(data, ensure_ascii=False)
+    renumbered = {k: new_id[whole.config[k]] for k in _ID_KEYS if whole.config.get(k) in new_id}
+    whole.set_json("config.json", whole.config | renumbered | {"vocab_size": len(keep)})
+    _update_added_decoder(whole, lambda d: {str(new_id[int(k)]): v for k, v in d.items() if int(k) in new_id},
+                          lambda legacy: {t: new_id[i] for t, i in legacy.items() if i in new_id})
+    _slow_files(whole, data, [tokenizer.id_to_token(i) for i in keep])
+    return {"rows_before": before, "rows_after": len(keep), "bytes_saved": saved,
+            "corpus_lines": len(lines)} | write_whole(whole)
 
 
-def _always_kept(whole: WholeCheckpoint, data: dict[str, Any]) -> set[int]:
-    """Ids kept whatever the corpus: special tokens, the model's unknown token, the ids config.json names."""
-    kept = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
-    unk = data["model"].get("unk_token") or data["model"].get("unk_id")
-    if isinstance(unk, str):
-        unk = data["model"]["vocab"].get(unk) if isinstance(data["model"].get("vocab"), dict) else None
+def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set[int]) -> list[int]:
+    """The ids to keep, in order: those the corpus `used`, the special tokens, the model's unknown token, the ids
+    config.json names, and for BPE every token the merges build the kept ones from (a merge needs both its parts)."""
+    model = data["model"]
+    kept = used | {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+    unk = tokenizer.token_to_id(model["unk_token"]) if model.get("unk_token") else model.get("unk_id")
     kept |= {unk} if isinstance(unk, int) else set()
     _renumber_processor(data.get("post_processor"), lambda i: kept.add(i) or i)
     rows = whole.layer.config.vocab_size
-    return kept | {i for k in _ID_KEYS if isinstance(i := whole.config.get(k), int) and 0 <= i < rows}
-
-
-def _merge_closure(data: dict[str, Any], tokens: set[str], tokenizer) -> set[int]:
-    """For BPE: the ids of every token the merges build the kept ones from (a merge needs both its parts)."""
-    if data["model"]["type"] != "BPE":
-        return set()
-    made: dict[str, list[tuple[str, ...]]] = {}
-    for left, right in map(_pair, data["model"]["merges"]):
-        made.setdefault(left + right, []).append((left, right))
-    todo, seen = list(tokens), set(tokens)
-    while todo:
-        for pair in made.get(todo.pop(), []):
-            for part in pair:
-                if part not in seen:
-                    seen.add(part)
-                    todo.append(part)
-    return {i for t in seen if (i := tokenizer.token_to_id(t)) is not None}
+    kept |= {i for k in _ID_KEYS if isinstance(i := whole.config.get(k), int) and 0 <= i < rows}
+    if model["type"] == "BPE":
+        made: dict[str, set[str]] = {}
+        for left, right in map(_pair, model["merges"]):
+            made.setdefault(left + right, set()).update((left, right))
+        todo = [tokenizer.id_to_token(i) for i in kept]
+        seen = set(todo)
+        while todo:
+            parts = made.get(todo.pop(), set()) - seen
+            seen |= parts
+            todo += parts
+        kept |= {i for t in seen if (i := tokenizer.token_to_id(t)) is not None}
+    return sorted(kept)
 
 
 def _renumber_tokenizer(data: dict[str, Any], new_id: dict[int, int]) -> None:
@@ -258,10 +217,6 @@ def _renumber_processor(processor: dict[str, Any] | None, change) -> None:
             processor[key][1] = change(processor[key][1])
     for special in (processor.get("special_tokens") or {}).values():  # TemplateProcessing
         special["ids"] = [change(i) for i in special["ids"]]
-
-
-def _renumbered_config(config: dict[str, Any], new_id: dict[int, int]) -> dict[str, Any]:
-    return config | {k: new_id[config[k]] for k in _ID_KEYS if config.get(k) in new_id}
 
 
 def _slow_files(whole: WholeCheckpoint, data: dict[str, Any], tokens: list[str]) -> None:
