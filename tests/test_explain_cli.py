@@ -106,6 +106,7 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     (["inspect", "segments", "\u200b \x00"], "the text has no tokens"),
     (["inspect", "onehot", "\t\u2060\x7f"], "the text has no tokens"),
     (["inspect", "tokens", "\u200b"], "not in the vocabulary"),
+    (["walkthrough", "the cat", "\u200b"], r"text_b has no tokens.*U\+200B"),
 ])
 def test_bad_text_is_a_clear_error(tiny, args, pattern):
     assert_user_error(invoke(*args, "--model", tiny), pattern)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -107,13 +108,11 @@ class EmbeddingConfig:
     def __post_init__(self) -> None:
         """Every field's type and range, checked here so that every path (a config.json, the torch layer, the numpy
         copy, the kernels) gets the same checks; integers and reals from numpy are stored as Python's."""
-        if self.embedding_size is None or self.embedding_size == self.hidden_size:
+        if self.embedding_size == self.hidden_size:
             object.__setattr__(self, "embedding_size", None)
         for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id",
-                     "embedding_size"):
+                     *(["embedding_size"] if self.embedding_size is not None else [])):
             value = getattr(self, name)
-            if value is None and name == "embedding_size":
-                continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"EmbeddingConfig.{name} must be an integer, got {_shown(value)}")
             object.__setattr__(self, name, int(value))
@@ -123,19 +122,14 @@ class EmbeddingConfig:
             value = getattr(self, name)
             real = math.nan
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                try:
+                with contextlib.suppress(OverflowError):  # an integer past float's range
                     real = float(value)
-                except OverflowError:  # an integer past float's range
-                    pass
             if not math.isfinite(real):
                 raise ValueError(f"EmbeddingConfig.{name} must be a finite real number, got {_shown(value)}")
             object.__setattr__(self, name, real)
         for name in ("positions_from_padding", "norm_bias", "norm_in_float32", "mask_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EmbeddingConfig.{name} must be True or False, got {_shown(getattr(self, name))}")
-        self._check_ranges()
-
-    def _check_ranges(self) -> None:
         if not isinstance(self.model_type, str) or self.model_type not in MEMBERS:
             raise ValueError(f"model_type={_shown(self.model_type)} is not a member bertembed reads; {SUPPORTED}")
         for name, choices in _CHOICES.items():
@@ -213,7 +207,7 @@ class EmbeddingConfig:
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
             source, where = read_json(path, "an object of config keys"), str(path)
         member = check_config_family(source, where)
-        defaults, renames, facts = MEMBERS[member]
+        defaults, renames, _ = MEMBERS[member]
         given = {**defaults, **{k: v for k, v in source.items() if v is not None}}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {renames.get(k, k): v for k, v in given.items() if renames.get(k, k) in names}
@@ -236,15 +230,14 @@ class EmbeddingConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers' config class of the member reads back, and `from_hf_config` too."""
-        defaults, renames, facts = MEMBERS[self.model_type]
+        defaults, renames, _ = MEMBERS[self.model_type]
         back = {v: k for k, v in renames.items()}
+        implied = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
         ours = {back.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("extra", "model_type", *_FACTS) and f.name not in facts}
+                if f.name not in ("extra", "model_type", *implied)}
         ours["embedding_size"] = self.table_width if "embedding_size" in defaults else ours["embedding_size"]
         if ours["embedding_size"] is None:
             del ours["embedding_size"]
-        if self.model_type == "modernbert":
-            ours["norm_bias"] = self.norm_bias
         if self.model_type.startswith("deberta"):
             ours["position_biased_input"] = self.position_embedding_type != "none"
         return {"model_type": self.model_type, **self.extra, **ours}

@@ -82,7 +82,6 @@ def padding_row(positions) -> int | None:
     in front of used ones means that layout. Zero rows only at the end (a table extended with zeros) or throughout
     mark no layout, and are left alone.
     """
-    zero = positions == 0
-    rows = (zero.all(1) if hasattr(zero, "numpy") else zero.all(axis=1)).tolist()
+    rows = (positions == 0).all(1).tolist()
     first = rows.index(True) if True in rows else None
     return first if first is not None and not all(rows[first:]) else None

@@ -8,7 +8,8 @@ BPE and SentencePiece-converted ones, ...) carry their own pair layout (`<s> A <
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,8 @@ from typing import Any
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
-log = logging.getLogger(__name__)
-
 TextPair = tuple[str, str]
+_ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Encoding:
         return getattr(self, key)
 
     def keys(self) -> list[str]:
-        return ["input_ids", "token_type_ids", "attention_mask"]
+        return list(_ID_FIELDS)
 
 
 class Tokenizer:
@@ -61,17 +61,21 @@ class Tokenizer:
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
                         local_files_only: bool = False) -> Tokenizer:
         """The tokenizer of a hub id, a local folder (or the folder of a weights file), or the bundled default."""
+        from tokenizers import Tokenizer as Backend
+
         source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
         settings = _read_settings(source)
-        tokenizer_json = source.file("tokenizer.json")
-        if tokenizer_json is not None:
-            backend = _backend_from_file(tokenizer_json)
-        else:
-            vocab = source.file("vocab.txt")
-            if vocab is None:
-                raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
-                                        f"pass the folder of a BERT checkpoint that includes its tokenizer")
+        path = source.file("tokenizer.json")
+        if path is not None:
+            try:
+                backend = Backend.from_file(str(path))
+            except Exception as err:  # tokenizers raises a bare Exception for broken JSON or a missing field
+                raise ValueError(f"{path} is not a readable tokenizer ({err}); re-download or fix the file") from err
+        elif (vocab := source.file("vocab.txt")) is not None:
             backend = _wordpiece_from_vocab(vocab, settings)
+        else:
+            raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
+                                    f"pass the folder of a BERT checkpoint that includes its tokenizer")
         backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
         backend.no_truncation()
         return cls(backend, settings["max_length"], source, settings.get("pad_token"),
@@ -102,6 +106,8 @@ class Tokenizer:
         limit = max_length or self.max_length
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
         if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncation:
             raise ValueError(f"stride={stride!r} must be a non-negative int, and windows need truncation=True")
         if truncation:
@@ -112,9 +118,8 @@ class Tokenizer:
         else:
             self.backend.no_truncation()
         if padding:
-            length = limit if padding == "max_length" else None
             self.backend.enable_padding(pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token,
-                                        length=length)
+                                        length=limit if padding == "max_length" else None)
         else:
             self.backend.no_padding()
         try:
@@ -131,35 +136,39 @@ class Tokenizer:
                     e.pad(longest, pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token)
             batched = True
         out = Encoding(*([getattr(e, name) for e in encodings] for name in ("ids", "type_ids", "attention_mask",
-                                                                            "tokens", "offsets")))
+                                                                            "tokens", "offsets")), mapping)
         if self.one_segment:  # (a member with one segment row, or none: a pair is segment 0 throughout)
             out.token_type_ids = [[0] * len(ids) for ids in out.token_type_ids]
-        out.overflow_to_sample_mapping = mapping
         if return_tensors == "pt":
-            out = _to_tensors(out)
-            out.overflow_to_sample_mapping = mapping
-        elif return_tensors is not None:
-            raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
-        if not batched:
-            out = Encoding(*(getattr(out, f)[0] if return_tensors is None else getattr(out, f)
-                             for f in ("input_ids", "token_type_ids", "attention_mask")),
-                           tokens=out.tokens[0], offsets=out.offsets[0])
+            import torch
+
+            lengths = sorted({len(ids) for ids in out.input_ids})
+            if len(lengths) > 1:
+                raise ValueError(f"sequences have different lengths {lengths}: tensors need padding=True")
+            for name in _ID_FIELDS:
+                setattr(out, name, torch.tensor(getattr(out, name), dtype=torch.long))
+        if not batched:  # one text: flat lists (tensors stay [1, L], as transformers does)
+            unbatch = {} if return_tensors else {name: getattr(out, name)[0] for name in _ID_FIELDS}
+            out = dataclasses.replace(out, tokens=out.tokens[0], offsets=out.offsets[0], **unbatch)
         return out
 
-    def require_tokens(self, text: str, name: str = "the text") -> None:
-        """Raise ValueError when `text` gives no token of its own, so it would be embedded as `[CLS] [SEP]` alone, as
-        an empty text is: empty, whitespace, or only characters BERT's normalizer drops (control characters such as
-        U+0000, zero-width ones such as U+200B and U+2060, the byte-order mark U+FEFF). `__call__` itself accepts
+    def require_tokens(self, text: str, name: str = "the text", text_b: str | None = None,
+                       name_b: str = "text_b") -> None:
+        """Raise ValueError when `text` (or `text_b`, if given) gives no token of its own, so it would be embedded as
+        `[CLS] [SEP]` alone, as an empty text is: empty, whitespace, or only characters BERT's normalizer drops (control
+        characters such as U+0000, zero-width ones such as U+200B, the byte-order mark U+FEFF). `__call__` accepts
         such texts, as transformers does (a batch may hold an empty one); the analyses call this first.
         """
-        check_not_blank(text, name)
+        check_not_blank(text, name, text_b, name_b)
         self.backend.no_padding()  # each __call__ sets both again
         self.backend.no_truncation()
-        if not self.backend.encode(text, add_special_tokens=False).ids:
-            shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(text) if not c.isspace())
-            raise ValueError(f"{name} has no tokens: it holds only characters the tokenizer drops ({_clip(shown)}: "
-                             f"control, zero-width or other invisible characters), so it would be embedded as "
-                             f"[CLS] [SEP] alone, as an empty text; give a sentence with words")
+        for value, label in ((text, name), (text_b, name_b))[: 1 if text_b is None else 2]:
+            if not self.backend.encode(value, add_special_tokens=False).ids:
+                shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
+                shown = shown if len(shown) <= 60 else shown[:60] + "..."
+                raise ValueError(f"{label} has no tokens: it holds only characters the tokenizer drops ({shown}: "
+                                 f"control, zero-width or other invisible characters), so it would be embedded as "
+                                 f"[CLS] [SEP] alone, as an empty text; give a sentence with words")
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of some ids ("[UNK]"-free: every id in range has one)."""
@@ -174,16 +183,14 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
 
-def check_not_blank(text: str, name: str = "the text") -> None:
-    """Raise ValueError for an empty or all-whitespace text (before any checkpoint is loaded; see `require_tokens`)."""
-    if not isinstance(text, str):
-        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise ValueError(f'{name} is empty; give a sentence, e.g. "The quick brown fox"')
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+def check_not_blank(text: str, name: str = "the text", text_b: str | None = None, name_b: str = "text_b") -> None:
+    """Raise ValueError for an empty or all-whitespace `text` or `text_b` (when given), before any checkpoint is
+    loaded; see `Tokenizer.require_tokens`."""
+    for value, label in ((text, name), (text_b, name_b))[: 1 if text_b is None else 2]:
+        if not isinstance(value, str):
+            raise ValueError(f"{label} must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise ValueError(f'{label} is empty; give a sentence, e.g. "The quick brown fox"')
 
 
 def _as_items(text, text_pair) -> tuple[bool, list]:
@@ -193,27 +200,14 @@ def _as_items(text, text_pair) -> tuple[bool, list]:
         return False, [text if text_pair is None else (text, text_pair)]
     if not isinstance(text, Sequence) or any(not isinstance(t, (str, tuple, list)) for t in text):
         raise ValueError(f"text must be a string, a list of strings, or a list of (A, B) pairs; got {type(text)}")
-    if text_pair is None:
-        items = [tuple(t) if not isinstance(t, str) else t for t in text]
-    else:
-        if isinstance(text_pair, str) or len(text_pair) != len(text):
-            raise ValueError(f"text_pair must be a list as long as text ({len(text)} items)")
-        items = list(zip(text, text_pair, strict=True))
+    if text_pair is not None and (isinstance(text_pair, str) or len(text_pair) != len(text)):
+        raise ValueError(f"text_pair must be a list as long as text ({len(text)} items)")
+    pairs = text if text_pair is None else zip(text, text_pair, strict=True)
+    items = [t if isinstance(t, str) else tuple(t) for t in pairs]
     for item in items:
         if not isinstance(item, str) and (len(item) != 2 or not all(isinstance(t, str) for t in item)):
             raise ValueError(f"a pair must be two strings, got {item!r}")
     return True, items
-
-
-def _to_tensors(out: Encoding) -> Encoding:
-    import torch
-
-    lengths = {len(ids) for ids in out.input_ids}
-    if len(lengths) > 1:
-        raise ValueError(f"sequences have different lengths {sorted(lengths)}: tensors need padding=True")
-    return Encoding(*(torch.tensor(getattr(out, f), dtype=torch.long)
-                      for f in ("input_ids", "token_type_ids", "attention_mask")),
-                    tokens=out.tokens, offsets=out.offsets)
 
 
 def _read_settings(source: Source) -> dict[str, Any]:
@@ -231,34 +225,16 @@ def _read_settings(source: Source) -> dict[str, Any]:
         if isinstance(pad, (str, dict)) and name == "tokenizer_config.json":
             settings["pad_token"] = pad if isinstance(pad, str) else pad.get("content")
         reserved = 0
-        if name == "config.json":
-            reserved, settings["one_segment"] = _positions_and_segments(data)
+        if name == "config.json":  # a config that cannot be read reserves no rows and has segments, as BERT's
+            with contextlib.suppress(ValueError):
+                read = EmbeddingConfig.from_hf_config(data)
+                reserved, settings["one_segment"] = read.first_position, read.type_vocab_size < 2
         for key in ("model_max_length", "max_position_embeddings"):
             value = data.get(key)
             if isinstance(value, int) and 0 < value < 1_000_000:  # transformers writes 1e30 for "no limit"
                 limits.append(value - (reserved if key == "max_position_embeddings" else 0))
     settings["max_length"] = min(limits, default=512)
     return settings
-
-
-def _positions_and_segments(config: dict) -> tuple[int, bool]:
-    """(the position rows a member reserves before the first token's: RoBERTa's padding id + 1; whether it has fewer
-    than two segment rows, so every token is segment 0), or (0, False) for a config that cannot be read."""
-    try:
-        read = EmbeddingConfig.from_hf_config(config)
-    except ValueError:
-        return 0, False
-    return read.first_position, read.type_vocab_size < 2
-
-
-def _backend_from_file(path: Path):
-    """A checkpoint's own tokenizer.json; ValueError naming the file when `tokenizers` cannot read it."""
-    from tokenizers import Tokenizer as Backend
-
-    try:
-        return Backend.from_file(str(path))
-    except Exception as err:  # tokenizers raises a bare Exception for broken JSON or a missing field
-        raise ValueError(f"{path} is not a readable tokenizer ({err}); re-download or fix the file") from err
 
 
 def _wordpiece_from_vocab(vocab: Path, settings: dict[str, Any]):
@@ -279,8 +255,6 @@ def _wordpiece_from_vocab(vocab: Path, settings: dict[str, Any]):
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     if cls_id is None or sep_id is None:
         raise ValueError(f"{vocab} has no [CLS] or [SEP] token; is it a BERT vocabulary?")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    backend.post_processor = processors.BertProcessing(("[SEP]", sep_id), ("[CLS]", cls_id))  # segment 1: B [SEP]
     backend.decoder = decoders.WordPiece(prefix="##")
     return backend

@@ -108,17 +108,14 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     """
     from bertembed.tokenizer import Tokenizer, check_not_blank
 
-    texts = {name: value for name, value in (("TEXT", text), ("TEXT_B", text_b)) if value is not None}
-    for name, value in texts.items():
-        check_not_blank(value, name)
+    check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
     layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
     # resolve once: the tokenizer and the layer read the same checkpoint (a loaded layer brings its own source)
     model = layer.source if layer is not None else resolve(model)
     tokenizer = Tokenizer.from_pretrained(model)
-    for name, value in texts.items():
-        tokenizer.require_tokens(value, name)
+    tokenizer.require_tokens(text, "TEXT", text_b, "TEXT_B")
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         stride = tokenizer.max_length // 4

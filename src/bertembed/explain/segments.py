@@ -65,15 +65,11 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     """
     from bertembed.tokenizer import Tokenizer, check_not_blank
 
-    check_not_blank(text, "the text")
-    if text_b is not None:
-        check_not_blank(text_b, "text_b")
+    check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = table(layer, "segment")
     tokenizer = Tokenizer.from_pretrained(layer.source)
-    tokenizer.require_tokens(text, "the text")
-    if text_b is not None:
-        tokenizer.require_tokens(text_b, "text_b")
+    tokenizer.require_tokens(text, text_b=text_b)
     enc = tokenizer(text, truncation=False, padding=False)
     if len(enc.input_ids) > tokenizer.max_length:
         raise ValueError(f"the text is {len(enc.input_ids)} tokens, the model has {tokenizer.max_length} positions")

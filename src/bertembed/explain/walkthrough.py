@@ -116,12 +116,10 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     from bertembed.embeddings import BertEmbeddings, sinusoidal_table
     from bertembed.tokenizer import Tokenizer, check_not_blank
 
-    check_not_blank(text, "the text")
-    if text_b is not None:
-        check_not_blank(text_b, "text_b")
+    check_not_blank(text, text_b=text_b)
     layer = BertEmbeddings.from_pretrained(model.source if hasattr(model, "source") else model, dtype=torch.float32)
     tokenizer = Tokenizer.from_pretrained(layer.source)
-    tokenizer.require_tokens(text, "the text")
+    tokenizer.require_tokens(text, "the text", text_b=text_b)
     space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
                              "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
     results = []
