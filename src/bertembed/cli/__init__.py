@@ -1,17 +1,9 @@
-"""The `bertembed` command line. Each command lives in its own module and imports heavy libraries only when run."""
+"""The `bertembed` command line; its modules import heavy libraries only when a command runs."""
 
 from __future__ import annotations
 
-import bertembed.cli.bench  # noqa: F401  (registers bench)
-import bertembed.cli.drift  # noqa: F401  (registers drift)
-import bertembed.cli.export  # noqa: F401  (registers the export group)
-import bertembed.cli.finetune  # noqa: F401  (registers finetune-demo)
-import bertembed.cli.inspect  # noqa: F401  (registers the inspect group)
-import bertembed.cli.surgery  # noqa: F401  (registers the surgery group)
-import bertembed.cli.walkthrough  # noqa: F401  (registers walkthrough and notebook)
-from bertembed.cli import explain  # noqa: F401  (registers the command)
+# each module registers its commands (or its group of them) on `app`
+from bertembed.cli import bench, explain, export, inspect, surgery  # noqa: F401
 from bertembed.cli.app import app
 
-
-def main() -> None:
-    app()
+main = app  # the console script: runs the command line on sys.argv

@@ -1,21 +1,31 @@
-"""The typer application shared by all commands, and the one place that turns errors into messages."""
+"""The typer application, the options its commands share, and the one place that turns errors into messages."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from bertembed.sources import DEFAULT_MODEL
 
 app = typer.Typer(help="BERT's input embedding layer: exact, fast, and explained.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="hub id, local folder or weights file; "
+                                                 f"default: the bundled {DEFAULT_MODEL}")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
+PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
+                                                "(needs matplotlib: pip install 'bertembed\\[viz]')")]
 
 
 def make_console(**options) -> Console:
@@ -30,19 +40,18 @@ def make_console(**options) -> Console:
 console = make_console()
 
 
-@app.callback()
-def _group() -> None:
-    """BERT's input embedding layer: exact, fast, and explained."""
+def print_json(value: Any) -> None:
+    """`value` as one line of strict JSON (no NaN) on stdout."""
+    from bertembed.explain._common import to_jsonable
 
-err_console = make_console(stderr=True)
-
-MODEL_HELP = f"hub id, local folder or weights file; default: the bundled {DEFAULT_MODEL}"
+    print(json.dumps(to_jsonable(value), allow_nan=False))
 
 
-def say_model(source, *, quiet: bool = False) -> None:
-    """Name the checkpoint in use; when it is the bundled default, say how to pick bert-base-uncased instead."""
-    if quiet:
-        return
+def say_model(model) -> None:
+    """Name the checkpoint in use (a `Source`, or --model as given), and for the bundled default how to get BERT's."""
+    from bertembed.sources import resolve
+
+    source = resolve(model)
     console.print(f"model: {source.describe()}")
     if source.kind == "bundled":
         console.print("[dim]the bundled default is all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
@@ -50,9 +59,16 @@ def say_model(source, *, quiet: bool = False) -> None:
                       "Hugging Face cache or hub)[/dim]")
 
 
-def _show_our_warnings() -> None:
-    """bertembed's warnings (a fallback's reason) on stderr. Only bertembed's logger gets the handler: a root one would
-    print again every library message that has its own handler (huggingface_hub's retries came out twice)."""
+@contextlib.contextmanager
+def user_errors(*outputs: str | Path | None) -> Iterator[None]:
+    """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
+    value the user gave, a checkpoint file that is broken, an optional package missing; anything else is a bug and
+    keeps its traceback. Each file in `outputs` that is given is checked first, before any work, as writable."""
+    from bertembed.atomic import check_output
+    from bertembed.config import NotInThisMember
+
+    # bertembed's warnings (a fallback's reason) on stderr. Only bertembed's logger gets the handler: a root one would
+    # print again every library message that has its own handler (huggingface_hub's retries came out twice).
     ours = logging.getLogger("bertembed")
     if not any(getattr(h, "_bertembed", False) for h in ours.handlers):
         handler = logging.StreamHandler()
@@ -60,25 +76,15 @@ def _show_our_warnings() -> None:
         handler._bertembed = True
         ours.addHandler(handler)
         ours.setLevel(logging.WARNING)
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
-    value the user gave, a checkpoint file that is broken, an optional package missing; anything else is a bug and
-    keeps its traceback."""
-    from rich.markup import escape
-
-    from bertembed.config import NotInThisMember
-
-    _show_our_warnings()
     try:
+        for path in outputs:
+            if path is not None:
+                check_output(path)
         yield
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
         console.print(escape(str(err)), soft_wrap=True)
-    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
-        _fail(str(err))
-    except ImportError as err:  # an optional package the command needs (its message says which, and how to install)
+    # ImportError: an optional package the command needs (its message says which, and how to install it)
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:
         _fail(str(err))
     except OSError as err:
         if err.errno != errno.ENAMETOOLONG:
@@ -90,7 +96,5 @@ def user_errors() -> Iterator[None]:
 
 
 def _fail(message: str) -> None:
-    from rich.markup import escape
-
-    err_console.print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)  # paths stay unbroken
+    make_console(stderr=True).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)  # paths unbroken
     sys.exit(2)

@@ -39,16 +39,13 @@ def bench(
 ) -> None:
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op and bertembed's
     fused layer, interleaved in one process, with ratios against eager; check the issue's targets."""
-    with user_errors():
-        from bertembed.atomic import check_output, write_atomic
+    with user_errors(json_out, markdown_out):  # the output files checked before a run of minutes, not after it
+        from bertembed.atomic import write_atomic
         from bertembed.bench import measure, report
 
         options = measure.Options(quick=quick, threads=threads, allocator=allocator, device=device,
                                   hiddens=tuple(hidden) if hidden else None, shapes=shapes(shape),
                                   dtypes=tuple(dtype) if dtype else None, repeat=repeat, reference=reference)
-        for path in (json_out, markdown_out):  # before a run of minutes, not after it
-            if path is not None:
-                check_output(path)
     for warning in measure.disturbances(threads, os.getloadavg()[0], len(os.sched_getaffinity(0))):
         console.print(f"[yellow]warning: {warning}[/yellow]")
     started = time.perf_counter()

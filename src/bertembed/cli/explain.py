@@ -1,20 +1,70 @@
-"""`bertembed explain TEXT [TEXT_B]`: one sentence taken apart by the embedding layer."""
+"""`bertembed explain TEXT [TEXT_B]`: one sentence taken apart by the embedding layer; `bertembed walkthrough TEXT
+[TEXT_B]` and `bertembed notebook OUT.ipynb`: the layer rebuilt by hand, step by step."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from bertembed.cli.app import MODEL_HELP, app, console, say_model, user_errors
+from bertembed.cli.app import JsonOpt, ModelOpt, app, console, print_json, say_model, user_errors
+from bertembed.cli.inspect import rich_progress, rows_table
+
+
+@app.command()
+def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")],
+                text_b: Annotated[Optional[str], typer.Argument(
+                    help="a second text (segment B), making a pair")] = None,
+                model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+    """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
+    with user_errors():
+        from bertembed.explain.walkthrough import check_walkthrough
+        from bertembed.explain.walkthrough import walkthrough as run
+
+        result = run(text, text_b, model)
+        if as_json:
+            print_json(result.summary())
+        else:
+            say_model(model)
+            _show(result)
+        failed = check_walkthrough(result)
+        if failed:
+            raise ValueError(f"the step(s) {failed} differ from the layer where they should be exact: a bug, please "
+                             f"report it")
+
+
+def _show(result) -> None:
+    from rich.syntax import Syntax
+
+    console.print(f"the layer's recipe: {result.member}'s")
+    for step in result.steps:
+        console.rule(f"[bold]{escape(step.title)}[/bold]")
+        console.print(escape(step.why))
+        console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
+        console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
+        for note in step.notes:
+            console.print(escape(note))
+        console.print(f"check: {escape(step.check)}")
+
+
+@app.command()
+def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
+             text: Annotated[str, typer.Option(help="the text the notebook starts with")] =
+             "The quick brown fox jumps over the lazy dog") -> None:
+    """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
+    with user_errors():
+        from bertembed.explain.walkthrough import write_notebook
+
+        say_model(model)
+        console.print(f"wrote {write_notebook(out, model, text)}")
 
 
 @app.command()
 def explain(
     text: Annotated[str, typer.Argument(help="the sentence to explain (segment A)")],
     text_b: Annotated[Optional[str], typer.Argument(help="an optional second sentence (segment B)")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")] = False,
     use_torch: Annotated[bool, typer.Option("--torch", help="run the torch BertEmbeddings module "
                                             "(slower start) instead of the torch-free numpy path")] = False,
@@ -26,39 +76,43 @@ def explain(
                                            "demo (seconds, needs torch)")] = False,
 ) -> None:
     """Show how BERT's embedding layer builds each token's vector: word + position + segment, then LayerNorm."""
-    with user_errors():
+    with user_errors(report):
+        from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
 
-        if report is not None:
-            from bertembed.atomic import check_output
-
-            check_output(report)
         if plots is not None:
-            from bertembed.explain.report import check_folder
-
-            check_folder(plots)
+            reporting.check_folder(plots)
         dec = explain_text(text, text_b, model, engine="torch" if use_torch else "numpy")
         if finetune and report is None and plots is None:
             raise ValueError("--finetune adds the fine-tune demo to --report or --plots; give one of them (or run "
                              "bertembed finetune-demo)")
-        if report is not None or plots is not None:
-            _write_extras(text, text_b, model, report, plots, quiet=as_json, finetune=finetune)
+        if report is not None or plots is not None:  # every analysis, then the figures and/or the report written
+            bar, progress = rich_progress()
+            with bar:
+                results = reporting.run_analyses(text, text_b, model, finetune=finetune,
+                                                 progress=None if as_json else progress)
+            pngs = reporting.render_all(results)
+            if plots is not None:
+                written = reporting.write_plots(results, plots, pngs)
+                if not as_json:
+                    console.print(f"{len(written)} figures written to {plots}")
+            if report is not None:
+                reporting.write_report(reporting.build_report(results, pngs=pngs), report)
+                if not as_json:
+                    console.print(f"report written to {report}")
     rows = dec.rows()
     if as_json:
-        from bertembed.explain._common import to_jsonable
-
-        print(json.dumps(to_jsonable({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
-                                      "tokens": rows, "max_abs_diff": dec.max_abs_diff}), allow_nan=False))
+        print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine, "tokens": rows,
+                    "max_abs_diff": dec.max_abs_diff})
         return
     say_model(dec.source)
-    console.print(_table(rows))
+    console.print(_token_table(rows))
     verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
     console.print(f"check: LayerNorm(word + position + segment) by hand in float64 is {verdict} to the layer's "
                   f"output ({dec.engine}): max |diff| = {dec.max_abs_diff:.2e}")
 
 
-def _table(rows: list[dict]):
-    from rich.markup import escape
+def _token_table(rows: list[dict]):
     from rich.table import Table
 
     table = Table(title="BERT embedding layer, one row per token", title_justify="left",
@@ -72,24 +126,3 @@ def _table(rows: list[dict]):
     for row in rows:
         table.add_row(*(escape(fmt.format(row[key])) for _, key, fmt in columns))  # tokens like [unused0]
     return table
-
-
-def _write_extras(text: str, text_b: str | None, model: str | None, report: str | None, plots: str | None,
-                  quiet: bool, finetune: bool) -> None:
-    """Run every analysis (with a progress bar for the fine-tune), then write the report and/or the PNGs."""
-    from bertembed.cli.finetune import rich_progress
-    from bertembed.explain import report as reporting
-
-    bar, progress = rich_progress()
-    with bar:
-        results = reporting.run_analyses(text, text_b, model, finetune=finetune,
-                                         progress=None if quiet else progress)
-    pngs = reporting.render_all(results)
-    if plots is not None:
-        written = reporting.write_plots(results, plots, pngs)
-        if not quiet:
-            console.print(f"{len(written)} figures written to {plots}")
-    if report is not None:
-        reporting.write_report(reporting.build_report(results, pngs=pngs), report)
-        if not quiet:
-            console.print(f"report written to {report}")

@@ -6,8 +6,7 @@ from typing import Annotated
 
 import typer
 
-from bertembed.cli.app import app, console, say_model, user_errors
-from bertembed.cli.inspect import ModelOpt
+from bertembed.cli.app import ModelOpt, app, console, say_model, user_errors
 
 export_app = typer.Typer(help="Write the embedding layer, or the whole model around it, in another format.",
                          no_args_is_help=True)
@@ -26,14 +25,11 @@ def onnx_command(
 ) -> None:
     """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
-    with user_errors():
-        from bertembed.atomic import check_output
+    with user_errors(out):  # the output checked, and the opset, before any checkpoint is read
         from bertembed.onnx_export import check_opset
-        from bertembed.sources import resolve
 
-        check_output(out)  # (both before any checkpoint is read)
         check_opset(opset)
-        say_model(resolve(model))
+        say_model(model)
         if whole:
             from bertembed.onnx_whole import export_whole
 

@@ -1,40 +1,26 @@
-"""`bertembed inspect positions|segments|tokens TOKEN|onehot TEXT`: one analysis each, as a table, JSON or a PNG."""
+"""`bertembed inspect positions|segments|tokens TOKEN|onehot TEXT`, `drift A B` and `finetune-demo`: one analysis
+each, as a table, JSON or a PNG."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 
-from bertembed.cli.app import MODEL_HELP, app, console, say_model, user_errors
+from bertembed.cli.app import JsonOpt, ModelOpt, PlotOpt, app, console, print_json, say_model, user_errors
 
 inspect_app = typer.Typer(help="Measure one part of the embedding layer: positions, segments, tokens, one-hot.",
                           no_args_is_help=True)
 app.add_typer(inspect_app, name="inspect")
-
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
-PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
-                                                "(needs matplotlib: pip install 'bertembed\\[viz]')")]
-
-
-def check_plot_path(plot: str | None) -> None:
-    """Fail before any work when the PNG cannot be written."""
-    if plot is not None:
-        from bertembed.atomic import check_output
-
-        check_output(plot)
 
 
 def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None,
          title: str = "", models: tuple = (None,)) -> None:
     """Print which checkpoint(s) were measured (`models`, as the command got them), then a result's summary (and rows,
     under `title`) as rich tables or JSON; write its figures to `plot`."""
-    from bertembed.explain._common import label, to_jsonable
+    from bertembed.explain._common import label
     from bertembed.explain.figures import specs_for
-    from bertembed.sources import resolve
 
     summary = result.summary()
     if plot is not None:
@@ -43,16 +29,16 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
 
         write_atomic(plot, combined_png(result))
     if as_json:
-        print(json.dumps(to_jsonable({"summary": summary, "rows": extra_rows or []}), allow_nan=False))
+        print_json({"summary": summary, "rows": extra_rows or []})
         return
     for model in models:
-        say_model(resolve(model))
+        say_model(model)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
     rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
             for k, v in summary.items()]
-    console.print(_table(type(result).__name__, rows))
+    console.print(rows_table(type(result).__name__, rows))
     if extra_rows:
-        console.print(_table(title, extra_rows))
+        console.print(rows_table(title, extra_rows))
     if verdict:
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     if warning:
@@ -63,7 +49,7 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
         console.print(f"figures written to {plot}")
 
 
-def _table(title: str, rows: list[dict]):
+def rows_table(title: str, rows: list[dict]):
     from rich.table import Table
 
     from bertembed.explain._common import label
@@ -81,10 +67,9 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
-    with user_errors():
+    with user_errors(plot):
         from bertembed.explain.positions import analyze_positions
 
-        check_plot_path(plot)
         emit(analyze_positions(model, k=k), as_json, plot, models=(model,))
 
 
@@ -95,10 +80,9 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
                                                            "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     """What the two segment vectors are and what changes when a text moves from segment A to B."""
-    with user_errors():
+    with user_errors(plot):
         from bertembed.explain.segments import analyze_segments
 
-        check_plot_path(plot)
         result = analyze_segments(text, text_b, model)
         rows = [{"row": "AB"[i], **{f"[{j}]": v for j, v in enumerate(values)}}
                 for i, values in enumerate(result.first_values)]
@@ -114,10 +98,9 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
            k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
-    with user_errors():
+    with user_errors(plot):
         from bertembed.explain.tokens import analyze_tokens
 
-        check_plot_path(plot)
         result = analyze_tokens(token, model, k=k)
         emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {result.token!r} by cosine",
              models=(model,))
@@ -130,8 +113,60 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     r"""Check that one_hot(ids) @ W equals the lookup W\[ids], and what each costs."""
-    with user_errors():
+    with user_errors(plot):
         from bertembed.explain.onehot import analyze_onehot
 
-        check_plot_path(plot)
         emit(analyze_onehot(text, model), as_json, plot, models=(model,))
+
+
+@app.command("drift")
+def drift_command(
+    model_a: Annotated[str, typer.Argument(help="the first checkpoint (hub id, folder or weights file)")],
+    model_b: Annotated[str, typer.Argument(help="the second checkpoint, same architecture")],
+    as_json: JsonOpt = False, plot: PlotOpt = None,
+    top: Annotated[int, typer.Option(min=0, help="how many most-changed rows to list per table")] = 10,
+) -> None:
+    """Relative change of each embedding tensor between two checkpoints, and the rows that changed most."""
+    with user_errors(plot):
+        from bertembed.explain.drift import drift
+
+        result = drift(model_a, model_b, top=top)
+        emit(result, as_json, plot, result.rows(), "drift per tensor", models=(model_a, model_b))
+
+
+def rich_progress():
+    """A rich progress bar and the `progress(run, step, steps)` callback that advances it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=True)
+    tasks: dict[str, int] = {}
+
+    def progress(run: str, step: int, steps: int) -> None:
+        if run not in tasks:
+            tasks[run] = bar.add_task(run, total=steps)
+        bar.update(tasks[run], completed=step)
+
+    return bar, progress
+
+
+@app.command("finetune-demo")
+def finetune_demo(
+    model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
+    steps: Annotated[int, typer.Option(min=1, help="optimiser steps per run")] = 12,
+    save: Annotated[Optional[str], typer.Option(help="save the Adam run's fine-tuned layer to this new (or empty) "
+                                                "folder, whole or not at all (compare it with `bertembed "
+                                                "drift`)")] = None,
+) -> None:
+    """Fine-tune the embedding layer on a few sentences with Adam, AdamW and a frozen table; count rows moved."""
+    with user_errors(plot):
+        from bertembed.explain import finetune
+
+        if save is not None:
+            finetune.check_save_folder(save)  # before the demo's seconds of work, not after them
+        bar, progress = rich_progress()
+        with bar:
+            result = finetune.finetune_demo(model, steps=steps, progress=None if as_json else progress, save=save)
+        emit(result, as_json, plot, result.rows(), "rows moved per run and table", models=(model,))
+        if save and not as_json:
+            console.print(f"fine-tuned layer saved to {save}; try: bertembed drift {result.model} {save}")

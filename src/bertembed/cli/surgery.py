@@ -3,15 +3,13 @@ Each reads SRC, never changes it, and writes a new folder DST (refused if it exi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
 
-from bertembed.cli.app import app, console, user_errors
-from bertembed.cli.inspect import JsonOpt
+from bertembed.cli.app import JsonOpt, app, console, print_json, user_errors
 
 surgery_app = typer.Typer(help="Rewrite a whole checkpoint: longer positions, added tokens, a pruned vocabulary.",
                           no_args_is_help=True)
@@ -23,7 +21,7 @@ DstArg = Annotated[Path, typer.Argument(help="the new checkpoint folder to write
 
 def _report(result: dict, as_json: bool, lines: list[str]) -> None:
     if as_json:
-        print(json.dumps(result))
+        print_json(result)
         return
     if result["dropped_files"]:
         lines.append(f"left out of DST (copies of the old model in other formats, or files this cannot edit): "
