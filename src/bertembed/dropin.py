@@ -1,5 +1,4 @@
-"""The drop-in: swap the embedding layer of a transformers model of BERT's family for bertembed's fused one, weights
-kept.
+"""The drop-in: bertembed's fused layer in place of the embedding layer of a transformers model of BERT's family.
 
     model = bertembed.patch(BertForSequenceClassification.from_pretrained(...))  # same outputs, fused kernel
     bertembed.unpatch(model)                                                     # transformers' layer again
@@ -44,25 +43,18 @@ _HF_LAYERS = {
 def _member(module: nn.Module) -> str | None:
     """The member whose transformers embeddings layer `module` is exactly (look-alikes and subclasses: None)."""
     kind = type(module)
-    parts = kind.__module__.split(".")
-    if len(parts) < 3 or parts[:2] != ["transformers", "models"]:
+    if not kind.__module__.startswith("transformers.models."):
         return None
-    return _HF_LAYERS.get((parts[2], kind.__name__))
+    return _HF_LAYERS.get((kind.__module__.split(".")[2], kind.__name__))
 
 
 def _hf_name(member: str, name: str) -> str:
     return module_names(member).get(name, name)
 
 
-def _position_type(hf: nn.Module) -> str:
-    """transformers 4's `position_embedding_type` of the layer: "absolute" adds position rows; "relative_key" and
-    "relative_key_query" add none there. transformers 5's layer has no such attribute and always adds them."""
-    return getattr(hf, "position_embedding_type", "absolute")
-
-
-def _base(module: nn.Module) -> nn.Module:
+def _base(module: nn.Module | None) -> nn.Module | None:
     """The module a wrapper wraps (peft's adapters: `get_base_layer()`; its trainable-token wrapper:
-    `original_module`), or the module itself."""
+    `original_module`), or the module itself (None: None)."""
     if hasattr(module, "get_base_layer"):
         return module.get_base_layer()
     original = getattr(module, "original_module", None)
@@ -72,18 +64,13 @@ def _base(module: nn.Module) -> nn.Module:
 def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
     """The layer's sizes and constants, read from its own tables (the model config may not be at hand), and the
     member's facts. A wrapped table (a LoRA adapter) is sized by the table it wraps; the fused layer then runs the
-    wrapper's own forward."""
-    def part(name):
-        module = getattr(hf, _hf_name(member, name), None)
-        return None if module is None else _base(module)
-
-    word, positions, segments, norm, projection = (part(n) for n in ("word_embeddings", "position_embeddings",
-                                                                    "token_type_embeddings", "LayerNorm", "projection"))
+    wrapper's own forward. (transformers 4's DeBERTa's dropout: StableDropout, whose rate is drop_prob.)"""
+    word, positions, segments, norm, projection, dropout = (_base(getattr(hf, _hf_name(member, n), None)) for n in (
+        "word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "projection", "dropout"))
     vocab, width = word.weight.shape
     hidden = width if projection is None else projection.weight.shape[0]
     kind = "absolute" if positions is not None else "none"
     pad = getattr(hf, "padding_idx", None)  # (RoBERTa's positions count from the layer's own; MPNet's is 1)
-    dropout = part("dropout")  # (transformers 4's DeBERTa: StableDropout, whose rate is drop_prob)
     return EmbeddingConfig(**{
         "model_type": member, "vocab_size": vocab, "embedding_size": width, "hidden_size": hidden,
         "max_position_embeddings": positions.weight.shape[0] if positions is not None else
@@ -104,13 +91,12 @@ _RENAMED = {"input_embeds": "inputs_embeds"}  # DistilBERT's name for it before 
 
 
 class PatchedBertEmbeddings(BertEmbeddings):
-    """bertembed's layer standing in for a transformers embeddings layer of BERT's family: it takes exactly the
-    arguments that the installed transformers layer's `forward` declares (read from its signature when patched, never
-    from a list kept here), so a caller written for any transformers release calls it as it called the original. An
-    argument that bertembed does not know (a later release's new keyword), given a value other than its default, is
-    run by transformers' own layer on this layer's tables, with a warning: exact, never a `TypeError` or a guess.
-    Submodules that the member names otherwise (ModernBERT's `tok_embeddings`) keep their names, so state-dict keys do
-    not change; bertembed's names reach them here."""
+    """bertembed's layer standing in for a transformers embeddings layer of BERT's family. It takes exactly the
+    arguments of the installed transformers layer's `forward` (read from its signature when patched, never from a list
+    kept here), so callers of any transformers release call it as before; an argument that bertembed does not know (a
+    later release's keyword), given a value other than its default, is run by transformers' own layer on this layer's
+    tables, with a warning: exact, never a `TypeError` or a guess. bertembed's names reach the submodules that the
+    member names otherwise (ModernBERT's `tok_embeddings`), which keep their names and so their state-dict keys."""
 
     _hf_params: tuple[str, ...] = ()  # its parameters after self, in order
     _hf_defaults: dict = {}
@@ -130,8 +116,8 @@ class PatchedBertEmbeddings(BertEmbeddings):
         if foreign:
             _warn_once(type(self._bertembed_original), foreign)
             return _synced_original(self).forward(**given)
-        given = {_RENAMED.get(k, k): v for k, v in given.items()}
-        return super().forward(**{k: v for k, v in given.items() if k in _UNDERSTOOD})
+        # (no walrus here: it makes a cell variable, which torch.compile cannot read)
+        return super().forward(**{_RENAMED.get(k, k): v for k, v in given.items() if _RENAMED.get(k, k) in _UNDERSTOOD})
 
 
 def _bind(params: tuple[str, ...], takes_kwargs: bool, args: tuple, kwargs: dict, owner: str) -> dict:
@@ -228,7 +214,8 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
         for name, child in list(parent.named_children()):
             where = f"{parent_name}.{name}".lstrip(".")
             if _member(child) is not None:
-                if (kind := _position_type(child)) != "absolute":
+                # transformers 4's "relative_key" and "relative_key_query" add no position rows; 5 has no such type
+                if (kind := getattr(child, "position_embedding_type", "absolute")) != "absolute":
                     left.append(f"{where} (position_embedding_type={kind!r})")
                     continue
                 setattr(parent, name, fused_from(child, backend))

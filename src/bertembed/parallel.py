@@ -43,12 +43,10 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
 
     `module`: a bertembed layer, a transformers model of BERT's family (patched by `bertembed.patch` or not), or an
     `nn.Embedding`. Each table becomes a DTensor (`Shard(0)`: rank r holds torch's r-th chunk of ceil(V / world)
-    rows) behind torch's `RowwiseParallel(input_layouts=Replicate())`: every rank passes the same ids [B, L] and gets
-    the same rows [B, L, E]. Before each lookup the ids are checked against all V rows, with the same ValueError on
-    every rank (the ids are the same everywhere, so all ranks raise before the lookup's all-reduce and none waits in
-    it): torch's sharded lookup would give a bad id a row of zeros, silently. Position and segment tables, LayerNorm
-    and the rest of the model are not sharded (replicated: each rank holds them whole, as before). A table may be on
-    the meta device (`to_empty` then gives each rank its own rows alone).
+    rows); every rank passes the same ids [B, L] and gets the same rows [B, L, E]. Before each lookup the ids are
+    checked against all V rows, with the same ValueError on every rank (all ranks raise before the lookup's all-reduce
+    and none waits in it): torch's sharded lookup would give a bad id a row of zeros, silently. Nothing else is
+    sharded (module docstring). A table may be on the meta device (`to_empty` then gives each rank its own rows alone).
 
     A word table tied to another module of `module` (a masked-LM head's decoder) is refused: sharding it would untie
     them. Train such a model with FSDP2 (`fully_shard`), which keeps ties. Only `module` is searched: pass the whole
@@ -64,7 +62,12 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     for name, table in tables.items():
         if isinstance(table.weight, DTensor):
             continue  # sharded before: a second call changes nothing
-        _check_untied(module, name, table)
+        tied = [n for n, p in module.named_parameters(remove_duplicate=False)
+                if p is table.weight and n != f"{name}.weight".lstrip(".")]
+        if tied:
+            raise ValueError(f"{name}.weight is tied to {', '.join(tied)}: sharding the word table would untie them "
+                             f"(the tied module would keep a whole copy). Train this model with FSDP2's fully_shard "
+                             f"instead, or untie the weights (config.tie_word_embeddings=False) first")
         parallelize_module(table, device_mesh, RowwiseParallel(input_layouts=Replicate()))
         table.register_forward_pre_hook(_before_lookup, prepend=True)  # (before torch's hook makes ids a DTensor)
     log.info("bertembed.shard_vocab: %s sharded by rows over %d ranks", ", ".join(tables), device_mesh.size())
@@ -80,8 +83,11 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
         return {"": module}
     found = {}
     for prefix, layer in module.named_modules():
-        attribute = _word_attribute(layer)
-        if attribute is None:
+        kind = type(layer)  # bertembed's layer (a patched one keeps the member's names) or transformers'
+        family = (callable(getattr(layer, "submodules", None)) and hasattr(layer, "_stored_as")
+                  or kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Embeddings"))
+        attribute = next((n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module)), None)
+        if not family or attribute is None:
             continue
         name, table = f"{prefix}.{attribute}".lstrip("."), getattr(layer, attribute)
         if type(table) is not nn.Embedding:
@@ -89,25 +95,6 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
                              f"nn.Embedding tables only; shard before wrapping it (LoRA), or merge the wrapper first")
         found[name] = table
     return found
-
-
-def _word_attribute(layer: nn.Module) -> str | None:
-    """The attribute holding the word table of `layer` if it is an embeddings layer of BERT's family, else None."""
-    if callable(getattr(layer, "submodules", None)) and hasattr(layer, "_stored_as"):  # bertembed's layer
-        return layer._stored_as.get("word_embeddings", "word_embeddings")
-    kind = type(layer)
-    if kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Embeddings"):
-        return next((n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module)), None)
-    return None
-
-
-def _check_untied(module: nn.Module, name: str, table: nn.Module) -> None:
-    tied = [n for n, p in module.named_parameters(remove_duplicate=False)
-            if p is table.weight and n != f"{name}.weight".lstrip(".")]
-    if tied:
-        raise ValueError(f"{name}.weight is tied to {', '.join(tied)}: sharding the word table would untie them (the "
-                         f"tied module would keep a whole copy). Train this model with FSDP2's fully_shard instead, "
-                         f"or untie the weights (config.tie_word_embeddings=False) first")
 
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
@@ -132,26 +119,18 @@ def _resharded(weight: DTensor) -> None:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
-def rank_rows(rows: int, device_mesh: DeviceMesh) -> tuple[int, int]:
-    """[start, stop) of a [rows, E] table's rows that this rank holds under `Shard(0)`: torch's split, as
-    `distribute_tensor` makes it (`torch.chunk`: ceil(rows / world) each, fewer or none on the last ranks)."""
-    world, rank = device_mesh.size(), device_mesh.get_local_rank()
-    chunk = -(-rows // world)
-    start = min(rank * chunk, rows)
-    return start, min(start + chunk, rows)
-
-
 def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
     """A reader for `bertembed.checkpoint.load_checkpoint(word_reader=...)`: from safetensors' slice of the word table
-    (`safe_open(...).get_slice(key)`), this rank's rows alone (`rank_rows`), as the DTensor [V, E] that
-    `shard_vocab` makes. No rank reads, or ever holds, the whole table."""
+    (`safe_open(...).get_slice(key)`), this rank's rows alone, as the DTensor [V, E] that `shard_vocab` makes: torch's
+    split under `Shard(0)`, as `distribute_tensor` makes it (`torch.chunk`: ceil(V / world) rows each, fewer or none on
+    the last ranks). No rank reads, or ever holds, the whole table."""
 
     def read(sliced) -> DTensor:
         rows, width = sliced.get_shape()
-        start, stop = rank_rows(rows, device_mesh)
-        local = sliced[start:stop]
-        return DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, width)),
-                                  stride=(width, 1))
+        chunk = -(-rows // device_mesh.size())
+        start = min(device_mesh.get_local_rank() * chunk, rows)
+        return DTensor.from_local(sliced[start:min(start + chunk, rows)], device_mesh, [Shard(0)], run_check=False,
+                                  shape=torch.Size((rows, width)), stride=(width, 1))
 
     return read
 

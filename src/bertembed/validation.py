@@ -17,19 +17,24 @@ from bertembed.config import EmbeddingConfig
 _INT_DTYPES = (torch.int64, torch.int32)  # what torch's embedding lookup takes, so every backend takes the same
 
 
-def _check_int(name: str, ids: torch.Tensor) -> None:
+def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int] | None = None, fix: str = "") -> None:
+    """A ValueError unless `ids` is a dense integer tensor, and one that broadcasts to `shape` where given
+    (transformers' layer adds the rows they pick, so any shape that broadcasts to the input's gives the same result
+    as the full [B, L])."""
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}; "
                          f"wrap it with torch.tensor(...)")
     if ids.layout is not torch.strided or ids.is_nested:  # (torch's errors for these name no cause and no fix)
         if ids.is_nested:
-            kind, fix = "nested", f"pad its rows to one length with torch.nested.to_padded_tensor({name}, pad_id)"
+            kind, how = "nested", f"pad its rows to one length with torch.nested.to_padded_tensor({name}, pad_id)"
         else:
-            kind, fix = str(ids.layout).removeprefix("torch."), f"convert with {name}.to_dense()"
-        raise ValueError(f"{name} is a {kind} tensor, but ids must be a dense [B, L] tensor; {fix}")
+            kind, how = str(ids.layout).removeprefix("torch."), f"convert with {name}.to_dense()"
+        raise ValueError(f"{name} is a {kind} tensor, but ids must be a dense [B, L] tensor; {how}")
     if ids.dtype not in _INT_DTYPES:
         raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers of 64 or 32 "
                          f"bits; convert with {name}.long()")
+    if shape and (ids.dim() > 2 or any(d not in (1, s) for d, s in zip(ids.shape[::-1], shape[::-1], strict=False))):
+        raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has {shape}; {fix}")
 
 
 def check_dropout(p: float, name: str) -> float:
@@ -54,24 +59,27 @@ def in_torch_func() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def _check_ranges(checks: list[tuple[str, torch.Tensor, int, str, str]]) -> None:
-    """Each (name, ids, limit, table, fix): every id in [0, limit), or a ValueError naming the first bad one. The
-    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call. Ids on
-    the meta device have no values to check (a model run there for its shapes, as transformers' runs)."""
-    checks = [c for c in checks if c[1].numel() and c[1].device.type != "meta"]
+# (name, table, fix) of the ids that index the word, segment and position tables
+_RANGES = (("input_ids", "word", "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"),
+           ("token_type_ids", "segment", "use 0 for the first segment and 1 for the second"),
+           ("position_ids", "position", "positions count from 0 and stop at {last}; truncate the sequence"))
+
+
+def _check_ranges(checks: list[tuple[tuple[str, str, str], torch.Tensor, int]]) -> None:
+    """Each ((name, table, fix), ids, limit): every id in [0, limit), or a ValueError naming the first bad one. The
+    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call."""
     if not checks:
         return
     if all(c[1].device.type == "cpu" for c in checks):
         bounds = [int(v) for c in checks for v in torch.aminmax(c[1])]
     else:  # one transfer, one wait for the device
         bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
-    for i, (name, ids, limit, table, fix) in enumerate(checks):
-        low, high = bounds[2 * i], bounds[2 * i + 1]
+    for ((name, table, fix), ids, limit), low, high in zip(checks, bounds[::2], bounds[1::2], strict=True):
         if low < 0 or high >= limit:
             bad = low if low < 0 else high
             where = tuple(int(k) for k in (ids == bad).nonzero()[0])
             raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
-                             f"{fix}")
+                             f"{fix.format(last=limit - 1)}")
 
 
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
@@ -85,30 +93,28 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """A ValueError, before any table is read, for a LayerNorm weight and bias that torch's LayerNorm refuses beside
-    an input of dtype `summed`. It takes them in the input's dtype; float32 ones beside a float16 or bfloat16 input
-    it takes on the CPU (its mixed-precision kernel), and on other devices as the installed torch does (CUDA's kernel
-    refused them in torch 2.11): that rare mix alone is asked of torch, with a two-element LayerNorm. The fused kernels
-    could compute other mixes, but then one layer would run on one backend and fail on another; so every backend
-    raises this. The tests hold the rule to torch's own answer for every mix, on the CPU and the GPU."""
+    an input of dtype `summed`: it takes them in the input's dtype, and float32 ones beside a float16 or bfloat16
+    input on the CPU; on other devices that mix is asked of the installed torch (CUDA's kernel refused it in 2.11),
+    with a two-element LayerNorm. Every backend raises this, though the fused kernels could compute other mixes, so
+    that a layer never runs on one backend and fails on another (the tests hold it to torch's answer for every mix)."""
     dtypes = {weight.dtype, summed if bias is None else bias.dtype}
     if dtypes == {summed} or torch.compiler.is_compiling():
         return
-    if summed in _HALF and dtypes == {torch.float32} and (weight.device.type == "cpu" or _mix_runs(summed, weight)):
-        return
+    if summed in _HALF and dtypes == {torch.float32}:
+        if weight.device.type == "cpu":
+            return
+        try:
+            with torch.no_grad():
+                torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=weight.device), (2,),
+                                               torch.ones(2, device=weight.device),
+                                               torch.zeros(2, device=weight.device))
+            return
+        except RuntimeError:
+            pass
     shown = str(weight.dtype) if bias is None or bias.dtype == weight.dtype else f"{weight.dtype}/{bias.dtype}"
     fix = f"layer.LayerNorm.to({summed})" + (" or .float()" if summed in _HALF else "")
     raise ValueError(f"the LayerNorm weight and bias are {shown} but the embeddings they normalise are {summed}, "
                      f"a mix torch's LayerNorm on {weight.device.type} refuses; cast them with {fix}")
-
-
-def _mix_runs(summed: torch.dtype, weight: torch.Tensor) -> bool:
-    try:
-        with torch.no_grad():
-            torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=weight.device), (2,),
-                                           torch.ones(2, device=weight.device), torch.zeros(2, device=weight.device))
-    except RuntimeError:
-        return False
-    return True
 
 
 class IdsOutsideTables(RuntimeError):
@@ -122,67 +128,31 @@ def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
                             f"torch.export graph; reaching here otherwise is a bug")
 
 
-def table_shape_problem(tables, norm_width: int | None = None) -> str | None:
-    """What is wrong with the shapes of (word [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm
-    weight [N], bias [N] or None), or None. N is E unless `norm_width` says otherwise (a projection before the norm).
-    The fused kernels read E columns of every row and E entries of the weight and bias, so any other shape would have
-    them read outside a table."""
-    word, segment, position, weight, bias = tables[:5]
-    if word.dim() != 2:
-        return f"the word table has shape {tuple(word.shape)}, not [V, E]"
-    width = word.shape[1]
-    norm = (norm_width or width,)
-    for name, table, want in zip(("segment table", "position table", "LayerNorm weight", "LayerNorm bias"),
-                                 tables[1:5], ("[T, E]", "[P, E]", "[N]", "[N]"), strict=True):
-        if table is None:
-            continue
-        if want == "[N]" and tuple(table.shape) != norm:
-            return f"the {name} has shape {tuple(table.shape)}, not [{norm[0]}]"
-        if want != "[N]" and tuple(table.shape[1:]) != (width,):
-            return f"the {name} has shape {tuple(table.shape)}, not {want} with E={width} as the word table's"
-    return None
+_SHARED_WIDTH = "; the tables and the LayerNorm must share one hidden size (was a table's .data replaced?)"
 
 
 def check_table_shapes(tables, norm_width: int | None = None) -> None:
-    """A ValueError, before any table is read, for tables whose shapes do not fit together (`table_shape_problem`):
-    every backend raises it, where torch's ops would raise their own errors and the kernels would read too far."""
-    if problem := table_shape_problem(tables, norm_width):
-        raise ValueError(f"{problem}; the tables and the LayerNorm must share one hidden size (was a table's .data "
-                         f"replaced?)")
+    """A ValueError, before any table is read, unless the shapes of (word [V, E], segment [T, E] or None, position
+    [P, E] or None, LayerNorm weight [N], bias [N] or None) fit together; N is E unless `norm_width` says otherwise (a
+    projection before the norm). Every backend raises it, where torch's ops would raise their own errors and the fused
+    kernels, which read E columns of every row and E entries of the weight and bias, would read outside a table."""
+    word = tables[0]
+    if word.dim() != 2:
+        raise ValueError(f"the word table has shape {tuple(word.shape)}, not [V, E]{_SHARED_WIDTH}")
+    width = word.shape[1]
+    for name, table, want in (("segment table", tables[1], "[T, E]"), ("position table", tables[2], "[P, E]")):
+        if table is not None and tuple(table.shape[1:]) != (width,):
+            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not {want} with E={width} as the word "
+                             f"table's{_SHARED_WIDTH}")
+    norm = (norm_width or width,)
+    for name, table in (("LayerNorm weight", tables[3]), ("LayerNorm bias", tables[4])):
+        if table is not None and tuple(table.shape) != norm:
+            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not [{norm[0]}]{_SHARED_WIDTH}")
 
 
 def table_rows(tables) -> tuple[int, int | None, int | None]:
-    """(word, segment, position) rows of (word, segment or None, position or None, ...) tables, for `check_inputs`
-    (None: no such table)."""
+    """(word, segment, position) rows of (word, segment, position, ...) tables (None: no such table)."""
     return tuple(None if t is None else t.shape[0] for t in tables[:3])
-
-
-def _input_shape(config: EmbeddingConfig, input_ids, inputs_embeds) -> tuple[int, int]:
-    """(B, L) from whichever of input_ids [B, L] and inputs_embeds [B, L, H] was given (exactly one must be)."""
-    if (input_ids is None) == (inputs_embeds is None):
-        given = "both" if input_ids is not None else "neither"
-        raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
-    if input_ids is not None:
-        _check_int("input_ids", input_ids)
-        if input_ids.dim() != 2:
-            fix = ("add a batch dimension with input_ids.reshape(1, -1)" if input_ids.dim() < 2 else
-                   "flatten the leading dimensions with input_ids.reshape(-1, input_ids.shape[-1])")
-            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; {fix}")
-        return tuple(input_ids.shape)
-    if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-        raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
-    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.table_width:
-        raise ValueError(f"inputs_embeds must have shape [B, L, {config.table_width}], "
-                         f"got {tuple(inputs_embeds.shape)}")
-    return tuple(inputs_embeds.shape[:2])
-
-
-def _check_broadcasts(name: str, ids: torch.Tensor, shape: tuple[int, int], fix: str) -> None:
-    """A ValueError unless `ids` broadcasts to `shape` (transformers' layer adds the rows they pick, so any shape that
-    broadcasts to the input's gives the same result as the full [B, L])."""
-    dims = tuple(ids.shape)
-    if len(dims) > len(shape) or any(d not in (1, s) for d, s in zip(reversed(dims), reversed(shape), strict=False)):
-        raise ValueError(f"{name} has shape {dims} but the input has {shape}; {fix}")
 
 
 def offset(past_key_values_length) -> int:
@@ -192,8 +162,7 @@ def offset(past_key_values_length) -> int:
     value = past_key_values_length
     if type(value) is not int and not isinstance(value, (bool, np.bool_)):
         if isinstance(value, torch.Tensor):
-            if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
-                    and value.dtype is not torch.bool:
+            if value.dim() == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
                 value = int(value)
         elif hasattr(type(value), "__index__"):
             value = operator.index(value)
@@ -218,24 +187,16 @@ def offset_given(past_key_values_length=None, cache_length=None):
 def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
                     position_ids: torch.Tensor | None, rows: tuple[int, int, int | None]) -> None:
     """A ValueError naming the first id outside its table: `rows`, the (word, segment, position) tables' rows
-    (`table_rows`; position None: no position table, nothing read). Ids given as None are not checked. Not checked
-    under `torch.compile` and `torch.export` (a check that reads the ids would break the graph) nor inside a
-    torch.func transform, whose wrapped tensors cannot be read on the host: there, as in transformers' layer, a bad
-    id fails in the lookup (torch's IndexError; the fused kernels skip it and raise), never reading outside a table."""
+    (`table_rows`; None: no such table, nothing read). Ids given as None, or on the meta device (a model run there
+    for its shapes, as transformers' runs), are not checked. Nor under `torch.compile` and `torch.export` (reading the
+    ids would break the graph) or inside a torch.func transform, whose wrapped tensors cannot be read on the host:
+    there, as in transformers' layer, a bad id fails in the lookup (torch's IndexError; the fused kernels skip it and
+    raise), never reading outside a table."""
     if torch.compiler.is_compiling() or in_torch_func():
         return
-    vocab, segments, positions = rows
-    ranges = []
-    if input_ids is not None:
-        ranges.append(("input_ids", input_ids, vocab, "word",
-                       "use ids from this checkpoint's tokenizer, or a config with a larger vocab_size"))
-    if token_type_ids is not None and segments is not None:
-        ranges.append(("token_type_ids", token_type_ids, segments, "segment",
-                       "use 0 for the first segment and 1 for the second"))
-    if position_ids is not None and positions is not None:
-        ranges.append(("position_ids", position_ids, positions, "position",
-                       f"positions count from 0 and stop at {positions - 1}; truncate the sequence"))
-    _check_ranges(ranges)
+    _check_ranges([(about, ids, limit) for about, ids, limit in zip(_RANGES, (input_ids, token_type_ids, position_ids),
+                                                                    rows, strict=True)
+                   if ids is not None and limit is not None and ids.numel() and ids.device.type != "meta"])
 
 
 def check_inputs(
@@ -250,13 +211,28 @@ def check_inputs(
 ) -> tuple[int, int]:
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
-    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are), for a caller that checks
-    them where it reads them (`check_id_ranges`). `rows`: the rows of the word, segment and position tables the ids
-    will index (`table_rows`), which differ from the config's sizes where a table was replaced (a position table
-    extended for longer inputs, a table replaced through `.data`); the config's sizes when not given. Segment and
-    position ids may be of any shape that broadcasts to [B, L] ([1, L] or [L]: shared by the batch), as in
+    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are), for a caller that checks them
+    where it reads them (`check_id_ranges`). `rows`: the (word, segment, position) tables' rows (`table_rows`), not
+    the config's sizes where a table was replaced (extended for longer inputs, or through `.data`); the config's when
+    not given. Segment and position ids may be of any shape that broadcasts to [B, L] ([1, L] or [L]), as in
     transformers."""
-    shape = batch, length = _input_shape(config, input_ids, inputs_embeds)
+    if (input_ids is None) == (inputs_embeds is None):
+        given = "both" if input_ids is not None else "neither"
+        raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
+    if input_ids is not None:
+        _check_ids("input_ids", input_ids)
+        if input_ids.dim() != 2:
+            fix = ("add a batch dimension with input_ids.reshape(1, -1)" if input_ids.dim() < 2 else
+                   "flatten the leading dimensions with input_ids.reshape(-1, input_ids.shape[-1])")
+            raise ValueError(f"input_ids must have shape [B, L], got {tuple(input_ids.shape)}; {fix}")
+        shape = batch, length = tuple(input_ids.shape)
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+            raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.table_width:
+            raise ValueError(f"inputs_embeds must have shape [B, L, {config.table_width}], "
+                             f"got {tuple(inputs_embeds.shape)}")
+        shape = batch, length = tuple(inputs_embeds.shape[:2])
     past_key_values_length = offset(past_key_values_length)
     vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size or None, None)
     limit = config.max_position_embeddings if positions is None else positions
@@ -269,11 +245,9 @@ def check_inputs(
             f"positions up to {first + length - 1}, but the position table has {limit} rows: "
             f"truncate to {max(limit - first, 0)} tokens (the tokenizer's truncation does this)")
     if token_type_ids is not None:  # (checked even where there is no segment table, which ignores them as DeBERTa's)
-        _check_int("token_type_ids", token_type_ids)
-        _check_broadcasts("token_type_ids", token_type_ids, shape, "give one segment id per token")
+        _check_ids("token_type_ids", token_type_ids, shape, "give one segment id per token")
     if position_ids is not None:
-        _check_int("position_ids", position_ids)
-        _check_broadcasts("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
+        _check_ids("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
     if check_ranges:
         check_id_ranges(input_ids, token_type_ids, position_ids, (vocab, segments, limit))
     return batch, length
