@@ -236,7 +236,8 @@ def _infer_config(tensors: dict[str, Any], path: Path) -> EmbeddingConfig:
     if "word" not in shapes or "token_type" not in shapes:
         raise ValueError(f"cannot size the layer without config.json: {path} has only {sorted(tensors)}; {SUPPORTED}")
     if any(len(shape) != 2 for shape in shapes.values()):
-        raise ValueError(f"{path}: the tables' shapes {shapes} are not all [rows, hidden]; re-save the checkpoint")
+        shown = ", ".join(f"{k}_embeddings.weight {shape}" for k, shape in shapes.items())
+        raise ValueError(f"{path}: the tables' shapes {shown} are not all [rows, hidden]; re-save the checkpoint")
     positions = {"max_position_embeddings": shapes["position"][0]} if "position" in shapes else {
         "position_embedding_type": "none"}
     try:

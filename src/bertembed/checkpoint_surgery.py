@@ -85,7 +85,9 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")
     with torch.random.fork_rng(devices=[]):  # (building the layer draws; a seed set before the surgery is for it)
         layer = BertEmbeddings.from_pretrained(folder)
-    files = [next(folder / name for name in WEIGHT_FILES if (folder / name).is_file())]  # (the layer found one)
+    files = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()][:1]
+    if not files:  # (the layer was just read from this folder, so one is there unless it went meanwhile)
+        raise FileNotFoundError(f"{folder} has none of {', '.join(WEIGHT_FILES)}; surgery needs the weights")
     if files[0].name.endswith(".index.json"):  # every shard the index names
         weight_map = read_json(files[0]).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -77,8 +77,9 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
     if fused:
         word, segment, position, weight, bias = layer.tables()
         refuse_unfusable(config, word.dtype)
-        tables = {"word_embeddings.weight": word, "position_embeddings.weight": position, "LayerNorm.weight": weight,
-                  "token_type_embeddings.weight": segment, "LayerNorm.bias": 0 * weight if bias is None else bias}
+        tables = {"word_embeddings.weight": word, "position_embeddings.weight": position,
+                  "token_type_embeddings.weight": segment, "LayerNorm.weight": weight,
+                  "LayerNorm.bias": 0 * weight if bias is None else bias}  # (the graph's initializers, in this order)
         model = fused_graph({k: v.detach().float().cpu().numpy() for k, v in tables.items() if v is not None},
                             config.layer_norm_eps, inputs=input_names(config),
                             pad=config.pad_token_id if config.positions_from_padding else None, opset=opset)

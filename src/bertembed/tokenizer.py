@@ -162,7 +162,7 @@ class Tokenizer:
         check_not_blank(text, name, text_b, name_b)
         self.backend.no_padding()  # each __call__ sets both again
         self.backend.no_truncation()
-        for value, label in ((text, name), (text_b, name_b))[: 1 if text_b is None else 2]:
+        for value, label in _named(text, name, text_b, name_b):
             if not self.backend.encode(value, add_special_tokens=False).ids:
                 shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
                 shown = shown if len(shown) <= 60 else shown[:60] + "..."
@@ -183,10 +183,15 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
 
+def _named(text: str, name: str, text_b: str | None, name_b: str) -> list[tuple[str, str]]:
+    """(text, its name) for the first text, and for the second when there is one."""
+    return [(text, name)] if text_b is None else [(text, name), (text_b, name_b)]
+
+
 def check_not_blank(text: str, name: str = "the text", text_b: str | None = None, name_b: str = "text_b") -> None:
     """Raise ValueError for an empty or all-whitespace `text` or `text_b` (when given), before any checkpoint is
     loaded; see `Tokenizer.require_tokens`."""
-    for value, label in ((text, name), (text_b, name_b))[: 1 if text_b is None else 2]:
+    for value, label in _named(text, name, text_b, name_b):
         if not isinstance(value, str):
             raise ValueError(f"{label} must be a string, got {type(value).__name__}")
         if not value.strip():

@@ -94,10 +94,13 @@ def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target's ratio and "pass" / "miss", or "not measured" with the reason, over one condition's results."""
     def lookup(field: str, key: str, candidate: str) -> tuple[float | None, str]:
         r = next((r for r in results if r["key"] == key and r["candidate"] == candidate), None)
-        why = (f"{key} not measured in this run" if r is None
-               else f"{candidate} {r.get('status')}" if r.get("status") != "ok"
-               else f"{candidate} has no {field}" if r.get(field) is None else "")
-        return (None if why else float(r[field])), why
+        if r is None:
+            return None, f"{key} not measured in this run"
+        if r.get("status") != "ok":
+            return None, f"{candidate} {r.get('status')}"
+        if r.get(field) is None:
+            return None, f"{candidate} has no {field}"
+        return float(r[field]), ""
 
     rows = []
     for name, numerator, denominator, op, goal in TARGETS:
