@@ -36,9 +36,15 @@ def _step(layer, optimizer, vocab: int) -> None:
     optimizer.step()
 
 
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (parameters, gradients, optimizer state): a DTensor's local shard only."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _rank(rank: int, world: int, port: int, mode: str, folder: str, vocab: int, queue) -> None:
     from bertembed import BertEmbeddings
-    from bertembed.parallel import local_bytes
 
     torch.set_num_threads(1)
     mesh = None

@@ -133,8 +133,3 @@ def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
                                   shape=torch.Size((rows, width)), stride=(width, 1))
 
     return read
-
-
-def local_bytes(tensors) -> int:
-    """Bytes this rank holds for `tensors` (parameters, gradients, optimizer state): a DTensor's local shard only."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if isinstance(t, torch.Tensor))
