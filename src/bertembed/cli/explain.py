@@ -65,7 +65,7 @@ def explain(
     text: Annotated[str, typer.Argument(help="the sentence to explain (segment A)")],
     text_b: Annotated[Optional[str], typer.Argument(help="an optional second sentence (segment B)")] = None,
     model: ModelOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")] = False,
+    as_json: JsonOpt = False,
     use_torch: Annotated[bool, typer.Option("--torch", help="run the torch BertEmbeddings module "
                                             "(slower start) instead of the torch-free numpy path")] = False,
     report: Annotated[Optional[str], typer.Option("--report", help="also write a self-contained HTML report of "

@@ -162,8 +162,6 @@ def finetune_demo(
     with user_errors(plot):
         from bertembed.explain import finetune
 
-        if save is not None:
-            finetune.check_save_folder(save)  # before the demo's seconds of work, not after them
         bar, progress = rich_progress()
         with bar:
             result = finetune.finetune_demo(model, steps=steps, progress=None if as_json else progress, save=save)

@@ -26,6 +26,26 @@ def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
     return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
 
 
+def tokenize_whole(source, text: str, text_b: str | None = None, names: tuple[str, str] = ("the text", "text_b")):
+    """(the checkpoint's tokenizer, `text` and `text_b` encoded whole). ValueError for a text that gives no tokens, or
+    one longer than the position table (saying how to shorten or window it)."""
+    from bertembed.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(source)
+    tokenizer.require_tokens(text, names[0], text_b, names[1])
+    enc = tokenizer(text, text_b, truncation=False, padding=False)
+    count, limit = len(enc.input_ids), tokenizer.max_length
+    if count > limit:
+        stride = limit // 4
+        windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
+        raise ValueError(f"the text is {count} tokens with [CLS] and [SEP], but the model has {limit} positions: "
+                         f"shorten it by {count - limit} tokens, or take it in windows: Tokenizer(...)(text, "
+                         f"return_overflowing_tokens=True, stride={stride}) gives {len(windows)} windows of at most "
+                         f"{limit} tokens, each with its own specials, neighbours sharing {stride}; or extend the "
+                         f"positions (layer.extend_positions)")
+    return tokenizer, enc
+
+
 @dataclasses.dataclass
 class NotMeasured:
     """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
@@ -73,6 +93,11 @@ LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 princ
 def label(key: str) -> str:
     """A summary key as people read it: "mean_adjacent_cosine" -> "mean adjacent cosine" (a few spelled out)."""
     return LABELS.get(key, key.replace("_", " "))
+
+
+def summary_rows(summary: dict) -> list[dict]:
+    """A summary's scalars (not its lists or dicts) as {"measure", "value"} rows."""
+    return [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
 
 
 def row_norms(matrix: np.ndarray) -> np.ndarray:
@@ -152,12 +177,11 @@ class Result:
         from bertembed.sources import DEFAULT_MODEL
 
         summary = self.summary()
-        rows = [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
         parts = [f"<h4>{html.escape(type(self).__name__)}</h4>"]
         if DEFAULT_MODEL in (summary.get("model"), summary.get("model_a"), summary.get("model_b")):
             parts.append("<p>measured on the bundled all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
                          "embeddings), not bert-base-uncased</p>")
-        parts.append(html_table(rows))
+        parts.append(html_table(summary_rows(summary)))
         try:
             for spec in specs_for(self):
                 parts.append(img_tag(figure_png(spec.draw(self)), spec.title))

@@ -1,8 +1,5 @@
-"""One text (or pair) taken apart: per token, the word, position and segment vectors, LayerNorm's statistics,
-the output, and a by-hand float64 recomputation of LayerNorm(word + position + segment) checked against the layer.
-
-Dimension letters: L length, H hidden.
-"""
+"""One text (or pair) taken apart: per token, the word, position and segment vectors, LayerNorm's statistics, the
+output, and LayerNorm(word + position + segment) recomputed by hand in float64. L length, H hidden."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import Result
+from bertembed.explain._common import Result, tokenize_whole
 from bertembed.sources import Source, resolve
 
 PARTS = ("word", "position", "segment")
@@ -100,13 +97,9 @@ class TextDecomposition(Result):
 def explain_text(text: str, text_b: str | None = None, model=None, *,
                  engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with the checkpoint's tokenizer and decompose its embedding.
-
     `model`: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
-
-    Raises ValueError for a text that is empty or gives no tokens (only control or zero-width characters), and for
-    one longer than the position table (no silent truncation here).
-    """
-    from bertembed.tokenizer import Tokenizer, check_not_blank
+    ValueError for a text that gives no tokens, or one longer than the position table (never truncated)."""
+    from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
@@ -114,18 +107,7 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
     # resolve once: the tokenizer and the layer read the same checkpoint (a loaded layer brings its own source)
     model = layer.source if layer is not None else resolve(model)
-    tokenizer = Tokenizer.from_pretrained(model)
-    tokenizer.require_tokens(text, "TEXT", text_b, "TEXT_B")
-    enc = tokenizer(text, text_b, truncation=False, padding=False)
-    if len(enc.input_ids) > tokenizer.max_length:
-        stride = tokenizer.max_length // 4
-        windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
-        raise ValueError(f"the text is {len(enc.input_ids)} tokens with its specials, but the model has "
-                         f"{tokenizer.max_length} positions: shorten it by {len(enc.input_ids) - tokenizer.max_length} "
-                         f"tokens, or take it in windows: Tokenizer(...)(text, return_overflowing_tokens=True, "
-                         f"stride={stride}) gives {len(windows)} windows of at most {tokenizer.max_length} tokens, "
-                         f"each with its own specials, neighbours sharing {stride}; or extend the positions "
-                         f"(layer.extend_positions)")
+    enc = tokenize_whole(model, text, text_b, ("TEXT", "TEXT_B"))[1]
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
         from bertembed.numpy_layer import NumpyEmbeddings

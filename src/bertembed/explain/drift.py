@@ -1,7 +1,5 @@
-"""Drift between two checkpoints of the same architecture: per table, how far it moved and which rows moved most.
-
-Typical use: a pre-trained model against its fine-tuned copy. Torch-free (the tables are read as numpy arrays).
-"""
+"""Drift between two checkpoints of the same architecture (say, a model and its fine-tuned copy): per table, how far
+it moved and which rows moved most. Torch-free."""
 
 from __future__ import annotations
 
@@ -25,12 +23,9 @@ class TableDrift:
     relative_change: float  # |B - A|_F / |A|_F over the whole tensor: small for a big table with few rows moved
     max_abs_change: float  # the largest change of one entry (absolute)
     rows_changed: int  # rows (or elements, for LayerNorm's vectors) not exactly equal
-    # the median over the rows that changed of |row B - row A| / |row A|: how far a moved row moved, whatever the
-    # table's size (the measure the figure ranks by)
-    median_row_change: float = 0.0
+    median_row_change: float = 0.0  # median |row B - row A| / |row A| over the moved rows: independent of size
     top: list[dict] = field(default_factory=list)  # {"row", "label", "change", "relative"}, by relative change
-    # rows (elements, for LayerNorm's vectors) holding NaN or inf, in "A" and "B": their changes are NaN or inf
-    non_finite: dict[str, list[int]] = field(default_factory=dict)
+    non_finite: dict[str, list[int]] = field(default_factory=dict)  # "A"/"B": rows (elements) holding NaN or inf
 
 
 @dataclass
@@ -106,11 +101,8 @@ def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> Ta
 
 
 def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport:
-    """Compare the embedding tensors of two checkpoints, listing the `top` most-changed rows of each.
-
-    Raises ValueError if their shapes differ or top < 0. A tensor holding NaN or inf gets NaN changes and a
-    `DriftReport.warning()` that names it.
-    """
+    """Compare the embedding tensors of two checkpoints, listing the `top` most-changed rows of each. ValueError if
+    their shapes differ or top < 0; a tensor holding NaN or inf gets NaN changes and a `warning()` naming it."""
     if top < 0:
         raise ValueError(f"top={top}: list 0 or more most-changed rows")
     a, b = load_layer(model_a), load_layer(model_b)

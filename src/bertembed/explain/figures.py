@@ -1,8 +1,8 @@
-"""The figures of every analysis, each with a caption that states the measured numbers.
+"""The figures of every analysis, each paired with a caption stating the measured numbers (`FIGURES`), so the HTML
+report, `--plots DIR`, notebooks and the guide show the same figures with the same words.
 
-Each `plot_*` function takes a result (and optionally a matplotlib `ax`) and returns the Figure; nothing calls
-`show()`. matplotlib is imported only inside them, with the Agg backend. `FIGURES` pairs each plot with its caption,
-so the HTML report, `--plots DIR`, notebooks and the guide all show the same figures with the same words.
+Each `plot_*` takes a result (and optionally a matplotlib `ax`) and returns the Figure, never calling `show()`;
+matplotlib is imported only when one is drawn (Agg backend). Captions need no matplotlib.
 """
 
 from __future__ import annotations
@@ -12,23 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from bertembed.explain.captions import (
-    caption_decomposition_norms,
-    caption_drift,
-    caption_finetune_positions,
-    caption_finetune_rows,
-    caption_neighbours,
-    caption_onehot,
-    caption_position_norms,
-    caption_position_pca,
-    caption_position_similarity,
-    caption_position_spectrum,
-    caption_segment_effect,
-    caption_segments,
-    caption_token_norms,
-    caption_variance_shares,
-)
 
 PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B
@@ -55,14 +38,15 @@ def figure(kind: str, title: str, caption: Callable[[Any], str]):
     return register
 
 
-def _axes(ax=None, size=(7.5, 3.6)):
+def _axes(ax=None, size=(7.5, 3.6), panels=1):
+    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     if ax is None:
-        fig, ax = plt.subplots(figsize=size, layout="constrained")
+        return plt.subplots(1, panels, figsize=size, layout="constrained")
     return ax.figure, ax
 
 
@@ -78,6 +62,15 @@ def _token_axis(ax, tokens) -> None:
     ax.set_xlim(-0.6, len(tokens) - 0.4)
 
 
+def caption_decomposition_norms(dec) -> str:
+    n = dec.norms()
+    b = sum(dec.segments)
+    return (f"{len(dec.tokens)} tokens ({b} in segment B, shaded). Mean norms: word {n['word'].mean():.3f}, position "
+            f"{n['position'].mean():.3f}, segment {n['segment'].mean():.3f}; their sum {n['sum'].mean():.3f}. "
+            f"After LayerNorm the output norm is {n['output'].mean():.2f} on average: LayerNorm rescales every "
+            f"token to unit variance, then applies its learned gain and bias.")
+
+
 @figure("TextDecomposition", "Norms per token", caption_decomposition_norms)
 def plot_decomposition_norms(dec, ax=None):
     """Per token: the norms of its word, position and segment vectors (grouped bars)."""
@@ -90,6 +83,14 @@ def plot_decomposition_norms(dec, ax=None):
     ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
     ax.legend(fontsize=8, ncols=4, loc="upper right")
     return fig
+
+
+def caption_variance_shares(dec) -> str:
+    s = dec.overall_shares()
+    return (f"Share of the variance over the hidden dimensions of word + position + segment that comes from each part "
+            f"(Cov(part, sum) / Var(sum); the three add up to 1 per token). Pooled over the tokens: word "
+            f"{s['word']:.0%}, position {s['position']:.0%}, segment {s['segment']:.0%}. "
+            f"LayerNorm(sum) recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
 
 
 @figure("TextDecomposition", "Variance shares", caption_variance_shares)
@@ -117,17 +118,43 @@ def _heatmap(ax, matrix, title):
     return image
 
 
+def caption_position_similarity(r) -> str:
+    return (f"Cosine similarity between every pair of the {len(r.norms)} learned position vectors (left) and of a "
+            f"sinusoidal table of the same size (right). The two patterns correlate r = {r.structure_correlation:.2f} "
+            f"(off-diagonal entries). Neighbouring learned positions have cosine "
+            f"{float(np.diag(r.similarity, 1).mean()):.2f} on average: similar near the diagonal, like the sinusoids, "
+            f"but the learned table is not their formula.")
+
+
 @figure("PositionReport", "Position similarity", caption_position_similarity)
 def plot_position_similarity(report):
     """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
-    fig, _ = _axes(size=(10, 4.6))
-    fig.clear()
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = _axes(size=(10, 4.6), panels=2)
     _heatmap(left, report.similarity, "learned position vectors")
     image = _heatmap(right, report.sinusoid_similarity, "sinusoidal table, same size")
     fig.colorbar(image, ax=[left, right], label="cosine similarity", shrink=0.85)
     fig.suptitle(f"Position-position similarity (structure correlation r = {report.structure_correlation:.2f})")
     return fig
+
+
+def describe_seam(seam: dict) -> str:
+    """One seam from `find_seams` in words, with what may have left it (said as a hypothesis, with its confounds)."""
+    at = seam["at"]
+    text = (f" A seam at position {at}: the cosine between neighbours dips to {seam['neighbour_cosine']:.2f} "
+            f"(typically {seam['typical_neighbour_cosine']:.2f}) and the mean norm steps from "
+            f"{seam['norm_before']:.3f} to {seam['norm_after']:.3f}. ")
+    if abs(at - 128) <= 2:
+        return text + ("A hypothesis, not a proof: BERT pre-trained 90% of its steps on 128-token sequences; a "
+                       "fine-tune cut at 128 tokens could leave it too (all-MiniLM-L6-v2's own fine-tune was).")
+    return text + (f"A hypothesis: training on sequences of about {at} tokens (pre-training or a fine-tune) leaves "
+                   f"rows past them trained less; the model's training recipe would tell.")
+
+
+def caption_position_norms(r) -> str:
+    text = (f"Norm of each position vector: {r.norms.min():.3f} to {r.norms.max():.3f} (position "
+            f"{int(np.argmax(r.norms)) + r.first} is the largest), and the cosine of each with the next.")
+    no_seam = " No seam: no boundary stands out from the rest of the table."
+    return text + ("".join(map(describe_seam, r.seams)) or no_seam)
 
 
 @figure("PositionReport", "Position norms", caption_position_norms)
@@ -150,6 +177,14 @@ def plot_position_norms(report, ax=None):
     return fig
 
 
+def caption_position_spectrum(r) -> str:
+    return (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{r.k} (the shaded "
+            f"band) hold {r.lowfreq_share:.0%} of the learned table's variance over positions "
+            f"({r.lowfreq_share_sinusoid:.0%} for the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise). "
+            f"Per hidden dimension, the strongest frequency has median {np.median(r.peaks):.0f} cycles over the table "
+            f"(sinusoidal: {np.median(r.sinusoid_peaks):.0f}).")
+
+
 @figure("PositionReport", "Position spectrum", caption_position_spectrum)
 def plot_position_spectrum(report, ax=None):
     """Share of variance over positions at each frequency, pooled over hidden dims: learned vs sinusoidal; the band
@@ -167,6 +202,13 @@ def plot_position_spectrum(report, ax=None):
     return fig
 
 
+def caption_position_pca(r) -> str:
+    return (f"Each position on the table's first two principal components (each hidden dimension centred over "
+            f"positions): they hold {r.pca_share_2:.0%} of the variance, the first ten {r.pca_share_10:.0%}. "
+            f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
+            f"directions of the hidden space, whatever their rotation.")
+
+
 @figure("PositionReport", "Positions on two principal components", caption_position_pca)
 def plot_position_pca(report, ax=None):
     """The positions on the first two principal components of the table (hidden dimensions centred), coloured by
@@ -179,6 +221,13 @@ def plot_position_pca(report, ax=None):
     ax.set(xlabel="first principal component", ylabel="second principal component",
            title=f"Positions on two components ({report.pca_share_2:.0%} of the variance)")
     return fig
+
+
+def caption_segments(r) -> str:
+    verdict = "they ARE zeros and ones" if r.zeros_and_ones else "not zeros and ones"
+    return (f"The segment table has {len(r.norms)} learned rows: |A| = {r.norms[0]:.3f}, |B| = {r.norms[1]:.3f}, "
+            f"cosine(A, B) = {r.cosine:.2f}, |B - A| = {r.difference_norm:.3f}; {verdict}. For scale: the median word "
+            f"vector has norm {r.median_word_norm:.3f}, the median position vector {r.median_position_norm:.3f}.")
 
 
 @figure("SegmentReport", "Segment vectors", caption_segments)
@@ -194,6 +243,13 @@ def plot_segments(report, ax=None):
     return fig
 
 
+def caption_segment_effect(r) -> str:
+    return (f"The same text ({len(r.tokens)} tokens) embedded with every token in segment A, then in segment B: the "
+            f"output moves by {r.output_change.mean():.2f} on average (mean output norm {r.output_norm:.2f}), output "
+            f"cosine {r.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] take segment A and B [SEP] take "
+            f"segment B: one sequence, processed in parallel, told apart only by this added vector.")
+
+
 @figure("SegmentReport", "Segment A vs B", caption_segment_effect)
 def plot_segment_effect(report, ax=None):
     """Per token: how far the output moves when the same text is put in segment B instead of A."""
@@ -205,6 +261,17 @@ def plot_segment_effect(report, ax=None):
     ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
     ax.legend(fontsize=8)
     return fig
+
+
+def caption_token_norms(r) -> str:
+    text = (f"Norm of each of the {len(r.norms)} word-table rows against its id: median {r.median_norm:.3f}; "
+            f"[PAD] row {'is all zeros' if r.pad_is_zero else 'is not zero'}.")
+    if r.unused_median_norm is not None:
+        text += f" The never-used [unusedN] rows have median norm {r.unused_median_norm:.3f}."
+    if r.rank_norm_correlation is not None:
+        text += (f" From id {r.rank_start} ('the') on, ids follow frequency roughly; Spearman correlation of id and "
+                 f"norm there: {r.rank_norm_correlation:+.2f}.")
+    return text
 
 
 @figure("TokenReport", "Token norms", caption_token_norms)
@@ -227,6 +294,12 @@ def plot_token_norms(report, ax=None):
     return fig
 
 
+def caption_neighbours(r) -> str:
+    near = ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in r.neighbours[:5])
+    return (f"{r.token!r} is row {r.token_id} (norm {r.token_norm:.3f}). Its nearest rows by cosine: {near}. The "
+            f"table is a dictionary of learned vectors; neighbours share meaning before any context is added.")
+
+
 @figure("TokenReport", "Nearest neighbours", caption_neighbours)
 def plot_neighbours(report, ax=None):
     """The token's nearest rows in the word table by cosine."""
@@ -238,12 +311,18 @@ def plot_neighbours(report, ax=None):
     return fig
 
 
+def caption_onehot(r) -> str:
+    s = r.summary()
+    return (f"one_hot(ids) @ W and W[ids] on {len(r.ids)} tokens: {'identical' if r.equal else 'different'} "
+            f"(max |diff| {r.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
+            f"{r.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x) and "
+            f"touched {r.onehot_bytes / 1e6:.3g} MB, because it reads all {r.vocab_size} rows of the table.")
+
+
 @figure("OneHotReport", "One-hot vs lookup", caption_onehot)
 def plot_onehot(report):
     """Time and memory of the lookup and of the one-hot product (log scale)."""
-    fig, _ = _axes(size=(8, 3.2))
-    fig.clear()
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = _axes(size=(8, 3.2), panels=2)
     for ax, values, unit, title in ((left, [report.lookup_seconds * 1e6, report.onehot_seconds * 1e6], "microseconds",
                                      "time (median)"),
                                     (right, [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3], "kB touched",
@@ -253,6 +332,17 @@ def plot_onehot(report):
         ax.set(yscale="log", ylabel=unit, title=title)
     fig.suptitle(f"Same result ({'identical' if report.equal else 'DIFFERENT'}), {len(report.ids)} tokens")
     return fig
+
+
+def caption_finetune_rows(r) -> str:
+    parts = []
+    for run in r.runs:
+        moved = ", ".join(f"{t.table} {t.moved}/{t.rows}" for t in run.tables)
+        parts.append(f"{run.spec.name}: {moved} (loss {run.loss_first:.3f} -> {run.loss_last:.3f})")
+    return (f"{r.steps} steps on {len(r.sentences)} sentences, lr {r.lr:g}. Rows moved per table: " + "; ".join(parts)
+            + f". The sentences use {len(r.occurred['word'])} distinct tokens, {len(r.occurred['position'])} "
+              f"positions and {len(r.occurred['segment'])} segment(s); every row that moved is one of them unless "
+              f"weight decay is on. All {len(r.trainable)} embedding parameters are trainable by default.")
 
 
 @figure("FinetuneReport", "Rows moved by fine-tuning", caption_finetune_rows)
@@ -277,6 +367,13 @@ def plot_finetune_rows(report, ax=None):
     return fig
 
 
+def caption_finetune_positions(r) -> str:
+    last = max(r.occurred["position"])
+    return (f"Change of each of the first position rows. With Adam and no weight decay, positions 0-{last} (the "
+            f"longest sentence) move and every later row stays exactly equal (change 0); AdamW's decay nudges every "
+            f"row; freezing the word table does not stop the position table from training.")
+
+
 @figure("FinetuneReport", "Position rows after fine-tuning", caption_finetune_positions)
 def plot_finetune_positions(report, ax=None, first: int = 24):
     """|change| of the first position rows in each run: only positions that occurred move under Adam."""
@@ -291,6 +388,16 @@ def plot_finetune_positions(report, ax=None, first: int = 24):
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.legend(fontsize=8)
     return fig
+
+
+def caption_drift(r) -> str:
+    parts = [f"{t.table}: {t.rows_changed} of {t.shape[0]} rows moved, a moved row by {t.median_row_change:.2g} of "
+             f"its norm (median), the whole tensor by {t.relative_change:.2g}" for t in r.tables]
+    word = next((t for t in r.tables if t.table == "word" and t.top), None)
+    top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
+        if word else ""
+    head = f"From {r.model_a} to {r.model_b}, per tensor: "
+    return head + "; ".join(parts) + "." + top
 
 
 @figure("DriftReport", "Drift per tensor", caption_drift)

@@ -1,16 +1,6 @@
-"""Does fine-tuning change the embedding tables? A short, deterministic fine-tune that counts the rows that move.
-
-The task: tell a handful of fixed positive sentences from negative ones, with the checkpoint's embedding layer plus a
-tiny head (masked mean-pool, then one linear layer), so it runs in seconds on a CPU. Three runs from the same start:
-
-- Adam, no weight decay: a row whose gradient was always zero keeps Adam's moments at zero, so its update is exactly
-  0. Only the rows of tokens, positions and segments that occurred in unpadded places move; [PAD] never does, because
-  `padding_idx` zeroes its gradient.
-- AdamW with weight decay: the decay shrinks every weight each step, so every non-zero row moves.
-- Adam with the word table frozen (`requires_grad=False`): that table does not move at all.
-
-Dimension letters: B batch, L length, H hidden.
-"""
+"""Does fine-tuning change the embedding tables? A short, deterministic fine-tune (a few sentiment sentences, the
+embedding layer plus a mean-pool and linear head, seconds on a CPU) that counts the rows that move with Adam, AdamW
+and a frozen word table (docs/how-bert-embeddings-work.md, section 6). B batch, L length, H hidden."""
 
 from __future__ import annotations
 
@@ -107,6 +97,7 @@ def occurred_rows(enc, pad_id: int) -> dict[str, list[int]]:
 
 
 def _expected(spec: RunSpec, name: str, occurred: list[int], before) -> int:
+    """Rows the theory says move: Adam leaves a row whose gradient was always zero exactly as it was."""
     if name in spec.frozen:
         return 0
     if spec.weight_decay > 0:  # decay moves every row that is not exactly zero, plus the rows with gradient
@@ -165,12 +156,9 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, steps: int, lr: float,
 def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 0, runs=DEFAULT_RUNS,
                   sentences=SENTENCES, progress: Callable[[str, int, int], None] | None = None,
                   save: str | Path | None = None) -> FinetuneReport:
-    """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run; see the module doc.
-
-    `progress(run_name, step, steps)` is called after every step. `save`: a new (or empty) folder to write the first
-    run's fine-tuned layer to (with the tokenizer files), e.g. to compare with `drift`; it is checked before anything
-    runs, and written whole or not at all (see `save_with_tokenizer`).
-    """
+    """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run. `progress(run_name,
+    step, steps)` is called after every step. `save`: a new (or empty) folder for the first run's fine-tuned layer
+    and the tokenizer files (checked before anything runs, written whole or not at all)."""
     import torch
 
     from bertembed.embeddings import BertEmbeddings
@@ -204,8 +192,8 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
 
 
 def check_save_folder(folder: str | Path) -> Path:
-    """Fail before any work unless `folder` can be created whole: it must not exist (or be an empty folder), and
-    its parent must be an existing folder where a new folder can be made (tried, not guessed from permissions)."""
+    """Fail before any work unless `folder` is new (or empty) and can be made in its existing parent (tried, not
+    guessed from permissions)."""
     folder = Path(folder).expanduser()
     try:
         if folder.exists() and not folder.is_dir():
@@ -221,9 +209,8 @@ def check_save_folder(folder: str | Path) -> Path:
 
 
 def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
-    """Save an embedding layer and copy its checkpoint's tokenizer files beside it, all or nothing: everything is
-    written into a temporary folder beside `folder`, which becomes `folder` only when complete (`atomic_folder`).
-    A failure or Ctrl-C leaves no folder, no partial one, and no temporary one."""
+    """Save an embedding layer with its checkpoint's tokenizer files into `folder`, all or nothing
+    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary."""
     from bertembed.atomic import atomic_folder
     from bertembed.checkpoint import checkpoint_writer
 
@@ -231,7 +218,7 @@ def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
     write = checkpoint_writer(layer, folder)
     try:
         with atomic_folder(folder, keep_others=False) as staging:
-            write(staging)  # (one switch for the weights and the tokenizer together)
+            write(staging)
             for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 path = source.file(name)
                 if path is not None:

@@ -1,9 +1,5 @@
-"""`nn.Embedding` is a table lookup, which equals a one-hot matrix product: one_hot(ids) [L, V] @ W [V, H] = W[ids].
-
-Checked on the user's own ids, with what each way costs in time and memory (the product reads the whole table).
-
-Dimension letters: L length, V vocabulary, H hidden.
-"""
+"""`nn.Embedding` is a table lookup, which equals a one-hot product: one_hot(ids) [L, V] @ W [V, H] = W[ids].
+Checked on the user's own ids, with what each way costs in time and memory. L length, V vocabulary, H hidden."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer
+from bertembed.explain._common import ModelArg, Result, load_layer, tokenize_whole
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
 # the time (a few seconds) of the demonstration; BERT's own case, 512 positions x 30522 ids, is 60 MiB.
@@ -59,27 +55,19 @@ def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
 
 
 def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
-    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`).
-
-    Raises ValueError for a text that is empty or gives no tokens, longer than the position table, or whose one-hot
-    matrix [L, V] float32 would exceed MAX_ONEHOT_BYTES.
-    """
-    from bertembed.tokenizer import Tokenizer, check_not_blank
+    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`). ValueError for a blank
+    text, one longer than the position table, or one whose one-hot matrix would exceed MAX_ONEHOT_BYTES."""
+    from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "the text")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
-    tokenizer = Tokenizer.from_pretrained(layer.source)
-    tokenizer.require_tokens(text, "the text")
-    enc = tokenizer(text, truncation=False, padding=False)
+    enc = tokenize_whole(layer.source, text)[1]
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape
-    tokens, positions, size = len(ids), tokenizer.max_length, len(ids) * vocab * 4
-    if tokens > positions:
-        raise ValueError(f"the text is {tokens} tokens with [CLS] and [SEP], but the model has {positions} positions: "
-                         f"shorten it by {tokens - positions} tokens")
+    tokens, size = len(ids), len(ids) * vocab * 4
     if size > MAX_ONEHOT_BYTES:  # a vocabulary so large that even a short text's matrix is no demonstration
         raise ValueError(f"the one-hot matrix of {tokens} tokens x {vocab} ids would take {size:,} bytes "
                          f"({size / 2**20:.1f} MiB), over the limit of {MAX_ONEHOT_BYTES:,} (MAX_ONEHOT_BYTES): give "

@@ -1,14 +1,6 @@
-"""Are learned position embeddings sinusoidal? The position table measured against the fixed sin/cos table.
-
-The answer in the order a user asks it: the naive test (the two tables' entries correlated one by one) and why it
-is the wrong test (any rotation of the hidden space is as good a table); then structure (the similarity of every
-pair of positions, and the principal components, each hidden dimension centred over positions); then smoothness
-(the spectrum over positions); then seams, found from the table itself: a boundary where the cosine between
-neighbouring positions dips and the norm steps, far more than anywhere else in the table. Rows reserved before the
-first position a token uses (RoBERTa's) are left out.
-
-Dimension letters: P positions, H hidden, K low frequencies.
-"""
+"""Are learned position embeddings sinusoidal? The position table against a sin/cos table of the same size: entry
+by entry, in structure, in smoothness, and its seams (docs/how-bert-embeddings-work.md, section 3). P positions,
+H hidden."""
 
 from __future__ import annotations
 
@@ -17,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bertembed.explain._common import ModelArg, Result, cosine_matrix, load_layer, row_norms, table
-from bertembed.explain.captions import seam_hypothesis
+from bertembed.explain.figures import describe_seam
 from bertembed.numpy_layer import sinusoidal_table_np
 
 SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) both the dip and the step must pass
@@ -32,11 +24,15 @@ def structure_correlation(sim_a: np.ndarray, sim_b: np.ndarray) -> float:
     return float(np.corrcoef(sim_a[upper], sim_b[upper])[0, 1])
 
 
+def _power(matrix: np.ndarray) -> np.ndarray:
+    """Power of each column of [P, H] (centred) at each frequency: [P//2 + 1, H]."""
+    return np.abs(np.fft.rfft(matrix - matrix.mean(0), axis=0)) ** 2
+
+
 def spectrum(matrix: np.ndarray) -> np.ndarray:
     """The share of the variance over positions at each frequency (cycles over the P positions), pooled over the
-    columns of [P, H]: [P//2 + 1], summing to 1 (Parseval: the bins between 0 and the Nyquist frequency count
-    twice). The shaded band of the figure and `lowfreq_share` both read it."""
-    power = (np.abs(np.fft.rfft(matrix - matrix.mean(0), axis=0)) ** 2).sum(1)
+    columns of [P, H]: [P//2 + 1], summing to 1 (Parseval: the bins between 0 and Nyquist count twice)."""
+    power = _power(matrix).sum(1)
     weights = np.full(len(power), 2.0)
     weights[0] = 1.0
     if matrix.shape[0] % 2 == 0:
@@ -52,8 +48,7 @@ def lowfreq_share(matrix: np.ndarray, k: int) -> float:
 
 def peak_frequencies(matrix: np.ndarray) -> np.ndarray:
     """Per column of [P, H]: the frequency (cycles over P positions, >= 1) holding most of its variance: [H]."""
-    power = np.abs(np.fft.rfft(matrix - matrix.mean(0), axis=0)) ** 2
-    return 1 + np.argmax(power[1:], axis=0)
+    return 1 + np.argmax(_power(matrix)[1:], axis=0)
 
 
 def principal_components(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -154,12 +149,9 @@ def _verdict(r: PositionReport) -> str:
             f"frequencies 1-{r.k} hold {r.lowfreq_share:.0%} (sin/cos {r.lowfreq_share_sinusoid:.0%}, noise "
             f"{r.lowfreq_share_noise:.0%}): order is encoded along a smooth curve, not by the formula "
             f"(compare {WANG_AND_CHEN}, who find BERT's table far less sinusoidal than GPT-2's).")
-    for seam in r.seams:
-        text += (f" A seam at position {seam['at']}: the cosine between neighbours dips to "
-                 f"{seam['neighbour_cosine']:.2f} (typically {seam['typical_neighbour_cosine']:.2f}) and the mean norm "
-                 f"steps from {seam['norm_before']:.3f} to {seam['norm_after']:.3f}. {seam_hypothesis(seam['at'])}")
-    return text + (" Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the "
-                   "training length; a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
+    return text + "".join(map(describe_seam, r.seams)) + (
+        " Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the training length; "
+        "a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:

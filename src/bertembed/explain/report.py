@@ -1,8 +1,7 @@
 """The HTML report and the PNG files: every analysis of one text, its figures and their captions.
 
-The report is one self-contained file: images are inline base64 PNGs, the CSS is inline, there are no external
-scripts, fonts or links, so it opens from disk without a network. Files are written to a temporary name beside the
-target and renamed into place, so a failure never leaves a half-written report or PNG.
+The report is one self-contained file (inline PNGs and CSS, nothing external), so it opens from disk offline. Every
+file is written atomically: a failure never leaves a half-written report or PNG.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from bertembed.explain._common import (
     figure_png,
     html_table,
     img_tag,
-    label,
     load_layer,
+    summary_rows,
 )
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
@@ -54,7 +53,6 @@ INTRO = ("Before any attention layer runs, the model turns text into vectors: ea
 class Section:
     title: str
     intro: str  # plain text, escaped when rendered
-    result: Any
     table: str = ""  # ready HTML
     figures: list[tuple[str, bytes, str]] = field(default_factory=list)  # (title, png, caption)
     tag: str = MEASURED
@@ -181,11 +179,9 @@ def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Sec
     pngs = render_figures(result) if pngs is None else pngs
     title, intro, tag = INTROS[type(result).__name__]
     summary = result.summary()
-    intro = intro or summary.get("verdict", "")
-    rows = result.rows() if hasattr(result, "rows") else [
-        {"measure": label(k), "value": v} for k, v in summary.items() if k != "verdict"
-        and not isinstance(v, (list, dict))]
-    return Section(title, intro, result, html_table(rows),
+    verdict = summary.pop("verdict", "")
+    rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
+    return Section(title, intro or verdict, html_table(rows),
                    [(s.title, png, s.caption(result)) for s, png in pngs], tag)
 
 
@@ -200,8 +196,8 @@ def build_report(results: list[Any], title: str | None = None,
         title = f"How {name}'s embedding layer builds these vectors"
         if source is not None and source.kind == "bundled":
             title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
-    return Report(title, source.describe() if source else "", [section_for(r, p) for r, p in zip(results, pngs,
-                                                                                                 strict=True)])
+    sections = [section_for(r, p) for r, p in zip(results, pngs, strict=True)]
+    return Report(title, source.describe() if source else "", sections)
 
 
 def write_report(report: Report, path: str | Path) -> Path:
@@ -231,15 +227,10 @@ def write_plots(results: list[Any], folder: str | Path,
 
 def combined_png(result: Any) -> bytes:
     """All figures of one result stacked vertically into one PNG (for `--plot FILE`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.image as mpimg
     import numpy as np
 
-    from bertembed.explain.figures import specs_for
-
-    images = [mpimg.imread(io.BytesIO(figure_png(s.draw(result))), format="png") for s in specs_for(result)]
+    images = [mpimg.imread(io.BytesIO(png), format="png") for _, png in render_figures(result)]
     width = max(im.shape[1] for im in images)
     padded = [np.pad(im[..., :3], ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0) for im in images]
     buf = io.BytesIO()

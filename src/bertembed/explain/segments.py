@@ -1,9 +1,5 @@
-"""What segment (token type) embeddings are: two learned vectors, one added to every token of sentence A, the other
-to every token of sentence B. Not zeros and ones; measured here against typical word and position vectors, and by
-what changes in the output when the same text is placed in segment A or in segment B.
-
-Dimension letters: T token types (segments), L length, H hidden.
-"""
+"""Segment (token type) embeddings: two learned vectors (not zeros and ones), measured against word and position
+vectors and by how the output changes when one text moves from segment A to B. T segments, L length, H hidden."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table
+from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table, tokenize_whole
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
 
@@ -27,17 +23,16 @@ class SegmentReport(Result):
     cosine: float  # between seg0 and seg1
     median_word_norm: float
     median_position_norm: float
-    zeros_and_ones: bool  # True only if seg0 is all 0 and seg1 all 1 (the belief some users hold)
+    zeros_and_ones: bool  # True only if seg0 is all 0 and seg1 all 1 (a common belief)
     text: str
     tokens: list[str]
     output_change: np.ndarray = field(repr=False)  # [L] |out(B) - out(A)| per token
     output_cosine: np.ndarray = field(repr=False)  # [L] cosine of out(A) and out(B) per token
     output_norm: float  # mean |out(A)|, for scale
-    # how far row A is from all zeros and row B from all ones (the belief some users hold), and their first values
-    distance_from_zeros_and_ones: tuple[float, float] = (0.0, 0.0)
+    distance_from_zeros_and_ones: tuple[float, float] = (0.0, 0.0)  # |row A - 0|, |row B - 1|
     first_values: list[list[float]] = field(default_factory=list)
-    # max |LayerNorm(x + c) - LayerNorm(x)| over the text's tokens for a constant c = 1 added to every entry, in
-    # float32: LayerNorm subtracts each token's mean, so a constant segment row (all zeros, all ones) changes nothing
+    # max |LayerNorm(x + 1) - LayerNorm(x)| over the tokens, float32: LayerNorm subtracts the mean, so a constant row
+    # (all zeros, all ones) changes nothing
     constant_shift_change: float = 0.0
     pair_tokens: list[str] = field(default_factory=list)  # a pair (when a second text is given): one sequence
     pair_segments: list[int] = field(default_factory=list)
@@ -57,26 +52,20 @@ class SegmentReport(Result):
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
-    """Measure the segment table and the output of `text` in segment A versus segment B; with `text_b`, the pair
-    `text` + `text_b` as the model sees it (one sequence, segment ids 0 then 1).
-
-    Raises ValueError for a text (or `text_b`) that is empty or gives no tokens, and for a text longer than the
-    position table; NotInThisMember where the member has no segment table, or one row.
-    """
-    from bertembed.tokenizer import Tokenizer, check_not_blank
+    """Measure the segment table and the output of `text` in segment A versus B; with `text_b`, also the pair as
+    the model sees it (one sequence, segment ids 0 then 1). ValueError for a blank text or one longer than the
+    position table; NotInThisMember where the member has no segment table, or one row."""
+    from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = table(layer, "segment")
-    tokenizer = Tokenizer.from_pretrained(layer.source)
-    tokenizer.require_tokens(text, text_b=text_b)
-    enc = tokenizer(text, truncation=False, padding=False)
-    if len(enc.input_ids) > tokenizer.max_length:
-        raise ValueError(f"the text is {len(enc.input_ids)} tokens, the model has {tokenizer.max_length} positions")
+    tokenizer, enc = tokenize_whole(layer.source, text)
+    if text_b is not None:
+        tokenizer.require_tokens(text_b, "text_b")
     ids = np.array([enc.input_ids, enc.input_ids])
     parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
-    out = parts["output"].astype(np.float64)
-    out_a, out_b = out[0], out[1]
+    out_a, out_b = parts["output"].astype(np.float64)
     pair = tokenizer(text, text_b, truncation=False, padding=False) if text_b is not None else None
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)

@@ -1,9 +1,6 @@
-"""The word table as a dictionary of vectors: a token's nearest neighbours, the [PAD] row and the special tokens,
-and how a row's norm depends on how common the token is (BERT's WordPiece vocabulary lists whole words roughly by
-frequency after its special, unused and single-character entries, so the id is a rough frequency rank there).
-
-Dimension letters: V vocabulary, H hidden.
-"""
+"""The word table as a dictionary of vectors: a token's nearest neighbours, the special rows, and norm against id
+(BERT's vocabulary lists whole words roughly by frequency, so there the id is a rough frequency rank). V vocabulary,
+H hidden."""
 
 from __future__ import annotations
 
@@ -33,10 +30,8 @@ class TokenReport(Result):
     rank_start: int | None  # first id of the frequency-ordered region, None when the order is unknown
     rank_norm_correlation: float | None  # Spearman correlation of id (rank) and norm in that region
     norms: np.ndarray = field(repr=False)  # [V]
-    # what was asked, when it is not one vocabulary entry as given: the entry it normalises to ("Paris" -> "paris"
-    # in an uncased model), or the pieces it splits into, each with its neighbours ({"token", "id", "neighbours"})
-    asked: str = ""
-    pieces: list[dict] = field(default_factory=list)
+    asked: str = ""  # the word asked for, when `token` is the entry it normalises to ("Paris" -> "paris")
+    pieces: list[dict] = field(default_factory=list)  # {"token", "id", "neighbours"}: the pieces a word splits into
     note: str = ""
 
     def summary(self) -> dict:
@@ -51,7 +46,7 @@ class TokenReport(Result):
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation (no ties handling needed for continuous norms and distinct ids)."""
+    """Spearman rank correlation (ties are not handled: continuous norms, distinct ids)."""
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1])
 
@@ -67,8 +62,8 @@ def nearest(words: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
 
 
 def _entries(tokenizer, token: str) -> tuple[list[str], str]:
-    """The vocabulary entries `token` stands for, and a note when that is not `token` itself: the entry its
-    tokenizer normalises it to (lower-casing, accents), or the pieces it splits into. ValueError when it gives none."""
+    """The vocabulary entries `token` stands for (itself, its normalised form, or its pieces) and a note saying
+    which. ValueError when it gives none."""
     if tokenizer.token_to_id(token) is not None:
         return [token], ""
     normalizer = tokenizer.backend.normalizer

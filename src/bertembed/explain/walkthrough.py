@@ -1,11 +1,6 @@
-"""The layer rebuilt by hand, step by step, as the seed notebooks do: plain torch operations on a checkpoint's own
-tensors, each step checked against the layer's own intermediate (`BertEmbeddings.decompose`).
-
-The steps are code, written once (`steps`): `bertembed walkthrough` runs them and prints what each gives, and
-`bertembed notebook` writes the same code into Jupyter cells a user can edit and run (`write_notebook`), with an
-assert against the layer after each step and the figures. The code follows the member's own recipe
-(`EmbeddingConfig`'s facts): RoBERTa's positions from the padding id, no segment or position table where a member has
-none, DeBERTa's order of the sum and projection, a LayerNorm without bias.
+"""The layer rebuilt by hand in plain torch on a checkpoint's own tensors, each step checked against the layer's own
+intermediate (`BertEmbeddings.decompose`). The steps' code, written once in the member's own recipe (`steps`), is run
+by `bertembed walkthrough` and written into editable Jupyter cells by `bertembed notebook` (`write_notebook`).
 """
 
 from __future__ import annotations
@@ -108,9 +103,8 @@ def steps(config: EmbeddingConfig) -> list[Step]:
 
 def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *, values: int = 4,
                 rows: int = 3) -> Walkthrough:
-    """Run the steps on `text` (and `text_b`) with `model`'s tensors; each step's result is checked against the
-    layer's `decompose` (bit for bit where the operations are the same, to float32 rounding where LayerNorm's kernel
-    computes the statistics its own way)."""
+    """Run the steps on `text` (and `text_b`) with `model`'s tensors, checking each against the layer's `decompose`
+    (bit for bit where the operations are the same, else to float32 rounding)."""
     import torch
 
     from bertembed.embeddings import BertEmbeddings, sinusoidal_table
