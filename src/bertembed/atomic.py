@@ -1,23 +1,11 @@
 """Replacing a folder as a whole: a reader finds the whole old folder or the whole new one, even if the writer is
-killed at any moment.
-
-How: the new files are written into a fresh sibling folder `.NAME.tmp-PID-XXXXXXXX` (same parent, so the same file
-system), flushed to disk, and switched in
-- on Linux by one `renameat2(RENAME_EXCHANGE)`, which swaps the two folders in a single atomic step: NAME is never
-  missing, and the old files, now under the temporary name, are deleted after;
-- elsewhere (or where a file system refuses the exchange) by two renames, NAME -> `.NAME.old-PID-XXXXXXXX` and the
-  new folder -> NAME. A crash between the two leaves NAME missing and `.NAME.old-*` whole: loaders read that one
-  (`interrupted_save`), and the next save renames it back first.
-Making NAME a symlink to versioned folders would also switch in one step everywhere, but NAME would stop being a real
-folder (git, rsync and `shutil.rmtree` treat links differently), so it was not chosen. What a killed save leaves (its
-`.NAME.tmp-*`, `.NAME.old-*` folders) is removed by the next save of the same folder, once its process is gone.
+killed at any moment. How, and why not a symlink: docs/checkpoints.md, "Saving".
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
 import re
@@ -32,14 +20,11 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Path]:
-    """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing).
-
-    With `keep_others`, entries of the old `path` that the new one lacks (a tokenizer beside saved weights, say) are
-    carried over, hard-linked where the file system allows, else copied. On an exception `path` is left as it was. The
-    old folder's permissions are kept; a symlink `path` stays a link (the folder it points to is replaced), and a
+    """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing), on an
+    exception `path` is left as it was. With `keep_others`, entries of the old `path` that the new one lacks are
+    carried over (hard-linked where possible). The old permissions are kept, a symlink `path` stays a link, and a
     process whose working directory was `path` is moved into the new one. Raises NotADirectoryError if `path` is a
-    file, PermissionError if its parent cannot be written (the new folder is made there), and OSError for other
-    failures, all leaving `path` as it was.
+    file, PermissionError if its parent cannot be written, OSError for other failures, all leaving `path` as it was.
     """
     target = Path(os.path.abspath(Path(path).expanduser()))
     target = target.resolve() if target.is_symlink() else target  # (the folder a link points to is replaced)
@@ -142,8 +127,7 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
 
 
 def _fsync_tree(folder: Path, files: bool) -> None:
-    """Flush (with `files`, every file and then) the entries of every folder under and at `folder` (on POSIX only:
-    Windows cannot open a folder)."""
+    """Flush (with `files`, every file and then) every folder under and at `folder` (folders on POSIX only)."""
     for root, _, names in os.walk(folder, topdown=False):
         for path in [os.path.join(root, name) for name in names] if files else ():
             if not os.path.islink(path):
@@ -183,24 +167,16 @@ def _switch(staging: Path, target: Path) -> None:
         os.chdir(target)
 
 
-@functools.cache
-def _renameat2():
-    """libc's renameat2, or None; ctypes is imported here, not at the top: the command line imports this module."""
-    import ctypes
-
-    return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two folders in one step with Linux's renameat2(RENAME_EXCHANGE); False where it is not available."""
-    renameat2 = _renameat2() if sys.platform.startswith("linux") else None
-    if renameat2 is None:
+    if not sys.platform.startswith("linux"):
         return False
-    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # (AT_FDCWD, ..., RENAME_EXCHANGE)
-        return True
-    import ctypes
+    import ctypes  # (here, not at the top: the command line imports this module)
 
-    code = ctypes.get_errno()
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None and renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, EXCHANGE
+        return True
+    code = ctypes.get_errno() if renameat2 is not None else errno.ENOSYS
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False  # an old kernel or a file system without the exchange: two renames instead
     raise OSError(code, os.strerror(code), str(b))

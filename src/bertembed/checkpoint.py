@@ -1,11 +1,6 @@
 """Reading the embedding tensors out of a checkpoint of BERT or its family, and writing an embedding-only one.
 
-Only the embedding tensors are read (`bertembed.family` says where each member keeps them): from `.safetensors` by
-name (the rest of the file is never touched), from `.bin` through `torch.load(weights_only=True, mmap=True)`, from
-sharded checkpoints only the shards that hold them. Keys are returned under `BertEmbeddings.state_dict()` names. With
-framework="np" nothing imports torch unless the file needs it. Everything read is checked where it enters: the family
-(config.json's member, and tensors that agree with it), every name, dtype and shape, and where a sharded index points;
-a broken checkpoint raises ValueError or FileNotFoundError naming the file.
+What is read, checked and refused: docs/checkpoints.md. With framework="np" torch is imported only if a file needs it.
 """
 
 from __future__ import annotations
@@ -53,8 +48,8 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
 
     framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). `word_reader` reads the word
     table from safetensors' slice of it (`get_slice`), part of it say (`bertembed.parallel.rank_reader`); its result
-    stands for the table, and must have the table's shape. A local folder that a save
-    replaces while it is read (`bertembed.atomic`) is read again, so config and tensors always come from one version.
+    stands for the table (with its shape). A local folder that a save replaces while it is read is read again, so
+    config and tensors always come from one version. Raises ValueError or FileNotFoundError naming the file and fix.
     """
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
@@ -79,12 +74,9 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
 
 @contextlib.contextmanager
 def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
-    """Yield a test of whether a local checkpoint folder is still the one that was there at the start.
-
-    A save swaps in a new folder (a new inode); the old one is held open meanwhile, so its inode number cannot be
-    reused by a later save's folder and a match means the same folder. The hub's cache and the bundled default are
-    never replaced, and Windows cannot open a folder: both always pass.
-    """
+    """Yield a test of whether a local checkpoint folder is still the one that was there at the start: a save swaps
+    in a new folder (a new inode), and the old one, held open here, keeps its inode number from being reused. The hub's
+    cache and the bundled default are never replaced, and Windows cannot open a folder: both always pass."""
     if source.kind not in ("folder", "file") or os.name != "posix":
         yield lambda: True
         return
@@ -136,8 +128,7 @@ def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
 
 
 def _weight_files(source: Source, member: str) -> tuple[list[Path], dict[str, Path]]:
-    """The weight files to read and, for a sharded checkpoint, which shard holds each embedding key (the shards its
-    index names, each checked to lie inside the checkpoint)."""
+    """The weight files to read and, for a sharded checkpoint, which shard holds each embedding key."""
     if source.kind == "file":
         return [source.weights_file], {}
     index = next((path for name in WEIGHT_FILES if (path := source.file(name)) is not None), None)
@@ -175,8 +166,7 @@ def _shard(source: Source, index: Path, name: str) -> Path:
 
 
 def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path`, links followed, lies in `folder`, or in its repository's blobs for a hub cache snapshot folder
-    (whose files are links to ../../blobs)."""
+    """Whether `path`, links followed, lies in `folder` (or in ../../blobs for a hub cache snapshot folder)."""
     real, root = path.resolve(), folder.resolve()
     blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root
     return real.is_relative_to(root) or real.is_relative_to(blobs)
@@ -207,8 +197,7 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
 
 def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
     """Which of a checkpoint's `keys` are the embedding tensors: checkpoint key -> the layer's state-dict name (legacy
-    names included), under one model prefix (a head's "bert.", a sentence-transformers folder's none) chosen if several
-    models share a file."""
+    names included), under one model prefix ("bert.", or none) chosen if several models share a file."""
     layer = layout(member)  # the layer's name -> the member's key, after the model prefix
     word = layer["word_embeddings.weight"]
     found = {k[: -len(word)] for k in keys if k.endswith(word)}
@@ -280,11 +269,9 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
 
 
 def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
-    """Check `layer` against its config and prepare its two files (ValueError: nothing prepared); returns a function
-    that writes them into a staging folder, for `atomic_folder` to switch in as `folder` (the name in its errors).
-
-    A layer that disagrees with its config (a table replaced by one of another size, a non-float one, LayerNorm's eps
-    changed) is refused, as its checkpoint would load wrongly or not at all."""
+    """Check `layer` against its config (ValueError for a table of another size or dtype, or LayerNorm's eps changed:
+    its checkpoint would load wrongly) and return a function that writes config.json and model.safetensors into a
+    staging folder, for `atomic_folder` to switch in as `folder` (the name in its errors)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -340,14 +327,11 @@ class Pretrained:
         """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
 
         `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
-        bundled default (`bertembed.DEFAULT_MODEL`). Only the embedding tensors are read.
-        `backend`: which kernels run forward, as in `BertEmbeddings(config, backend=...)`.
-        `dtype`: the layer's float dtype; None keeps the checkpoint's (its word table's: float16 stays float16).
+        bundled default (`bertembed.DEFAULT_MODEL`). `backend`: as in `BertEmbeddings(config, backend=...)`.
+        `dtype`: the layer's float dtype; None keeps the checkpoint's word table's (float16 stays float16).
         `device_mesh`: a 1-D DeviceMesh, to shard the word table by rows over it (`bertembed.parallel.shard_vocab`):
-        each rank reads its own rows from safetensors and no more, so no rank ever holds the whole table (a `.bin`
-        checkpoint, which cannot be read in part, is refused); the layer is then on the mesh's device.
-        The layer comes back in eval mode (no dropout), as transformers' `from_pretrained` models do; call `.train()`
-        to fine-tune it.
+        each rank reads only its own rows from safetensors (a `.bin` is refused); the layer is on the mesh's device.
+        The layer comes back in eval mode, as transformers' `from_pretrained` models do; `.train()` to fine-tune it.
         """
         import torch
 
@@ -379,12 +363,9 @@ class Pretrained:
         self.load_state_dict(checkpoint.tensors)
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        """Write config.json and an embedding-only model.safetensors that both bertembed and transformers read (keys
-        as the member's base model keeps them: `embeddings.*`, as in a transformers `BertModel`).
-
-        A layer that disagrees with its config (a table of another size or dtype) raises ValueError before anything
-        is written. The folder is then replaced as a whole, its other files (a tokenizer, say) kept
-        (`bertembed.atomic`): a reader, or a save killed at any moment, finds the whole old checkpoint or new one."""
+        """Write config.json and an embedding-only model.safetensors (keys as the member's base model keeps them) that
+        both bertembed and transformers read; returns `folder`. ValueError, before anything is written, for a layer
+        that disagrees with its config. The folder is replaced as a whole, its other files kept (`atomic_folder`)."""
         write = checkpoint_writer(self, folder)  # (checks first: nothing is written for a layer that cannot be saved)
         with atomic_folder(folder) as staging:
             write(staging)

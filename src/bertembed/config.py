@@ -11,12 +11,12 @@ import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
 
 PositionType = Literal["absolute", "sinusoidal", "none"]
-POSITION_TYPES: tuple[str, ...] = ("absolute", "sinusoidal", "none")
+POSITION_TYPES: tuple[str, ...] = get_args(PositionType)
 _CHOICES = {"position_embedding_type": POSITION_TYPES, "projection": ("none", "output", "before_norm"),
             "sum_order": ("type_first", "position_first")}
 
@@ -52,17 +52,16 @@ MEMBERS: dict[str, tuple[dict, dict, dict]] = {
                    {"position_embedding_type": "none"}),  # rotary positions, in attention
 }
 SUPPORTED = "supported: " + ", ".join(MEMBERS)
-# the facts a member implies (BERT's values unless MEMBERS says otherwise): never written to config.json, and never
-# contradicted, so that a saved config means to transformers what it means here
-_FACTS = {"positions_from_padding": False, "sum_order": "type_first", "norm_bias": True, "norm_in_float32": False,
-          "projection": "none", "mask_output": False}
+# the facts a member implies (the field's default, BERT's, unless MEMBERS says otherwise): never written to
+# config.json, and never contradicted, so that a saved config means to transformers what it means here
+_FACTS = ("positions_from_padding", "sum_order", "norm_bias", "norm_in_float32", "projection", "mask_output")
 
 
 def implied_facts(model_type: str, embedding_size: int | None, position_embedding_type: str) -> dict[str, Any]:
     """What `model_type` fixes, given the keys its facts depend on: its entry in MEMBERS over BERT's values, a
     projection only where E != H (ELECTRA, DeBERTa; ALBERT always has one), no position counting without a table
     (transformers 4's relative types), and ModernBERT's `norm_bias` left to its config key."""
-    facts = {**_FACTS, **MEMBERS[model_type][2]}
+    facts = {**{name: getattr(EmbeddingConfig, name) for name in _FACTS}, **MEMBERS[model_type][2]}
     if model_type in ("electra", "deberta", "deberta-v2"):
         facts["projection"] = "none" if embedding_size is None else (
             "output" if model_type == "electra" else "before_norm")
@@ -106,8 +105,7 @@ class EmbeddingConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Every field's type and range, checked here so that every path (a config.json, the torch layer, the numpy
-        copy, the kernels) gets the same checks; integers and reals from numpy are stored as Python's."""
+        """Every field's type and range, for every path alike; numpy's integers and reals are stored as Python's."""
         if self.embedding_size == self.hidden_size:
             object.__setattr__(self, "embedding_size", None)
         for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id",
@@ -135,17 +133,13 @@ class EmbeddingConfig:
         for name, choices in _CHOICES.items():
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise ValueError(f"{name}={_shown(getattr(self, name))} is not one of {choices}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(
-                f"EmbeddingConfig.pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})"
-            )
-        if not 0.0 <= self.hidden_dropout_prob < 1.0:
-            raise ValueError(f"EmbeddingConfig.hidden_dropout_prob must lie in [0, 1), got {self.hidden_dropout_prob}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"EmbeddingConfig.layer_norm_eps must be positive, got {self.layer_norm_eps}")
-        if self.initializer_range < 0:
-            raise ValueError(f"EmbeddingConfig.initializer_range is a standard deviation, >= 0; got "
-                             f"{self.initializer_range}")
+        for name, ok, limit in (
+                ("pad_token_id", 0 <= self.pad_token_id < self.vocab_size, f"lie in [0, vocab_size={self.vocab_size})"),
+                ("hidden_dropout_prob", 0 <= self.hidden_dropout_prob < 1, "lie in [0, 1)"),
+                ("layer_norm_eps", self.layer_norm_eps > 0, "be positive"),
+                ("initializer_range", self.initializer_range >= 0, "be >= 0 (a standard deviation)")):
+            if not ok:
+                raise ValueError(f"EmbeddingConfig.{name} must {limit}, got {getattr(self, name)}")
         if self.position_embedding_type == "sinusoidal" and self.table_width % 2:
             raise ValueError(f"a sinusoidal position table needs an even width, got {self.table_width}")
         if self.positions_from_padding and self.position_embedding_type == "none":
@@ -284,13 +278,9 @@ def check_config_family(config: dict[str, Any], where: str) -> str:
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
                          f"fix the file")
-    stem = _CLASS_STEMS.get(model_type, model_type.replace("-", "").replace("_", ""))
-    foreign = [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}[A-Z]?\w*", a, re.IGNORECASE)]
+    stem = "(Jina)?Bert" if model_type == "bert" else re.sub("[-_]", "", model_type)  # (XLMRoberta, DebertaV2, ...)
+    foreign = [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}\w*", a, re.IGNORECASE)]
     if foreign:
         raise ValueError(f"{where} says model_type {model_type!r} but names architecture {foreign[0]!r}, not one of "
                          f"its classes: the config is inconsistent; fix it")
     return model_type
-
-
-_CLASS_STEMS = {"bert": "(Jina)?Bert", "xlm-roberta": "XLMRoberta", "deberta-v2": "DebertaV2", "mpnet": "MPNet",
-                "modernbert": "ModernBert", "nomic_bert": "NomicBert"}

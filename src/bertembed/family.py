@@ -1,10 +1,6 @@
-"""Where each member of BERT's family keeps its embedding tensors, and how a checkpoint's tensors tell its family.
-
-The layer's own state-dict names are BERT's (`word_embeddings.weight`, `LayerNorm.weight`, ...; `projection.*` for a
-factorised member's Linear E -> H). A checkpoint keeps them under its member's keys, after a model prefix ("bert.",
-"roberta.", "model.", or none): `layout(model_type)` maps one onto the other, both ways. A checkpoint's family is read
-from config.json (`bertembed.config`); its tensors must agree with it: a key that only another family uses, or, in a
-table that counts positions from zero, a padding row (RoBERTa's layout), is refused. Nothing here imports torch.
+"""Where each member of BERT's family keeps its embedding tensors (the layer's names are BERT's; a checkpoint's are
+its member's, after a model prefix such as "bert."), and which tensors betray another member (docs/family.md).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -75,13 +71,9 @@ def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") 
 
 
 def padding_row(positions) -> int | None:
-    """The index of an all-zero row of a [P, H] position table (numpy or torch) that has nonzero rows after it.
-
-    BERT's position table has no padding row: every position is a learned vector. RoBERTa-style tables keep the row
-    at the padding id zero (nn.Embedding's padding_idx) and count positions from the row after it, so a zero row
-    in front of used ones means that layout. Zero rows only at the end (a table extended with zeros) or throughout
-    mark no layout, and are left alone.
-    """
+    """The index of an all-zero row of a [P, H] position table (numpy or torch) that has nonzero rows after it: the
+    padding row of a RoBERTa-style table, which BERT's never has. Zero rows only at the end (a table extended with
+    zeros) or throughout mark no layout: None."""
     rows = (positions == 0).all(1).tolist()
     first = rows.index(True) if True in rows else None
     return first if first is not None and not all(rows[first:]) else None

@@ -1,12 +1,7 @@
-"""The reference computation again, in numpy, so the command line starts without importing torch (1-2 s alone).
+"""The reference computation again, in numpy, so the command line starts without importing torch; inference only.
 
-Every member of the family, from the same configuration fields as the torch layer (DeBERTa v1's float32 LayerNorm is
-the one fact it does not follow: its statistics here are float64, as for every member, within the tolerance below).
-The rows are summed in float32 in the same order as `embeddings.BertEmbeddings`; LayerNorm's statistics are
-taken in float64. The tests hold it to the torch layer within 1e-6 (outputs of magnitude up to about 5 here).
-Only for inference and explanation: no dropout, no gradients.
-
-Dimension letters: B batch, L length, H hidden.
+Rows are summed in float32 in `embeddings.BertEmbeddings`' order, LayerNorm's statistics taken in float64 (DeBERTa v1's
+too): within 1e-6 of the torch layer. B batch, L length, W the layer's output width.
 """
 
 from __future__ import annotations

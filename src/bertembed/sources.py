@@ -1,7 +1,5 @@
-"""Where a checkpoint's files come from: the bundled default, a local folder, a single weights file, or the hub.
-
-A `Source` answers one question, "give me this file of the checkpoint", the same way for all four, so the weight
-reader and the tokenizer never care where the files live. Nothing here imports torch.
+"""Where a checkpoint's files come from: the bundled default, a local folder, a single weights file, or the hub; a
+`Source` gives any file of the checkpoint the same way for all four. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -24,12 +22,8 @@ _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ck
 
 @dataclass(frozen=True)
 class Source:
-    """A checkpoint's location.
-
-    kind: "bundled" (the offline default), "hub", "folder", or "file" (a single weights file).
-    name: what was asked for (the hub id, the path, or DEFAULT_MODEL).
-    folder: where config and tokenizer files are looked for (the hub: the snapshot folder, filled on demand).
-    """
+    """A checkpoint's location. kind: "bundled" (the offline default), "hub", "folder", or "file" (a weights file);
+    name: what was asked for; folder: where config and tokenizer files are (the hub's snapshot folder, on demand)."""
 
     kind: str
     name: str
@@ -70,10 +64,8 @@ def bundled_folder() -> Path:
 
 def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | None = None,
             local_files_only: bool = False) -> Source:
-    """Turn what a user typed into a `Source` (one already resolved is returned as it is, revision included).
-
-    Raises FileNotFoundError for a path or hub id that is not there.
-    """
+    """Turn what a user typed into a `Source` (one already resolved is returned as it is); FileNotFoundError for a
+    path or hub id that is not there."""
     if isinstance(name_or_path, Source):
         return name_or_path
     if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):

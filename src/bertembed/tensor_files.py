@@ -1,6 +1,5 @@
-"""Reading tensors out of weight files: safetensors by name, `.bin`/`.pt` through `torch.load(weights_only=True)`,
-each refused unless it is a dense floating-point table (`tensor_problem`). Nothing here imports torch until a file
-needs it (a `.bin`, or bfloat16 for numpy).
+"""Reading tensors out of weight files (safetensors by name, `.bin`/`.pt` through `torch.load(weights_only=True)`),
+each refused unless it is a dense floating-point table. Torch is imported only for a `.bin`, or bfloat16 for numpy.
 """
 
 from __future__ import annotations
@@ -43,9 +42,8 @@ def read_tensor(handle, path: Path, key: str, framework: str, reader: Callable[[
 
 
 def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
-    """Why `value` cannot be copied into one of the layer's tables as it is, or None if it can: it must be a dense
-    (strided), unquantized torch tensor or numpy array of a floating-point dtype, with values (not on the meta device,
-    unless `meta_ok`)."""
+    """Why `value` cannot be copied into one of the layer's tables as it is, or None if it can: it must be a dense,
+    unquantized torch tensor or numpy array of a floating-point dtype, with values (not on meta, unless `meta_ok`)."""
     if isinstance(value, np.ndarray):
         return None if value.dtype.name in FLOAT_DTYPES else f"of dtype {value.dtype}"
     torch = sys.modules.get("torch")
@@ -60,21 +58,14 @@ def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
     return None if str(value.dtype).removeprefix("torch.") in FLOAT_DTYPES else f"of dtype {value.dtype}"
 
 
-class _StateDictHandle:
-    """A loaded `.bin` state dict behind the same keys()/get_dtype()/get_tensor() interface as `_SafetensorsHandle`."""
+class _StateDictHandle(dict):
+    """A loaded `.bin` state dict with the get_dtype()/get_tensor() of `_SafetensorsHandle`."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def keys(self) -> list[str]:
-        return [k for k in self.state if isinstance(k, str)]  # (other keys cannot name a BERT tensor)
+    get_tensor = dict.__getitem__
 
     def get_dtype(self, key: str) -> str:
-        dtype = getattr(self.state[key], "dtype", None)
-        return str(dtype).removeprefix("torch.") if dtype is not None else type(self.state[key]).__name__
-
-    def get_tensor(self, key: str) -> Any:
-        return self.state[key]
+        dtype = getattr(self[key], "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else type(self[key]).__name__
 
 
 class _SafetensorsHandle:
@@ -105,8 +96,8 @@ class _SafetensorsHandle:
 
 
 def open_weights(path: Path, framework: str):
-    """A handle with keys(), get_dtype(key) and get_tensor(key) on a weights file (a `.bin`/`.pt` one memory-mapped,
-    so that only the tensors used are paged in); ValueError if it is unreadable."""
+    """A handle with keys(), get_dtype(key) and get_tensor(key) on a weights file (a `.bin` is memory-mapped, so only
+    the tensors used are paged in); ValueError if it is unreadable."""
     if path.suffix == ".safetensors":
         try:
             return _SafetensorsHandle(path, framework)
@@ -122,4 +113,5 @@ def open_weights(path: Path, framework: str):
         raise ValueError(f"{path} is truncated or corrupt ({str(err)[:300]}); re-download or re-save it") from err
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
-    return _StateDictHandle(state["state_dict"] if isinstance(state.get("state_dict"), dict) else state)
+    state = state["state_dict"] if isinstance(state.get("state_dict"), dict) else state
+    return _StateDictHandle((k, v) for k, v in state.items() if isinstance(k, str))  # (no other key names a tensor)

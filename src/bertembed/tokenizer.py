@@ -1,9 +1,6 @@
-"""Text in, ids out: a checkpoint's own tokenizer, a thin wrapper around Hugging Face's `tokenizers`.
-
-BERT's WordPiece: `[CLS] A [SEP]` for one text, `[CLS] A [SEP] B [SEP]` for a pair; segment (token type) 0 covers
-[CLS], A and its [SEP], segment 1 covers B and the last [SEP]. The family's tokenizer.json files (RoBERTa's and XLM-R's
-BPE and SentencePiece-converted ones, ...) carry their own pair layout (`<s> A </s></s> B </s>`, all segment 0), which
-`tokenizers` applies. Nothing here imports torch unless tensors are asked for.
+"""Text in, ids out: a checkpoint's own tokenizer (its tokenizer.json, or BERT's WordPiece from vocab.txt), a thin
+wrapper around Hugging Face's `tokenizers`, which applies each member's pair layout and segments. Nothing here imports
+torch unless tensors are asked for.
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 
 @dataclass
 class Encoding:
-    """Token ids and their companions, as lists (or [B, L] tensors with return_tensors="pt").
-
-    For a single text (not a batch) each field is one flat list, as transformers does.
-    """
+    """Token ids and their companions: [B][L] lists, [B, L] tensors with return_tensors="pt", and for a single text
+    (not a batch) flat lists, as transformers does."""
 
     input_ids: Any
     token_type_ids: Any
@@ -76,7 +71,7 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
                                     f"pass the folder of a BERT checkpoint that includes its tokenizer")
-        backend.no_padding()  # some checkpoints store fixed padding/truncation; each call sets its own
+        backend.no_padding()  # some checkpoints store fixed padding/truncation; __call__ pads, and sets truncation
         backend.no_truncation()
         return cls(backend, settings["max_length"], source, settings.get("pad_token"),
                    settings.get("one_segment", False))
@@ -117,11 +112,6 @@ class Tokenizer:
                 raise ValueError(f"stride={stride} does not fit windows of max_length={limit}: {err}") from err
         else:
             self.backend.no_truncation()
-        if padding:
-            self.backend.enable_padding(pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token,
-                                        length=limit if padding == "max_length" else None)
-        else:
-            self.backend.no_padding()
         try:
             encodings = self.backend.encode_batch(items)
         except Exception as err:  # tokenizers raises a bare Exception, e.g. when max_length cannot fit the specials
@@ -130,11 +120,11 @@ class Tokenizer:
         if return_overflowing_tokens:
             windows = [(i, w) for i, e in enumerate(encodings) for w in (e, *e.overflowing)]
             mapping, encodings = [i for i, _ in windows], [w for _, w in windows]
-            if padding:  # (tokenizers pads each text's windows on their own: pad them all alike)
-                longest = limit if padding == "max_length" else max(len(e.ids) for e in encodings)
-                for e in encodings:
-                    e.pad(longest, pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token)
             batched = True
+        if padding:  # (here, not by tokenizers, which would pad each text's windows on their own)
+            longest = limit if padding == "max_length" else max((len(e.ids) for e in encodings), default=0)
+            for e in encodings:
+                e.pad(longest, pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token)
         out = Encoding(*([getattr(e, name) for e in encodings] for name in ("ids", "type_ids", "attention_mask",
                                                                             "tokens", "offsets")), mapping)
         if self.one_segment:  # (a member with one segment row, or none: a pair is segment 0 throughout)
@@ -155,13 +145,10 @@ class Tokenizer:
     def require_tokens(self, text: str, name: str = "the text", text_b: str | None = None,
                        name_b: str = "text_b") -> None:
         """Raise ValueError when `text` (or `text_b`, if given) gives no token of its own, so it would be embedded as
-        `[CLS] [SEP]` alone, as an empty text is: empty, whitespace, or only characters BERT's normalizer drops (control
-        characters such as U+0000, zero-width ones such as U+200B, the byte-order mark U+FEFF). `__call__` accepts
-        such texts, as transformers does (a batch may hold an empty one); the analyses call this first.
-        """
+        `[CLS] [SEP]` alone: empty, whitespace, or only characters BERT's normalizer drops (U+0000, U+200B, U+FEFF...).
+        `__call__` accepts such texts, as transformers does; the analyses call this first."""
         check_not_blank(text, name, text_b, name_b)
-        self.backend.no_padding()  # each __call__ sets both again
-        self.backend.no_truncation()
+        self.backend.no_truncation()  # (each __call__ sets it again)
         for value, label in _named(text, name, text_b, name_b):
             if not self.backend.encode(value, add_special_tokens=False).ids:
                 shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
@@ -216,8 +203,7 @@ def _as_items(text, text_pair) -> tuple[bool, list]:
 
 
 def _read_settings(source: Source) -> dict[str, Any]:
-    """Lower-casing, accents, Chinese characters, the padding token and the length limit, from tokenizer_config.json
-    and config.json (where positions count from the padding id, as RoBERTa's, the reserved rows are not usable)."""
+    """Normalizer settings, padding token, segments and length limit (less reserved position rows) from the configs."""
     settings: dict[str, Any] = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True}
     limits = []
     for name in ("tokenizer_config.json", "config.json"):
