@@ -1,7 +1,5 @@
-"""Surgery on whole checkpoints: every tensor of SRC read, the embedding tables changed by the layer's own surgery
-(`bertembed.surgery`; `bertembed.vocab_surgery` for tokens) and a new checkpoint written to DST, which must not exist
-yet. SRC is only read; DST appears whole or not at all (`bertembed.atomic`). docs/surgery.md says what DST holds.
-"""
+"""Surgery on whole checkpoints (docs/surgery.md): every tensor of SRC read, the tables changed by the layer's own
+surgery, and a new checkpoint written whole to DST, which must not exist yet. SRC is only read."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ from bertembed.embeddings import BertEmbeddings
 from bertembed.sources import resolve
 from bertembed.tensor_files import open_weights
 
-# copies of the model in other formats (TensorFlow, Flax, Rust, ONNX, OpenVINO, Core ML, TFLite): DST would carry
-# them unchanged, old tables under new ids, so they are left out (and, for a hub id, not downloaded)
+# copies of the model in other formats would keep the old tables: left out of DST (and not downloaded)
 STALE = ("*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.mlpackage", "onnx",
          "openvino", "openvino_*", "coreml")
 
@@ -66,8 +63,8 @@ def check_destination(dst: str | Path, src: Path) -> Path:
 
 
 def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
-    """DST checked first, then every tensor of checkpoint `src` (a folder or hub id; sharded or not, safetensors or
-    .bin) and its layer."""
+    """DST checked first, then every tensor of checkpoint `src` (a folder or hub id, safetensors or .bin) and its
+    layer."""
     source = resolve(src)
     target = check_destination(dst, source.folder)
     if source.kind == "file":
@@ -111,8 +108,7 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
 
 
 def write_whole(whole: WholeCheckpoint) -> dict[str, Any]:
-    """Write DST: SRC's other files copied, the tensors as safetensors, then DST's own versions of the text files.
-    Returns the report's common entries."""
+    """Write DST: SRC's other files copied, the tensors as safetensors, DST's own text files; the report's entries."""
     from huggingface_hub import save_torch_state_dict
 
     skip = whole.weight_files | set(whole.files) | whole.dropped
@@ -129,9 +125,8 @@ def write_whole(whole: WholeCheckpoint) -> dict[str, Any]:
 
 
 def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int, method: str = "copy") -> dict:
-    """Write checkpoint `src` to `dst` with a position table for `n` positions (`BertEmbeddings.extend_positions`):
-    config.json's `max_position_embeddings` (transformers' count: RoBERTa's 2 reserved rows included), a stored
-    position-id buffer and the tokenizer's `model_max_length` follow. Returns what changed, for the report."""
+    """Write checkpoint `src` to `dst` with a position table for `n` positions (`BertEmbeddings.extend_positions`);
+    `max_position_embeddings`, stored id buffers and the tokenizer's `model_max_length` follow. Returns what changed."""
     whole = read_whole(src, dst)
     layer = whole.layer
     before = layer.config.max_position_embeddings

@@ -1,12 +1,5 @@
-"""The embedding layer as an ONNX graph: plain operators for any runtime, or ONNX Runtime's fused op.
-
-    plain  (default)  torch.onnx.export(dynamo=True) of the reference layer: Gather, Add, LayerNormalization
-    fused             one com.microsoft EmbedLayerNormalization node, built with onnx.helper
-
-Both take optimum's inputs as int64 [B, L] (`input_names`) with dynamic batch and length axes, and give
-`embeddings` [B, L, E]. Whole transformers models, their embedding subgraph replaced by the fused op, are
-`bertembed.onnx_whole`'s.
-
+"""The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter) or ONNX Runtime's fused
+EmbedLayerNormalization (`fused_graph`); docs/onnx.md says what each graph holds. Whole models: `bertembed.onnx_whole`.
 Dimension letters: B batch, L length, E table width.
 """
 
@@ -28,8 +21,7 @@ if TYPE_CHECKING:
     from bertembed.embeddings import BertEmbeddings
 
 OUTPUT = "embeddings"
-# optimum's ONNX configs give these members no `token_type_ids` input (RoBERTa's one segment row is added to every
-# token by the model itself)
+# optimum's ONNX configs give these members no `token_type_ids` input
 NO_SEGMENT_INPUT = ("roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert")
 AXES = {0: "batch_size", 1: "sequence_length"}
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
@@ -44,8 +36,8 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
 
 
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
-    """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer. The op adds a
-    word, a position and an optional segment row of float32 tables and normalises the sum; nothing else."""
+    """ValueError naming why ONNX Runtime's EmbedLayerNormalization (float32 word + position + segment rows, then
+    LayerNorm) cannot compute `config`'s layer."""
     member = config.model_type
     if config.position_embedding_type == "none":
         problem = f"this {member} layer has no position table (its positions enter in attention), but the fused " \
@@ -63,10 +55,9 @@ def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
-    """Write `layer` in eval mode as an ONNX model to `path` (atomically: a failure leaves nothing there); returns
-    the path. `attention_mask` is read only by DeBERTa's layer. `fused=False`: plain operators, exported by torch
-    from a reference copy of the layer (the fused kernels refuse tracing; the reference skips its id checks under
-    torch.export). `fused=True`: `fused_graph` of the layer's tables; ValueError where the op cannot compute it."""
+    """Write `layer` in eval mode as an ONNX model to `path`, atomically; returns the path. `fused=False`: plain
+    operators, torch's export of a reference copy (the fused kernels refuse tracing). `fused=True`: `fused_graph` of
+    the layer's tables; ValueError where the op cannot compute it. `attention_mask` is read by DeBERTa's only."""
     from bertembed.atomic import check_output
     from bertembed.embeddings import BertEmbeddings
 
@@ -108,20 +99,17 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
     """Check `model` with onnx.checker and write it to `path` through a temporary file and a rename."""
     from bertembed.atomic import write_atomic
 
-    onnx = require_onnx()
-    size = model.ByteSize()
-    if size >= 2**31:
+    if (size := model.ByteSize()) >= 2**31:
         raise ValueError(f"the model is {size / 2**30:.1f} GiB, past the 2 GiB limit of a single ONNX file "
                          f"(protobuf); export a smaller model or convert it to float16 first")
-    onnx.checker.check_model(model)
+    require_onnx().checker.check_model(model)
     return write_atomic(path, model.SerializeToString())
 
 
 def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int,
                  what: str) -> onnx.ModelProto:
-    """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs the keyword tensors [B, L] of
-    `input_names(config)`, both axes dynamic, its one output named `output`; ValueError naming `what` and the
-    exporter's reason where torch cannot export it."""
+    """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs [B, L] named by `input_names(config)`,
+    both axes dynamic, one output `output`; ValueError naming `what` and the reason where torch cannot export it."""
     import torch
 
     class Exported(torch.nn.Module):  # (torch.export reads the input names off forward's signature)
@@ -137,8 +125,7 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
     example = {name: (ids if name == "input_ids" else torch.ones_like(ids) if name == "attention_mask" else
                       torch.zeros_like(ids)) for name in input_names(config)}
     dims = {i: torch.export.Dim(name) for i, name in AXES.items()}
-    # what the exporter says on every export, no fault of the model's: that torchvision is not installed, that an
-    # axis keeps the name it was given (it does), a deprecation inside torch
+    # the exporter's notes on every export, no fault of the model's (torchvision missing, axis names, deprecations)
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)
@@ -160,13 +147,12 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
 
 def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str, ...] = ("input_ids", "token_type_ids"),
                 pad: int | None = None, int32_inputs: bool = False, opset: int = 18) -> onnx.ModelProto:
-    """One EmbedLayerNormalization node over float32 `tables` (state-dict names; `token_type_embeddings.weight`
-    optional), with `eps`. `inputs`: the graph's [B, L] id inputs, int64 cast to int32 inside (int32 themselves with
-    `int32_inputs`); without `token_type_ids` among them, a segment table gets segment 0 for every token (RoBERTa).
-    `pad`: positions count from the padding id, `cumsum(ids != pad) * (ids != pad) + pad`, computed from the ids;
-    None: 0, 1, 2, ... (the op's own). `attention_mask` is taken, as optimum's graphs take it, and only checked."""
-    onnx = require_onnx()
-    from onnx import TensorProto, helper, numpy_helper
+    """One EmbedLayerNormalization node over float32 `tables` (state-dict names; the segment table optional), with
+    `eps`, giving `embeddings` [B, L, E]. `inputs`: the [B, L] id inputs, int64 cast to int32 inside (int32 with
+    `int32_inputs`); without `token_type_ids`, segment 0 for every token. `pad`: positions counted from the padding
+    id, as RoBERTa's; None: 0, 1, 2, ..."""
+    require_onnx()
+    from onnx import TensorProto, checker, helper, numpy_helper
 
     ids = {name: name if int32_inputs else f"{name}_i32" for name in inputs}
     nodes = [] if int32_inputs else [helper.make_node("Cast", [n], [ids[n]], to=TensorProto.INT32) for n in inputs]
@@ -176,7 +162,7 @@ def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str,
         nodes.append(helper.make_node("Shape", [ids["input_ids"]], ["ids_shape"]))
         nodes.append(helper.make_node("ConstantOfShape", ["ids_shape"], [ids["token_type_ids"]],
                                       value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])))
-    if pad is not None:  # as RoBERTa: tokens count from pad + 1, padding tokens get pad's row
+    if pad is not None:  # cumsum(ids != pad) * (ids != pad) + pad
         nodes += [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, TensorProto.INT32, [], [v]))
                   for k, v in (("pad_id", pad), ("length_axis", 1))]
         nodes += [helper.make_node("Equal", [ids["input_ids"], "pad_id"], ["is_pad"]),
@@ -200,7 +186,7 @@ def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str,
     # the oldest IR the opsets allow (9 for opset 18): newer onnx writes its newest, which older ORT cannot read
     model = helper.make_model(graph, opset_imports=opsets,
                               ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
-    onnx.checker.check_model(model)
+    checker.check_model(model)
     return model
 
 

@@ -1,11 +1,5 @@
-"""A whole transformers model as ONNX, its embedding subgraph optionally replaced by ONNX Runtime's fused op.
-
-torch.onnx.export (dynamo) writes the model's embeddings as Gather, Add and LayerNormalization, which ONNX Runtime
-leaves unfused (its optimizer fuses them only in graphs whose attention it also fuses, and never RoBERTa's).
-`fuse_embeddings` replaces that LayerNormalization by one com.microsoft EmbedLayerNormalization over the same tables,
-fed with the same word, segment and position ids the graph already computes (RoBERTa's positions from the padding
-included), then drops the nodes nothing reads any more.
-
+"""A whole transformers model as ONNX, its embedding subgraph (Gather, Add, LayerNormalization, which ONNX Runtime
+leaves unfused) optionally replaced by ONNX Runtime's fused EmbedLayerNormalization; docs/onnx.md, "Whole models".
 Dimension letters: B batch, L length, H hidden.
 """
 
@@ -16,14 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import check_output
 from bertembed.family import layout
-from bertembed.onnx_export import (
-    NOT_FUSED_FIX,
-    check_opset,
-    refuse_unfusable,
-    require_onnx,
-    torch_export,
-    write_model,
-)
+from bertembed.onnx_export import NOT_FUSED_FIX, check_opset, refuse_unfusable, require_onnx, torch_export, write_model
 
 if TYPE_CHECKING:
     import onnx
@@ -36,8 +23,8 @@ OUTPUT = "last_hidden_state"
 def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
     """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
     `path`, atomically; returns the path. Inputs as optimum's (int64 [B, L] `input_ids`, `attention_mask`, and
-    `token_type_ids` where the member takes them), output `last_hidden_state` [B, L, H], float32, B and L dynamic.
-    `fused`: the embedding subgraph becomes ONNX Runtime's EmbedLayerNormalization (`fuse_embeddings`)."""
+    `token_type_ids` where the member takes them), output `last_hidden_state` [B, L, H] float32, B and L dynamic;
+    `fused`: `fuse_embeddings`."""
     target, opset = check_output(path), check_opset(opset)
     hf, config = load_model(model)
     if fused:  # (refused before the export's seconds are spent)
@@ -73,16 +60,14 @@ def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
 
 
 def export_model(hf, config: EmbeddingConfig, opset: int = 18) -> onnx.ModelProto:
-    """torch.onnx.export (dynamo) of transformers model `hf`: optimum's inputs for `config`'s member, its
-    `last_hidden_state` as the one output."""
+    """`torch_export` of transformers model `hf`, its `last_hidden_state` [B, L, H] the one output."""
     return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, OUTPUT, opset,
                         f"the {config.model_type} model")
 
 
 def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
-    """A copy of `model` (a transformers model exported by `export_model`) whose embedding LayerNormalization and the
-    Gathers and Adds feeding it are one com.microsoft EmbedLayerNormalization; ValueError where the member cannot be
-    fused (`refuse_unfusable`) or the graph has no embedding subgraph of the expected form."""
+    """A copy of `model` (from `export_model`) whose embedding LayerNormalization and the Gathers and Adds feeding it
+    are one EmbedLayerNormalization; ValueError where the member or the graph cannot be fused."""
     onnx = require_onnx()
     from onnx import helper
     from onnxscript.optimizer import remove_unused_nodes

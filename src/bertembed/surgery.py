@@ -1,9 +1,6 @@
-"""Surgery on the layer's tables: more positions than it was trained with (`extend_positions`), and a larger or
-smaller vocabulary (`resize_vocab`, transformers' `resize_token_embeddings`). Both change the layer in place, its
-config with it, and return it.
-
-Dimension letters: P position rows, R reserved rows (RoBERTa's), N usable positions, V vocabulary, E table width.
-"""
+"""Surgery on the layer's tables, in place, config included (docs/surgery.md): more positions (`extend_positions`),
+another vocabulary size (`resize_vocab`). R reserved position rows (RoBERTa's), N usable positions, V vocabulary,
+E table width."""
 
 from __future__ import annotations
 
@@ -14,11 +11,10 @@ METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
 
 
 def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> torch.Tensor:
-    """The position table [R + N_old, E] grown to [R + n, E] by `method`, the R reserved rows (RoBERTa's row 0 and its
-    padding row) kept verbatim on top: "copy" tiles the old usable rows (Longformer); "interpolate" puts old row i at
-    row f*i (f = n / N_old, a whole number), blends linearly between and repeats the last row at the end (LongEmbed;
-    old rows move); "repeat_last" repeats the last row (PreSumm); "sinusoidal" fills the new rows with the sin/cos
-    table at their positions, scaled to the old rows' mean norm."""
+    """The position table [R + N_old, E] grown to [R + n, E] by `method`, the R reserved rows kept on top: "copy"
+    tiles the old rows; "interpolate" puts old row i at row f*i (f = n / N_old, whole), linear between, the last row
+    repeated at the end; "repeat_last" repeats the last row; "sinusoidal" adds sin/cos rows scaled to the old rows'
+    mean norm."""
     from bertembed.numpy_layer import sinusoidal_table_np
 
     head, old = table[:reserved], table[reserved:]
@@ -31,11 +27,10 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
         if n % count:
             raise ValueError(f"method='interpolate' places old row i at row f*i: {n} positions must be a whole "
                              f"multiple of the {count} there are now (e.g. {2 * count}); or use method='copy'")
-        factor = n // count
-        at = torch.arange(n, dtype=torch.float64) / factor
-        low = at.floor().long().clamp(max=count - 1)
+        at = torch.arange(n, dtype=torch.float64) / (n // count)
+        low = at.floor().long()
         high = (low + 1).clamp(max=count - 1)
-        weight = (at - low).clamp(max=1.0)[:, None]
+        weight = (at - low)[:, None]
         weight[low == count - 1] = 0.0  # past the last old row: that row, repeated
         grown = (old[low].double() * (1 - weight) + old[high].double() * weight).to(old.dtype)
     elif method == "sinusoidal":
@@ -49,8 +44,8 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
 
 
 def extend_positions(layer, n: int, method: str = "copy"):
-    """Let `layer` take sequences of `n` positions (its reserved rows not counted), its position table grown by
-    `method` (`extended_rows`). The config's `max_position_embeddings` and the default-id buffers follow."""
+    """Let `layer` take sequences of `n` positions (reserved rows not counted), its position table grown by `method`
+    (`extended_rows`); `max_position_embeddings` and the default-id buffers follow."""
     config, positions = layer.config, layer.position_embeddings
     if not isinstance(positions, nn.Embedding):
         kind = "no position table (positions enter in attention)" if positions is None else \
@@ -72,9 +67,8 @@ def extend_positions(layer, n: int, method: str = "copy"):
 
 
 def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: str = "mean"):
-    """Give the word table `n` rows (rounded up to `pad_to_multiple_of`), as transformers' `resize_token_embeddings`
-    does: old rows kept (a trained pad row is not zeroed again), shrinking drops rows from the end (not past the
-    padding row: ValueError), new rows by `init` (`grown_rows`)."""
+    """Give the word table `n` rows (rounded up to `pad_to_multiple_of`), as transformers' `resize_token_embeddings`:
+    old rows kept, shrinking drops rows from the end (not the padding row: ValueError), new rows by `init`."""
     if init not in ("mean", "normal"):
         raise ValueError(f"init={init!r} is not 'mean' or 'normal'")
     if pad_to_multiple_of is not None:
@@ -91,7 +85,7 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
         raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
                          f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
                          f"least {words.padding_idx + 1} rows")
-    rows = grown_rows(old, n, init, layer.config.initializer_range)  # (the kept pad row is not zeroed again)
+    rows = grown_rows(old, n, init, layer.config.initializer_range)
     layer.word_embeddings = nn.Embedding.from_pretrained(rows, freeze=not words.weight.requires_grad,
                                                          padding_idx=words.padding_idx)
     layer.config = layer.config.replace(vocab_size=n)
@@ -99,9 +93,8 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
 
 
 def grown_rows(old: torch.Tensor, n: int, init: str, std: float) -> torch.Tensor:
-    """A table of `n` rows: the first rows of `old` [V, E], new rows after them drawn near the old rows' mean
-    (`init="mean"`, `_near_the_mean`) or from normal(0, `std`) (`"normal"`), in the order transformers draws them, so
-    that one seed gives the same rows."""
+    """A table of `n` rows: the first rows of `old` [V, E], new rows near the old rows' mean (`init="mean"`) or from
+    normal(0, `std`) (`"normal"`), drawn in transformers' order, so that one seed gives the same rows."""
     count, width = old.shape
     resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
     with torch.no_grad():

@@ -1,9 +1,5 @@
-"""Vocabulary surgery on whole checkpoints: tokens added to the tokenizer and rows to the word table, or the
-vocabulary pruned to what a corpus uses. The checkpoint's tokenizer.json is edited with `tokenizers` (WordPiece, BPE,
-Unigram and WordLevel models); tensors indexed by token (a tied or untied MLM decoder, its bias) follow the word table.
-DST is written whole (`bertembed.checkpoint_surgery`).
-
-Dimension letters: V vocabulary rows, E table width.
+"""Vocabulary surgery on whole checkpoints (docs/surgery.md): tokens added, or the vocabulary pruned to a corpus's,
+in tokenizer.json (edited with `tokenizers`) and in every tensor indexed by token. V vocabulary rows, E table width.
 """
 
 from __future__ import annotations
@@ -23,10 +19,9 @@ _ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls
 
 
 def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[str], init: str = "pieces") -> dict:
-    """Write checkpoint `src` to `dst` with `tokens` added to its tokenizer (ids after its last, as `tokenizers`
-    assigns them) and rows for them in every tensor indexed by token: the mean of the rows of the pieces the old
-    tokenizer split a token into (`init="pieces"`), or transformers' draws (`"mean"`, `"normal"`); 0 in an MLM bias.
-    Returns what changed, for the report."""
+    """Write checkpoint `src` to `dst` with `tokens` added to its tokenizer (ids after its last) and rows for them in
+    every tensor indexed by token: the mean of the rows of the pieces the old tokenizer split a token into
+    (`init="pieces"`), or transformers' draws (`"mean"`, `"normal"`); 0 in an MLM bias. Returns what changed."""
     from tokenizers import AddedToken
 
     if init not in INITS:
@@ -66,8 +61,7 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
 
 
 def _tokenizer(whole: WholeCheckpoint):
-    """SRC's tokenizer.json loaded with its stored padding and truncation off (they would pad or cut what is encoded
-    here), and the file's data as `tokenizers` writes it, those settings included."""
+    """SRC's tokenizer.json loaded with padding and truncation off, and the file's data as `tokenizers` writes it."""
     from tokenizers import Tokenizer
 
     path = whole.folder / "tokenizer.json"
@@ -79,8 +73,8 @@ def _tokenizer(whole: WholeCheckpoint):
 
 
 def _indexed_by_token(whole: WholeCheckpoint, rows: int) -> dict[str, torch.Tensor]:
-    """The tensors indexed by token: the word table ([V, E]) and, outside the embedding layer, every [V, E] table (an
-    MLM decoder) and [V] vector (its bias) of the checkpoint."""
+    """The tensors indexed by token: the word table [V, E] and, outside the layer, every [V, E] table (an MLM decoder)
+    and [V] vector (its bias)."""
     word_key = whole.keys["word_embeddings.weight"]
     width = whole.tensors[word_key].shape[1]
     return {word_key: whole.tensors[word_key]} | {
@@ -89,8 +83,7 @@ def _indexed_by_token(whole: WholeCheckpoint, rows: int) -> dict[str, torch.Tens
 
 
 def _with_rows(value: torch.Tensor, ids: list[int], rows: int, pieces: list[list[int]], init: str, std: float):
-    """`value` ([V] or [V, E]) grown to `rows`, the entries of the new `ids` set: 0 for a bias (as transformers pads
-    one), else by `init`."""
+    """`value` ([V] or [V, E]) grown to `rows`, the entries of the new `ids` set: 0 for a bias, else by `init`."""
     count = value.shape[0]
     if value.dim() == 2 and init != "pieces":  # transformers' draws, then again for ids inside a padded table
         grown = grown_rows(value, rows, init, std)
@@ -120,9 +113,8 @@ def _update_added_decoder(whole: WholeCheckpoint, change, change_legacy) -> None
 
 def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str | Path) -> dict:
     """Write checkpoint `src` to `dst` keeping only the special tokens and the tokens that `corpus` (a text file, one
-    text a line) tokenizes into, in their old order; the ids are renumbered in the tokenizer, config.json and every
-    tensor indexed by token. Every line of the corpus tokenizes to the same tokens as before, which is checked, so
-    outputs on the corpus are unchanged; other text may meet the unknown token. Returns the sizes, for the report."""
+    text a line) tokenizes into, renumbered in their old order everywhere. Checks that every corpus line tokenizes
+    as before (other text may meet the unknown token). Returns the sizes."""
     from tokenizers import Tokenizer
 
     path = Path(corpus)
@@ -159,8 +151,8 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
 
 
 def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set[int]) -> list[int]:
-    """The ids to keep, in order: those the corpus `used`, the special tokens, the model's unknown token, the ids
-    config.json names, and for BPE every token the merges build the kept ones from (a merge needs both its parts)."""
+    """The ids to keep, in order: those the corpus `used`, the special and unknown tokens, the ids config.json names,
+    and for BPE every token the merges build the kept ones from."""
     model = data["model"]
     kept = used | {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
     unk = tokenizer.token_to_id(model["unk_token"]) if model.get("unk_token") else model.get("unk_id")
@@ -183,8 +175,8 @@ def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set
 
 
 def _renumber_tokenizer(data: dict[str, Any], new_id: dict[int, int]) -> None:
-    """tokenizer.json with only the kept ids, renumbered: the model's vocabulary (and BPE merges whose tokens are
-    all kept), the added tokens, the post-processor's special tokens and the padding id."""
+    """tokenizer.json's data with only the kept ids, renumbered (vocabulary, merges, added tokens, post-processor,
+    padding)."""
     model = data["model"]
     if isinstance(model["vocab"], dict):  # WordPiece, WordLevel, BPE: token -> id
         model["vocab"] = {t: new_id[i] for t, i in model["vocab"].items() if i in new_id}
@@ -220,8 +212,7 @@ def _renumber_processor(processor: dict[str, Any] | None, change) -> None:
 
 
 def _slow_files(whole: WholeCheckpoint, data: dict[str, Any], tokens: list[str]) -> None:
-    """The slow tokenizer's files follow the new vocabulary: vocab.txt (WordPiece) and vocab.json / merges.txt (BPE)
-    rewritten; a sentencepiece model, which cannot be edited here, left out of DST (tokenizer.json stands)."""
+    """vocab.txt, vocab.json and merges.txt rewritten for the new vocabulary; a sentencepiece model left out of DST."""
     folder = whole.folder
     if (folder / "vocab.txt").is_file():
         whole.files["vocab.txt"] = "".join(t + "\n" for t in tokens)

@@ -1,7 +1,5 @@
-"""What `bertembed bench` runs: the cases, and the candidates (BENCHMARKS.md's table) around the same weights and ids.
-
-Only the layer's public API is used. Dimension letters: B batch, L length, H hidden.
-"""
+"""What `bertembed bench` runs: the cases, and the candidates around the same weights and ids (public API only).
+Dimension letters: B batch, L length, H hidden."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ import torch
 HIDDENS = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
 QUICK_HIDDENS, QUICK_SHAPES = (768,), ((1, 11), (32, 128))
-# the family's members whose forward is measured beside BERT's (at the first shape past one sentence), with their
-# real checkpoints' keys that the class defaults do not give
+# members whose forward is measured beside BERT's, with their checkpoints' keys that the class defaults do not give
 MEMBERS = {"roberta": {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5},
            "distilbert": {}, "modernbert": {"pad_token_id": 0}}  # (its own pad id, 50283, lies past VOCAB)
 MODES = ("fwd", "fwdbwd")  # forward in eval mode under no_grad; a training step (train mode, backward)
@@ -62,16 +59,15 @@ class Case:
 
 
 def bound_bytes(case: Case) -> int:
-    """Least memory traffic of a forward: B*L gathered word, position and segment rows of H values, LayerNorm's gamma
-    and beta, and the [B, L, H] output written once (ids left out)."""
+    """Least bytes a forward moves: B*L gathered word, position and segment rows of H values, gamma and beta, and
+    the [B, L, H] output written once (ids left out)."""
     tokens, size = case.batch * case.length, DTYPES[case.dtype].itemsize
     return (tokens * 3 * case.hidden + 2 * case.hidden + tokens * case.hidden) * size
 
 
 def plan(quick: bool, hiddens=None, shapes=None, dtypes=None, devices=("cpu",)) -> list[Case]:
-    """float32 forward and training step over hiddens x shapes, and each other dtype's forward (the full run:
-    bfloat16 too), grouped by device, hidden and dtype so each group's modules are built once; then, unless shapes
-    were given, the forward of RoBERTa, DistilBERT and ModernBERT (`MEMBERS`) at the first shape past a sentence."""
+    """float32 forward and training step over hiddens x shapes, each other dtype's forward, grouped so each group's
+    modules are built once; then, unless shapes were given, `MEMBERS`' forward at the first shape past a sentence."""
     members = () if shapes else MEMBERS
     hiddens, shapes = hiddens or (QUICK_HIDDENS if quick else HIDDENS), shapes or (QUICK_SHAPES if quick else SHAPES)
     dtypes = dtypes or (("float32",) if quick else ("float32", "bfloat16"))
@@ -85,18 +81,17 @@ def plan(quick: bool, hiddens=None, shapes=None, dtypes=None, devices=("cpu",)) 
 def runs(name: str, case: Case) -> bool:
     """Whether candidate `name` takes part in `case`: ORT is CPU, float32 and forward only; the device id checks GPU
     only; torch.compile float32 only (a bfloat16 compile doubles the compile time)."""
-    gpu = case.device != "cpu"
     if name == "ort-fused":
-        return not gpu and case.mode == "fwd" and case.dtype == "float32"
+        return case.device == "cpu" and case.mode == "fwd" and case.dtype == "float32"
     if name == "bertembed-fused-device-checks":
-        return gpu
+        return case.device != "cpu"
     return name != "hf-compile" or case.dtype == "float32"
 
 
 def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VOCAB,
             member: str = "bert") -> dict[str, Any]:
-    """The weights (float32 state dict, Hugging Face names), the float32 reference and every torch candidate's module
-    for one group of cases; a candidate that cannot be built maps to its NotAvailable."""
+    """The float32 state dict, the float32 reference and every torch candidate's module for one group of cases; a
+    candidate that cannot be built maps to its NotAvailable."""
     from bertembed import BertEmbeddings, EmbeddingConfig
 
     torch.manual_seed(seed)
@@ -130,7 +125,7 @@ def modules(hidden: int, device: str, dtype: str, seed: int = 0, vocab: int = VO
 
 
 def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' own embeddings module of `config`'s member, holding `state`'s tables under the member's names."""
+    """transformers' own embeddings module of `config`'s member, holding `state`'s tables."""
     import transformers
 
     from bertembed.family import layout
@@ -160,7 +155,7 @@ def arguments(built: dict[str, Any], ids, types) -> dict[str, Any]:
 
 def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Callable[[], Any]:
     """A no-argument callable of candidate `name` on `case`: a forward returning its output, or a training step
-    (forward in train mode, backward of a fixed gradient into fresh gradients, then `zero_grad()`: set to None)."""
+    (train mode, backward of `grad`, then `zero_grad()`)."""
     module = built.get(name)
     if isinstance(module, NotAvailable):
         raise module
@@ -188,8 +183,8 @@ class _Fallbacks(logging.Handler):
 
 
 def _logging_fallbacks(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """`fn`, whose first call raises NotAvailable where the layer logs a fallback to the reference (the reason is
-    logged once a process, so a later case of the same reason is not caught: the first case stands for it)."""
+    """`fn`, whose first call raises NotAvailable where the layer logs a fallback to the reference (logged once a
+    process: the first case of a reason stands for the later ones)."""
     logger = logging.getLogger("bertembed")
     handler, level = _Fallbacks(), logger.level
     logger.addHandler(handler)
@@ -206,13 +201,13 @@ def _ort(state: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, types: t
     """ONNX Runtime's fused EmbedLayerNormalization, one node: int32 ids, the five tables as initializers."""
     try:
         import numpy as np
-        import onnx  # noqa: F401  (fused_graph's)
         import onnxruntime as ort
 
         from bertembed.onnx_export import fused_graph
+
+        model = fused_graph({k: v.float().numpy() for k, v in state.items()}, eps, int32_inputs=True, opset=17)
     except ImportError as err:
         raise NotAvailable(f"onnx/onnxruntime not installed ({err}); pip install 'bertembed[bench]'") from err
-    model = fused_graph({k: v.float().numpy() for k, v in state.items()}, eps, int32_inputs=True, opset=17)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
     options.log_severity_level = 3

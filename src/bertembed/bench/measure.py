@@ -1,8 +1,5 @@
-"""How `bertembed bench` measures: every candidate of a case in one process, timed in interleaved rounds.
-
-The allocator condition is glibc's environment, which holds only from a process's start: a condition the running
-process is not in runs in a child, `python -m bertembed.bench.measure SPEC_JSON OUT`, with the environment set.
-"""
+"""How `bertembed bench` measures: every candidate of a case in one process, timed in interleaved rounds. glibc's
+allocator settings hold from a process's start: a condition this process is not in runs in a child process."""
 
 from __future__ import annotations
 
@@ -66,9 +63,8 @@ class Options:
                   (set(self.candidates) <= set(CANDIDATES), f"candidates must be among {CANDIDATES}"),
                   (self.device != "cuda" or torch.cuda.is_available(),
                    "--device cuda asked for, but torch sees no CUDA device")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        if bad := next((message for ok, message in checks if not ok), None):
+            raise ValueError(bad)
 
 
 def current_condition() -> str | None:
@@ -79,8 +75,7 @@ def current_condition() -> str | None:
 
 
 def run(options: Options) -> dict[str, Any]:
-    """Every condition of `options.allocator`, in this process where it started in it; the report without its
-    targets (`report.finish`)."""
+    """Every condition of `options.allocator`, in this process where it started in it; the report without targets."""
     from bertembed.bench.report import header
 
     gpu = ("cuda",) if torch.cuda.is_available() else ()
@@ -97,8 +92,7 @@ def run(options: Options) -> dict[str, Any]:
 
 
 def _child(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in STEADY_ENV}
-    env.update(STEADY_ENV if condition == "steady" else {})
+    env = {k: v for k, v in os.environ.items() if k not in STEADY_ENV} | (STEADY_ENV if condition == "steady" else {})
     env.update({k: str(options.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[2]), env.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory(prefix="bertembed-bench-") as folder:
@@ -134,7 +128,7 @@ def measure_all(options: Options, cases: list[Case], condition: str) -> dict[str
 
 def measure_case(case: Case, built: dict[str, Any], options: Options, dram: float) -> list[dict[str, Any]]:
     """One record per candidate: built, warmed up, checked against the float32 reference (forward), then timed in
-    `options.repeat` rounds, each candidate one `blocked_autorange` a round, the order rotated by one each round."""
+    `options.repeat` rounds of one `blocked_autorange` each, the order rotated by one each round."""
     names = [n for n in options.candidates if cands.runs(n, case) and (options.reference or "reference" not in n)]
     ids, types, grad = cands.inputs(case, vocab=options.vocab)
     records = {n: {"case": case.to_dict(), "key": case.key, "output_bytes": case.output_bytes, "candidate": n}
@@ -189,8 +183,7 @@ def measure_case(case: Case, built: dict[str, Any], options: Options, dram: floa
 
 
 def peak_bytes(fn, device: str) -> int:
-    """Peak bytes torch's allocator held during one call of `fn`, above the level before it (CPU: the running sum of
-    the profiler's memory events)."""
+    """Peak bytes torch's allocator held during one call of `fn` above the level before it (CPU: from the profiler)."""
     if device != "cpu":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -208,7 +201,7 @@ def peak_bytes(fn, device: str) -> int:
 
 
 def copy_bandwidth(device: str, nbytes: int, threads: int, min_run_time: float) -> float:
-    """Bytes/s of `dst.copy_(src)`, read + write, the best block of a `torch.utils.benchmark` run."""
+    """Bytes/s of `dst.copy_(src)`, read + write, in its best block."""
     src = torch.ones(nbytes // 4, device=device)
     timer = benchmark.Timer("dst.copy_(src)", globals={"dst": torch.empty_like(src), "src": src}, num_threads=threads)
     return 2 * src.nbytes / min(timer.blocked_autorange(min_run_time=min_run_time).times)

@@ -24,8 +24,7 @@ def _vs(name: str, key: str, other: str, goal: float, op: str = ">=", fused: str
     return name, ("median_s", key, other), ("median_s", key, fused), op, goal
 
 
-# (name, (field, case key, candidate) over (field, case key, candidate), op, goal). The forward, the training step and
-# the sentence against eager are the guards the one-path fast layer must hold (3x, 2.5x, no slower).
+# (name, (field, case key, candidate) over (field, case key, candidate), op, goal)
 TARGETS = (
     _vs("forward vs transformers eager (H768 B32 L128)", _H768, "hf-eager", 3.0),
     _vs("forward vs torch.compile (H768 B32 L128)", _H768, "hf-compile", 3.0),

@@ -1,7 +1,5 @@
 """The `bertembed` command line; its modules import heavy libraries only when a command runs."""
 
-from __future__ import annotations
-
 # each module registers its commands (or its group of them) on `app`
 from bertembed.cli import bench, explain, export, inspect, surgery  # noqa: F401
 from bertembed.cli.app import app

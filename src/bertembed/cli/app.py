@@ -29,8 +29,8 @@ PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the f
 
 
 def make_console(**options) -> Console:
-    """A rich console. Into a pipe or a log (CI, `| tee`) rich assumes 80 columns, which cuts a wide table's numbers
-    to "1…": there lines may run to 120 unless COLUMNS says otherwise."""
+    """A rich console, 120 columns wide into a pipe or a log (rich's 80 would cut a wide table's numbers to "1…")
+    unless COLUMNS says otherwise."""
     made = Console(highlight=False, **options)
     if not made.is_terminal and "COLUMNS" not in os.environ:
         made.width = max(made.width, 120)
@@ -61,14 +61,13 @@ def say_model(model) -> None:
 
 @contextlib.contextmanager
 def user_errors(*outputs: str | Path | None) -> Iterator[None]:
-    """Bad input ends the command with its message and exit status 2, not a traceback. Only input errors: a path or
-    value the user gave, a checkpoint file that is broken, an optional package missing; anything else is a bug and
-    keeps its traceback. Each file in `outputs` that is given is checked first, before any work, as writable."""
+    """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
+    its message and exit status 2; anything else is a bug and keeps its traceback. Each of `outputs` that is given is
+    checked first as writable."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
-    # bertembed's warnings (a fallback's reason) on stderr. Only bertembed's logger gets the handler: a root one would
-    # print again every library message that has its own handler (huggingface_hub's retries came out twice).
+    # bertembed's warnings on stderr, through its own logger only: a root handler would repeat other libraries' lines
     ours = logging.getLogger("bertembed")
     if not any(getattr(h, "_bertembed", False) for h in ours.handlers):
         handler = logging.StreamHandler()
@@ -83,7 +82,6 @@ def user_errors(*outputs: str | Path | None) -> Iterator[None]:
         yield
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
         console.print(escape(str(err)), soft_wrap=True)
-    # ImportError: an optional package the command needs (its message says which, and how to install it)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:
         _fail(str(err))
     except OSError as err:

@@ -1,5 +1,5 @@
-"""`bertembed surgery ...`: a whole checkpoint rewritten with more positions, added tokens, or a pruned vocabulary.
-Each reads SRC, never changes it, and writes a new folder DST (refused if it exists)."""
+"""`bertembed surgery ...`: checkpoint SRC rewritten into a new folder DST with more positions, added tokens, or a
+pruned vocabulary."""
 
 from __future__ import annotations
 
