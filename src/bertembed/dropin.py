@@ -3,11 +3,8 @@
     model = bertembed.patch(BertForSequenceClassification.from_pretrained(...))  # same outputs, fused kernel
     bertembed.unpatch(model)                                                     # transformers' layer again
 
-(The module is `dropin`, not `patch`: a submodule named `patch` would shadow the function `bertembed.patch`.)
-
-The new layer shares the old one's submodules (`word_embeddings`, `position_embeddings`, `token_type_embeddings`,
-`LayerNorm`, `dropout`; ModernBERT's `tok_embeddings`, `norm` and `drop` under their own names), so parameters, tied
-weights, state-dict keys and optimizer state all stay as they were; and it takes the old layer's own hooks.
+The new layer shares the old one's submodules (under the member's own names), so parameters, tied weights, state-dict
+keys and optimizer state stay as they were; it takes the old layer's hooks. (Not `patch`: it would shadow the function.)
 """
 
 from __future__ import annotations
@@ -19,14 +16,14 @@ import torch
 from torch import nn
 
 from bertembed.config import EmbeddingConfig, implied_facts
-from bertembed.embeddings import SUBMODULES, BertEmbeddings, checked_backend
+from bertembed.embeddings import SUBMODULES, BertEmbeddings
 from bertembed.family import module_names
+from bertembed.fast import check_backend
 
 log = logging.getLogger(__name__)
 
 _BUFFERS = ("position_ids", "token_type_ids")
-# The layer's own hooks (captum's layer attributions, activation capture, interventions) move with it: the patched
-# layer takes the dicts themselves, so the hooks' handles still remove them, and `unpatch` hands them back.
+# The layer's own hooks move with it, as the dicts themselves: their handles still remove them.
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
 # transformers' embeddings class of each member: (package under transformers.models, class) -> model_type
@@ -62,9 +59,8 @@ def _base(module: nn.Module | None) -> nn.Module | None:
 
 
 def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
-    """The layer's sizes and constants, read from its own tables (the model config may not be at hand), and the
-    member's facts. A wrapped table (a LoRA adapter) is sized by the table it wraps; the fused layer then runs the
-    wrapper's own forward. (transformers 4's DeBERTa's dropout: StableDropout, whose rate is drop_prob.)"""
+    """The layer's sizes and constants, read from its own tables (a wrapped one, as LoRA's, by the table it wraps),
+    and the member's facts. (transformers 4's DeBERTa's dropout: StableDropout, whose rate is drop_prob.)"""
     word, positions, segments, norm, projection, dropout = (_base(getattr(hf, _hf_name(member, n), None)) for n in (
         "word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "projection", "dropout"))
     vocab, width = word.weight.shape
@@ -83,8 +79,7 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
         **({"norm_bias": norm.bias is not None} if member == "modernbert" else {})})
 
 
-# The keywords of the transformers layer that bertembed's forward understands: the cache offset is
-# `past_key_values_length` in transformers 4 and `cache_length` in 5, one number under two names; DeBERTa's `mask`.
+# The keywords of the transformers layer that bertembed's forward understands (the cache offset under 4's and 5's names)
 _UNDERSTOOD = frozenset(("input_ids", "token_type_ids", "position_ids", "inputs_embeds", "past_key_values_length",
                          "cache_length", "mask"))
 _RENAMED = {"input_embeds": "inputs_embeds"}  # DistilBERT's name for it before transformers 4.47
@@ -92,11 +87,9 @@ _RENAMED = {"input_embeds": "inputs_embeds"}  # DistilBERT's name for it before 
 
 class PatchedBertEmbeddings(BertEmbeddings):
     """bertembed's layer standing in for a transformers embeddings layer of BERT's family. It takes exactly the
-    arguments of the installed transformers layer's `forward` (read from its signature when patched, never from a list
-    kept here), so callers of any transformers release call it as before; an argument that bertembed does not know (a
-    later release's keyword), given a value other than its default, is run by transformers' own layer on this layer's
-    tables, with a warning: exact, never a `TypeError` or a guess. bertembed's names reach the submodules that the
-    member names otherwise (ModernBERT's `tok_embeddings`), which keep their names and so their state-dict keys."""
+    arguments of the installed transformers layer's `forward` (read from its signature); an argument bertembed does
+    not know, given a value other than its default, is run by transformers' own layer on this layer's tables, with a
+    warning. bertembed's names reach the submodules the member names otherwise (ModernBERT's `tok_embeddings`)."""
 
     _hf_params: tuple[str, ...] = ()  # its parameters after self, in order
     _hf_defaults: dict = {}
@@ -153,9 +146,8 @@ def _warn_once(kind: type, names: list[str]) -> None:
 
 
 def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
-    """The parameter names after self of `kind.forward`, in order, their defaults, and whether it takes **kwargs (any
-    keyword bertembed does not know, given, runs the original). A forward taking *args cannot be mirrored name for
-    name: refused, so that no call is passed on under a guessed meaning."""
+    """The parameter names after self of `kind.forward`, in order, their defaults, and whether it takes **kwargs. A
+    forward taking *args cannot be mirrored name for name: refused."""
     params = list(inspect.signature(kind.forward).parameters.values())[1:]
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
@@ -176,8 +168,7 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
         layer = PatchedBertEmbeddings(config, backend=backend)
     layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
-    # transformers' submodules under their own names, in their order (state-dict keys unchanged); the ones named
-    # otherwise are reached through __getattr__ under bertembed's names
+    # transformers' submodules under their own names, in their order (state-dict keys unchanged)
     theirs = [_hf_name(member, name) for name in SUBMODULES]
     layer._modules.clear()
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
@@ -193,8 +184,8 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
 
 
 def _move_state(old: nn.Module, new: nn.Module) -> None:
-    """Give `new` the layer's own state that lives outside its submodules: its hooks and its training flag (its own
-    alone: `train()` would also set the shared submodules, and a Monte Carlo dropout setup trains only the dropouts)."""
+    """Give `new` the layer's own state outside its submodules: its hooks and its own training flag (not by `train()`,
+    which would also set the shared submodules)."""
     for name in _HOOKS:
         if name in old.__dict__:
             object.__setattr__(new, name, old.__dict__[name])
@@ -220,7 +211,7 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
                     continue
                 setattr(parent, name, fused_from(child, backend))
             elif getattr(child, "_bertembed_original", None) is not None:
-                child.backend = checked_backend(backend)
+                child.backend = check_backend(backend)
             else:
                 continue
             swapped.append(where)

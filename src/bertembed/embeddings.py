@@ -2,12 +2,9 @@
 
     output = Dropout(LayerNorm(word[input_ids] + segment[token_type_ids] + position[position_ids]))
 
-The family's members differ in a few facts the config holds (`EmbeddingConfig`, ../shared/FAMILY.md): where position
-ids start (RoBERTa counts from the padding id), which tables exist, the order of the sum, the LayerNorm's bias and
-precision, a projection E -> H, and whether the attention mask multiplies the output (DeBERTa). Everything else in
-bertembed (the fast kernels, the explanations, the torch-free path of the command line) is tested against this file,
-and this file against each member's transformers module. Attribute names are Hugging Face's BERT names;
-`bertembed.family` maps each member's checkpoint keys onto them.
+The family's members differ in a few facts the config holds (`EmbeddingConfig`, docs/family.md). Everything else in
+bertembed is tested against this file, and this file against each member's transformers module. Attribute names are
+Hugging Face's BERT names.
 
 Dimension letters: B batch, L length, H hidden, E table width (H unless factorised), V vocabulary, P positions,
 T token types (segments).
@@ -86,21 +83,13 @@ class Decomposition:
 
 
 def checked_backend(backend: str) -> str:
-    """Who computes forward: "reference" (this file), or the fused kernels of `bertembed.fast`: "cpu" (numba),
-    "triton", "auto" (the kernel for the device; this file when it cannot run, with a logged reason). Raises
+    """Who computes forward: "reference" (this file), or `bertembed.fast`'s kernels ("cpu", "triton", "auto");
     ValueError for any other name."""
     if backend == "reference":
         return backend
-    from bertembed.fast import check_backend  # (the reference layer needs neither numba nor triton)
+    from bertembed.fast import check_backend  # (the reference layer imports no kernel code until asked)
 
     return check_backend(backend)
-
-
-def _summed(word: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor:
-    """(word + first) + second, a None skipped: the same operations in the same order as the member's transformers
-    layer, so float32 results match bit for bit."""
-    total = word if first is None else word + first
-    return total if second is None else total + second
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -185,11 +174,18 @@ class BertEmbeddings(Pretrained, nn.Module):
         return (m["word_embeddings"].weight, None if segments is None else segments.weight,
                 None if positions is None else positions.weight, norm.weight, norm.bias)
 
-    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
-                     cu_seqlens=None):
-        """Check the inputs' shapes and dtypes against the tables as they are now (ValueErrors that name the bad value
-        and the fix) and return (token_type_ids, position_ids), the missing ones made as the member makes them.
-        The ids' values are checked where the tables are read (`_rows`; the fused kernels report any they skip)."""
+    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length,
+                     mask, attention_mask, cu_seqlens):
+        """Check `forward`'s arguments against the tables as they are now (ValueErrors that name the bad value and the
+        fix) and return (input_ids, inputs_embeds, token_type_ids, position_ids, mask), the missing ids made as the
+        member makes them. The ids' values are checked where the tables are read (`_rows`, or the fused kernels)."""
+        if mask is not None and attention_mask is not None:
+            raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
+        mask = attention_mask if mask is None else mask
+        if mask is not None and not self.config.mask_output:
+            raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
+                             f"DeBERTa's multiplies its output by the mask); leave it out")
+        past_key_values_length = offset_given(past_key_values_length, cache_length)
         tables = self.tables()
         check_table_shapes(tables, self.config.output_width)
         if cu_seqlens is not None:
@@ -205,7 +201,7 @@ class BertEmbeddings(Pretrained, nn.Module):
             position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
         if token_type_ids is None and tables[1] is not None:
             token_type_ids = self._default_ids("token_type_ids", 0, length)
-        return input_ids, inputs_embeds, token_type_ids, position_ids
+        return input_ids, inputs_embeds, token_type_ids, position_ids, mask
 
     def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
         """The member's default position ids: 0, 1, 2, ... from the cache offset; or, where positions count from the
@@ -265,7 +261,9 @@ class BertEmbeddings(Pretrained, nn.Module):
     def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sum in the member's order, projected to H where it projects first; LayerNorm of it)."""
         first, second = (position, segment) if self.config.sum_order == "position_first" else (segment, position)
-        total = _summed(word, first, second)
+        # the member's own operations in its order (a None skipped), so float32 results match bit for bit
+        total = word if first is None else word + first
+        total = total if second is None else total + second
         if self.config.projection == "before_norm":
             total = self.projection(total)
         return total, self.LayerNorm(total)
@@ -300,30 +298,20 @@ class BertEmbeddings(Pretrained, nn.Module):
             [B, L, W]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode; W is
             E, or H where the member projects before its norm (`config.output_width`).
         """
-        mask = self._mask(mask, attention_mask)
-        input_ids, inputs_embeds, token_type_ids, position_ids = self._checked_ids(
-            input_ids, token_type_ids, position_ids, inputs_embeds, offset_given(past_key_values_length, cache_length),
-            cu_seqlens)
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask = self._checked_ids(
+            input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length, mask,
+            attention_mask, cu_seqlens)
         out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
-            import bertembed.fast  # (the reference layer needs neither numba nor triton)
+            from bertembed.fast import run
 
-            out = bertembed.fast.run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
+            out = run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
         if out is None:
             _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
             out = self.dropout(out if mask is None else _masked(out, mask))
         elif mask is not None:  # (after the kernel's dropout: the same, for a mask of zeros and ones)
             out = _masked(out, mask)
         return out
-
-    def _mask(self, mask, attention_mask):
-        if mask is not None and attention_mask is not None:
-            raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
-        mask = attention_mask if mask is None else mask
-        if mask is not None and not self.config.mask_output:
-            raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
-                             f"DeBERTa's multiplies its output by the mask); leave it out")
-        return mask
 
     def extend_positions(self, n: int, method: str = "copy") -> BertEmbeddings:
         """Take `n` positions, the table grown by `method` in place (`bertembed.surgery`); returns the layer."""
@@ -365,10 +353,9 @@ class BertEmbeddings(Pretrained, nn.Module):
         `output` equals `forward(...)` in eval mode exactly, and `(sum - mean) / std * LayerNorm.weight +
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
-        mask = self._mask(mask, attention_mask)
-        input_ids, inputs_embeds, token_type_ids, position_ids = self._checked_ids(
-            input_ids, token_type_ids, position_ids, inputs_embeds, offset_given(past_key_values_length, cache_length),
-            cu_seqlens)
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask = self._checked_ids(
+            input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length, mask,
+            attention_mask, cu_seqlens)
         word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
         total, output = self._normalised(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)

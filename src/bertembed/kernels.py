@@ -1,5 +1,4 @@
-"""The fused kernels' former home, kept as an alias: `from bertembed.kernels import fused_embeddings` still works.
-New code imports `bertembed.fast`."""
+"""An alias of `bertembed.fast`: `from bertembed.kernels import fused_embeddings` works as before."""
 
 from bertembed.fast import BACKENDS, check_backend, fused_embeddings, select_backend
 

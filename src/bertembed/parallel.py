@@ -4,13 +4,9 @@
     shard_vocab(model, mesh)                              # every word table in `model`: V / world rows per rank
     layer = BertEmbeddings.from_pretrained(path, device_mesh=mesh)  # each rank reads its own rows, nothing more
 
-Every piece is torch's: `parallelize_module` with `RowwiseParallel(input_layouts=Replicate())` shards each word
-table's rows (`Shard(0)`, torch's uneven split); the lookup is torch's sharded one (each rank reads the ids in its rows,
-then an all-reduce), since a DTensor is nothing a numba or Triton kernel can read; the fused kernel then adds the
-position and segment rows and normalises (`bertembed.fast.gathered_rows`). Position and segment tables, LayerNorm and
-the rest of the model stay whole on every rank: their inputs and upstream gradients are the same everywhere, and so are
-their gradients. FSDP2 (`torch.distributed.fsdp.fully_shard`) and `torch.distributed.checkpoint` need nothing from
-here: they work on bertembed's layer and on patched models as they are (docs/distributed.md).
+Every piece is torch's (`parallelize_module`, `RowwiseParallel`, its sharded lookup); the fused kernel then adds the
+position and segment rows and normalises. Everything else stays whole on every rank. FSDP2 and
+`torch.distributed.checkpoint` need nothing from here (docs/distributed.md).
 
 Dimension letters: B batch, L length, V vocabulary, E table width.
 """
@@ -33,24 +29,19 @@ from bertembed.validation import check_id_ranges
 
 log = logging.getLogger(__name__)
 
-# what a transformers embeddings layer of the family calls its word table ("word_embeddings"; ModernBERT's
-# "tok_embeddings")
+# what a transformers embeddings layer of the family calls its word table (ModernBERT's "tok_embeddings")
 WORD_NAMES = tuple(sorted({module_names(member).get("word_embeddings", "word_embeddings") for member in MEMBERS}))
 
 
 def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """Shard every word table [V, E] in `module` by rows over the 1-D `device_mesh`, in place; returns `module`.
 
-    `module`: a bertembed layer, a transformers model of BERT's family (patched by `bertembed.patch` or not), or an
-    `nn.Embedding`. Each table becomes a DTensor (`Shard(0)`: rank r holds torch's r-th chunk of ceil(V / world)
-    rows); every rank passes the same ids [B, L] and gets the same rows [B, L, E]. Before each lookup the ids are
-    checked against all V rows, with the same ValueError on every rank (all ranks raise before the lookup's all-reduce
-    and none waits in it): torch's sharded lookup would give a bad id a row of zeros, silently. Nothing else is
-    sharded (module docstring). A table may be on the meta device (`to_empty` then gives each rank its own rows alone).
-
-    A word table tied to another module of `module` (a masked-LM head's decoder) is refused: sharding it would untie
-    them. Train such a model with FSDP2 (`fully_shard`), which keeps ties. Only `module` is searched: pass the whole
-    model (`BertForMaskedLM`), not its base (`model.bert`), or a head outside it keeps an untied copy.
+    `module`: a bertembed layer, a transformers model of BERT's family (patched or not), or an `nn.Embedding`. Each
+    table becomes a DTensor (`Shard(0)`: rank r holds torch's r-th chunk of ceil(V / world) rows); every rank passes
+    the same ids [B, L] and gets the same rows [B, L, E]. Before each lookup the ids are checked against all V rows,
+    with the same ValueError on every rank (a sharded lookup would give a bad id zeros). A table may be on the meta
+    device. A word table tied to another module of `module` (a masked-LM head's decoder) is refused: sharding would
+    untie them (use FSDP2's `fully_shard`). Pass the whole model, not its base, so that every tie is seen.
     """
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
@@ -75,10 +66,9 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
-    """Qualified name -> word table of every embeddings layer of BERT's family in `module`: bertembed's own (its
-    `submodules()`; patched ones keep the member's names), transformers' (`WORD_NAMES`), or `module` itself where it
-    is an nn.Embedding. ValueError for a word table that is not a plain nn.Embedding (a LoRA wrapper, say), which
-    torch's RowwiseParallel cannot shard."""
+    """Qualified name -> word table of every embeddings layer of BERT's family in `module` (bertembed's or
+    transformers'), or `module` itself where it is an nn.Embedding. ValueError for a word table that is not a plain
+    nn.Embedding (a LoRA wrapper, say), which torch's RowwiseParallel cannot shard."""
     if isinstance(module, nn.Embedding):
         return {"": module}
     found = {}
@@ -99,8 +89,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
     """Forward pre-hook: a ValueError naming the first id outside all V rows, before the sharded lookup; and the
-    table's gradient kept sharded (`_resharded`). That hook lives on the parameter, which `to_empty`, `.to()` and
-    loading with `assign=True` replace: it is put on the table's parameter of the moment, once."""
+    table's gradient kept sharded (`_resharded`, hooked on the parameter of the moment: `.to()` may replace it)."""
     ids = args[0]
     if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
         ids = ids.to_local()
@@ -112,18 +101,16 @@ def _before_lookup(table: nn.Embedding, args: tuple) -> None:
 
 
 def _resharded(weight: DTensor) -> None:
-    """Keep the table's gradient as sharded as the table. torch's sharded lookup has no row-wise backward: it computes
-    the whole gradient [V, E], replicated, on every rank; its own rows are all a rank needs (a local slice, no
-    communication), and the optimizer's state then takes the table's layout, 1/world of it, too."""
+    """Keep the table's gradient as sharded as the table (torch's sharded lookup computes it whole and replicated): a
+    local slice, and the optimizer's state then takes the table's layout too."""
     if weight.grad is not None and weight.grad.placements != weight.placements:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
 def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
     """A reader for `bertembed.checkpoint.load_checkpoint(word_reader=...)`: from safetensors' slice of the word table
-    (`safe_open(...).get_slice(key)`), this rank's rows alone, as the DTensor [V, E] that `shard_vocab` makes: torch's
-    split under `Shard(0)`, as `distribute_tensor` makes it (`torch.chunk`: ceil(V / world) rows each, fewer or none on
-    the last ranks). No rank reads, or ever holds, the whole table."""
+    (`safe_open(...).get_slice(key)`), this rank's rows alone, as the DTensor [V, E] that `shard_vocab` makes
+    (torch's `Shard(0)` split: ceil(V / world) rows each, fewer or none on the last ranks)."""
 
     def read(sliced) -> DTensor:
         rows, width = sliced.get_shape()

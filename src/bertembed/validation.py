@@ -10,7 +10,6 @@ import operator
 
 import numpy as np
 import torch
-from torch.autograd import forward_ad as _forward_ad
 
 from bertembed.config import EmbeddingConfig
 
@@ -18,9 +17,7 @@ _INT_DTYPES = (torch.int64, torch.int32)  # what torch's embedding lookup takes,
 
 
 def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int] | None = None, fix: str = "") -> None:
-    """A ValueError unless `ids` is a dense integer tensor, and one that broadcasts to `shape` where given
-    (transformers' layer adds the rows they pick, so any shape that broadcasts to the input's gives the same result
-    as the full [B, L])."""
+    """A ValueError unless `ids` is a dense integer tensor, and one that broadcasts to `shape` where given."""
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}; "
                          f"wrap it with torch.tensor(...)")
@@ -38,24 +35,16 @@ def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int] | None = Non
 
 
 def check_dropout(p: float, name: str) -> float:
-    """`p` as a float, or the ValueError `F.dropout` raises for a probability outside [0, 1] (NaN included; torch's
-    C++ check raises a RuntimeError for it), in training and in eval mode alike. `nn.Dropout` checks p when built,
-    and a `dropout.p` set afterwards as it runs: the fused layer, which never runs it, asks this instead."""
+    """`p` as a float, or the ValueError `F.dropout` raises for a probability outside [0, 1] (NaN included), in
+    training and in eval mode alike: the fused layer never runs `nn.Dropout`, which checks p as it runs."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {name}={p}; set it in [0, 1] "
                          f"(0: no dropout)")
     return float(p)
 
 
-def forward_ad_on() -> bool:
-    """Whether forward-mode AD is on (inside `torch.autograd.forward_ad.dual_level()`, as `jacobian(...,
-    strategy="forward-mode")` and `jvp` run): the kernels have no jvp rule, so a tangent would be dropped."""
-    return _forward_ad._current_level >= 0
-
-
 def in_torch_func() -> bool:
-    """Whether a torch.func transform (`grad`, `vmap`, `jacrev`, ...) is running: its tensors wrap others, and neither
-    the host nor a kernel can read their memory."""
+    """Whether a torch.func transform (`grad`, `vmap`, ...) is running: its wrapped tensors cannot be read directly."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -65,27 +54,9 @@ _RANGES = (("input_ids", "word", "use ids from this checkpoint's tokenizer, or a
            ("position_ids", "position", "positions count from 0 and stop at {last}; truncate the sequence"))
 
 
-def _check_ranges(checks: list[tuple[tuple[str, str, str], torch.Tensor, int]]) -> None:
-    """Each ((name, table, fix), ids, limit): every id in [0, limit), or a ValueError naming the first bad one. The
-    minima and maxima of all the tensors come back in one transfer: on a GPU, one wait for the device per call."""
-    if not checks:
-        return
-    if all(c[1].device.type == "cpu" for c in checks):
-        bounds = [int(v) for c in checks for v in torch.aminmax(c[1])]
-    else:  # one transfer, one wait for the device
-        bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
-    for ((name, table, fix), ids, limit), low, high in zip(checks, bounds[::2], bounds[1::2], strict=True):
-        if low < 0 or high >= limit:
-            bad = low if low < 0 else high
-            where = tuple(int(k) for k in (ids == bad).nonzero()[0])
-            raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
-                             f"{fix.format(last=limit - 1)}")
-
-
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
-    dtypes = {t.dtype for t in addends if t is not None}
-    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
+    return functools.reduce(torch.promote_types, {t.dtype for t in addends if t is not None})
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -94,9 +65,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """A ValueError, before any table is read, for a LayerNorm weight and bias that torch's LayerNorm refuses beside
     an input of dtype `summed`: it takes them in the input's dtype, and float32 ones beside a float16 or bfloat16
-    input on the CPU; on other devices that mix is asked of the installed torch (CUDA's kernel refused it in 2.11),
-    with a two-element LayerNorm. Every backend raises this, though the fused kernels could compute other mixes, so
-    that a layer never runs on one backend and fails on another (the tests hold it to torch's answer for every mix)."""
+    input on the CPU (elsewhere a two-element LayerNorm asks the installed torch). Every backend raises it alike."""
     dtypes = {weight.dtype, summed if bias is None else bias.dtype}
     if dtypes == {summed} or torch.compiler.is_compiling():
         return
@@ -134,8 +103,7 @@ _SHARED_WIDTH = "; the tables and the LayerNorm must share one hidden size (was 
 def check_table_shapes(tables, norm_width: int | None = None) -> None:
     """A ValueError, before any table is read, unless the shapes of (word [V, E], segment [T, E] or None, position
     [P, E] or None, LayerNorm weight [N], bias [N] or None) fit together; N is E unless `norm_width` says otherwise (a
-    projection before the norm). Every backend raises it, where torch's ops would raise their own errors and the fused
-    kernels, which read E columns of every row and E entries of the weight and bias, would read outside a table."""
+    projection before the norm). Every backend raises it; the fused kernels would read outside a table."""
     word = tables[0]
     if word.dim() != 2:
         raise ValueError(f"the word table has shape {tuple(word.shape)}, not [V, E]{_SHARED_WIDTH}")
@@ -157,8 +125,8 @@ def table_rows(tables) -> tuple[int, int | None, int | None]:
 
 def offset(past_key_values_length) -> int:
     """`past_key_values_length` as a non-negative Python int, or ValueError. Whatever stands for an integer exactly is
-    taken, as transformers' layer takes it (its slicing asks `__index__`): a numpy integer, a 0-d integer tensor
-    (`torch.onnx.export`'s TorchScript tracer passes the default that way); not a bool or a float."""
+    taken, as transformers' slicing takes it (`__index__`; a 0-d integer tensor, as ONNX export's tracer passes it);
+    not a bool or a float."""
     value = past_key_values_length
     if type(value) is not int and not isinstance(value, (bool, np.bool_)):
         if isinstance(value, torch.Tensor):
@@ -172,9 +140,8 @@ def offset(past_key_values_length) -> int:
 
 
 def offset_given(past_key_values_length=None, cache_length=None):
-    """The offset of the first position after a cache, under either of transformers' names for it: `cache_length`
-    (transformers 5) or `past_key_values_length` (transformers 4), the same number. 0 when neither is given; a
-    ValueError when both are given and differ. The value is returned as given (`offset` checks it)."""
+    """The offset of the first position after a cache, as given under transformers 5's name (`cache_length`) or 4's
+    (`past_key_values_length`): 0 when neither is given; a ValueError when both are given and differ."""
     if cache_length is None:
         return 0 if past_key_values_length is None else past_key_values_length
     if past_key_values_length is not None and offset(past_key_values_length) != offset(cache_length):
@@ -187,16 +154,26 @@ def offset_given(past_key_values_length=None, cache_length=None):
 def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
                     position_ids: torch.Tensor | None, rows: tuple[int, int, int | None]) -> None:
     """A ValueError naming the first id outside its table: `rows`, the (word, segment, position) tables' rows
-    (`table_rows`; None: no such table, nothing read). Ids given as None, or on the meta device (a model run there
-    for its shapes, as transformers' runs), are not checked. Nor under `torch.compile` and `torch.export` (reading the
-    ids would break the graph) or inside a torch.func transform, whose wrapped tensors cannot be read on the host:
-    there, as in transformers' layer, a bad id fails in the lookup (torch's IndexError; the fused kernels skip it and
-    raise), never reading outside a table."""
+    (`table_rows`; None: no such table, nothing read). Ids given as None or on the meta device are not checked; nor
+    under `torch.compile`, `torch.export` or a torch.func transform (a bad id then fails in the lookup: torch's
+    IndexError, or the fused kernels skip it and raise). The minima and maxima come back in one transfer."""
     if torch.compiler.is_compiling() or in_torch_func():
         return
-    _check_ranges([(about, ids, limit) for about, ids, limit in zip(_RANGES, (input_ids, token_type_ids, position_ids),
-                                                                    rows, strict=True)
-                   if ids is not None and limit is not None and ids.numel() and ids.device.type != "meta"])
+    checks = [(about, ids, limit) for about, ids, limit in zip(_RANGES, (input_ids, token_type_ids, position_ids), rows,
+                                                               strict=True)
+              if ids is not None and limit is not None and ids.numel() and ids.device.type != "meta"]
+    if not checks:
+        return
+    if all(c[1].device.type == "cpu" for c in checks):
+        bounds = [int(v) for c in checks for v in torch.aminmax(c[1])]
+    else:  # one transfer, one wait for the device
+        bounds = torch.stack([v.long() for c in checks for v in torch.aminmax(c[1])]).tolist()
+    for ((name, table, fix), ids, limit), low, high in zip(checks, bounds[::2], bounds[1::2], strict=True):
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            where = tuple(int(k) for k in (ids == bad).nonzero()[0])
+            raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
+                             f"{fix.format(last=limit - 1)}")
 
 
 def check_inputs(
@@ -212,10 +189,8 @@ def check_inputs(
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
     `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are), for a caller that checks them
-    where it reads them (`check_id_ranges`). `rows`: the (word, segment, position) tables' rows (`table_rows`), not
-    the config's sizes where a table was replaced (extended for longer inputs, or through `.data`); the config's when
-    not given. Segment and position ids may be of any shape that broadcasts to [B, L] ([1, L] or [L]), as in
-    transformers."""
+    where it reads them. `rows`: the (word, segment, position) tables' rows (`table_rows`), where they may differ from
+    the config's sizes. Segment and position ids may be of any shape that broadcasts to [B, L], as in transformers."""
     if (input_ids is None) == (inputs_embeds is None):
         given = "both" if input_ids is not None else "neither"
         raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")

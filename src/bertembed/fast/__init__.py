@@ -1,16 +1,10 @@
-"""The fast path of BERT's embedding layer: fused kernels, one pass per token instead of three gathers, two adds and a
-LayerNorm, each tested against the reference layer (`bertembed/embeddings.py`).
+"""The fast path of BERT's embedding layer: fused kernels, one pass per token, tested against the reference layer.
 
-    from bertembed.fast import fused_embeddings
     out = fused_embeddings(input_ids, word, segment, position, ln_weight, ln_bias, eps=1e-12)  # [B, L, H]
 
-`BertEmbeddings(config, backend=...)` calls `run` with its ids made explicit. Backends: "cpu" (numba, `cpu.py`),
-"triton" (`triton.py`: CUDA, or CPU tensors under TRITON_INTERPRET=1), "reference" (the plain PyTorch layer), and
-"auto", which picks the fused kernel for the tensors' device and falls back to the reference with a logged reason.
-Inference without autograd calls the forward kernel directly; training goes through one autograd.Function
-(`function.py`), which `torch.compile` traces as a custom op.
-
-Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
+`BertEmbeddings(config, backend=...)` calls `run`. Backends: "cpu" (numba, `cpu.py`), "triton" (`triton.py`),
+"reference" (plain PyTorch) and "auto" (the kernel for the tensors' device, else the reference with a logged reason).
+Design: docs/fused-layer.md. Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
 from bertembed.config import EmbeddingConfig
-from bertembed.fast.function import EagerEmbeddings, backend_module, embeddings_op, flat_ids
+from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
 from bertembed.validation import (
     IdsOutsideTables,
     check_dropout,
@@ -35,7 +29,6 @@ from bertembed.validation import (
     check_inputs,
     check_norm_dtypes,
     check_table_shapes,
-    forward_ad_on,
     in_torch_func,
     offset,
     offset_given,
@@ -53,9 +46,7 @@ _told: set[str] = set()
 _found: dict[str, bool] = {}
 _GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
                  _torch_module._global_backward_hooks, _torch_module._global_backward_pre_hooks)
-# What each submodule may be for the kernel to compute what it would: its type's own forward is a row lookup of
-# `weight`, a LayerNorm or a dropout, which the kernel does in one pass. A subclass or a wrapper (a LoRA adapter, a
-# parametrized weight, which changes the module's class) runs its own forward: the reference layer.
+# What each submodule must be for the kernel to compute what it would (a subclass or a wrapper runs its own forward)
 _PLAIN = {"word_embeddings": nn.Embedding, "token_type_embeddings": nn.Embedding, "position_embeddings": nn.Embedding,
           "LayerNorm": nn.LayerNorm, "dropout": nn.Dropout}
 _COMPUTED_TABLE = "bertembed.embeddings.SinusoidalPositions"  # a position table that is a buffer: also a lookup
@@ -88,14 +79,12 @@ def _device_reason(backend: str, device: torch.device) -> str | None:
 
 
 def _transform_reason() -> str | None:
-    """Why the kernels cannot run inside a torch.func transform (grad, vmap, jacrev, ...), forward-mode AD or
-    `torch.jit.trace`, or None: a transform's tensors wrap others, with no memory of their own for a kernel to read;
-    the tracer records torch operations, not compiled kernels, and ONNX has no operator for them. (Under
-    torch.compile the custom op is traced instead.)"""
+    """Why the kernels cannot run under a torch.func transform, forward-mode AD, `torch.jit.trace` or ONNX export, or
+    None (under torch.compile the custom op is traced instead)."""
     if not is_compiling():
         if in_torch_func():
             return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
-        if forward_ad_on():
+        if torch.autograd.forward_ad._current_level >= 0:  # (inside `dual_level()`, as `jvp` runs)
             return "forward-mode AD (a dual level) is on, and the fused kernels have no jvp rule"
         if torch._C._is_tracing():
             return "torch.jit.trace (or torch.onnx.export's tracer) is recording, and it cannot record compiled kernels"
@@ -118,10 +107,8 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 def can_fuse(layer: nn.Module, modules: dict | None = None, *, gathered: bool = False) -> str | None:
-    """Why the fused kernel cannot stand in for `layer`'s submodules (`layer.submodules()`, given or read), or None
-    when it computes what they would: each runs its type's own forward (`_PLAIN`), with no hooks and no `nn.Embedding`
-    option the kernels do not have. `gathered`: the word rows come already looked up (`gathered_rows`), so the word
-    module is not asked."""
+    """Why the fused kernel cannot stand in for `layer`'s submodules (`layer.submodules()`, given or read), or None when
+    it computes what they would. `gathered`: the word rows come already looked up, so the word module is not asked."""
     if any(_GLOBAL_HOOKS):
         return "module hooks are registered globally (register_module_forward_hook and the like), and they run only " \
                "where a submodule's own forward does"
@@ -159,9 +146,8 @@ def _module_reason(name: str, module: nn.Module) -> str | None:
 
 
 def _mixed(tables, ids) -> str | None:
-    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: they read the
-    three tables in one dtype (LayerNorm's weight and bias may be any float dtype), and ids on the tables' device.
-    Ids elsewhere get the reference's answer: torch's error, or for ids on the meta device what torch's lookup gives."""
+    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: the three tables
+    must share a dtype, and the ids the tables' device (elsewhere the reference gives torch's answer)."""
     word, segment, position = tables[:3]
     if any(t is not None and t.dtype != word.dtype for t in (segment, position)):
         dtypes = {t.dtype for t in tables[:3] if t is not None}
@@ -183,22 +169,18 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
         inputs_embeds: Tensor | None) -> Tensor | None:
     """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
     run. The layer has checked its inputs' shapes and dtypes and made its ids explicit: input_ids [B, L], segment and
-    position ids of any shape that broadcasts to it. Their values are checked here (`check_id_ranges`): after the
-    CPU kernel, which reads nothing for a bad id and reports it; before the Triton one, which gives it a NaN row on a
-    GPU and reports nothing. Read on each call: the tables, LayerNorm's eps, the dropout module's own flag and
-    p (Monte Carlo dropout trains the dropouts alone), and the layer's `deterministic` attribute (GPU gradients in a
-    fixed summation order) and `id_checks` ("device": no check before the Triton kernel, as in `fused_embeddings`).
-    Word rows the kernel cannot read from the table itself (`inputs_embeds`, or a word module with hooks, a wrapper
-    or a sharded table: its own forward looks them up) come gathered (`gathered_rows`); the kernel does the rest."""
+    position ids of any shape that broadcasts to it. Their values are checked after the CPU kernel (which skips and
+    reports a bad id), before the Triton one (unless `layer.id_checks` is "device"). Read on each call: the tables,
+    LayerNorm's eps, the dropout module's own flag and p, `layer.deterministic`. Word rows the kernel cannot read from
+    the table itself (`inputs_embeds`, a word module with hooks, a wrapper, a sharded table) come `gathered_rows`."""
     modules = layer.submodules()
     word = modules["word_embeddings"]
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
     reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
     if reason is None:
-        norm, positions, segments = (modules[k] for k in ("LayerNorm", "position_embeddings", "token_type_embeddings"))
+        norm, positions = modules["LayerNorm"], modules["position_embeddings"]
         lead = word.weight if inputs_embeds is None else inputs_embeds  # (what sets the kernels' dtype and device)
-        tables = (lead, None if segments is None else segments.weight, None if positions is None else positions.weight,
-                  norm.weight, norm.bias)
+        tables = (lead, *layer.tables(modules)[1:])
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:
@@ -226,11 +208,9 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
 
 def gathered_rows(word: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
                   inputs_embeds: Tensor | None, tables: tuple) -> tuple[Tensor, Tensor]:
-    """(rows [B*L, E], ids [B, L]: 0, 1, ..., B*L - 1): the word rows as a table the kernel reads in token order, so
-    it adds, normalises and differentiates them as it does its own lookups (their gradient [B*L, E] flows back to
-    whatever gave them). The rows are `inputs_embeds`, or `word(input_ids)`, the module's own forward (its hooks, a
-    wrapper's update, torch's sharded lookup of a DTensor table), on ids checked first against the table's rows: a
-    sharded lookup would give a bad id a row of zeros, silently."""
+    """(rows [B*L, E], ids [B, L]: 0, 1, ..., B*L - 1): the word rows as a table the kernel reads in token order (their
+    gradient flows back to whatever gave them): `inputs_embeds`, or `word(input_ids)` on ids checked first (a sharded
+    lookup would give a bad id a row of zeros, silently)."""
     if inputs_embeds is None:
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
         inputs_embeds = word(input_ids)
@@ -247,9 +227,8 @@ def _needs_autograd(tables) -> bool:
 
 def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, tables: tuple, eps: float,
            p: float, padding: tuple[int | None, int | None], deterministic: bool, out: Tensor | None) -> Tensor:
-    """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd
-    Function for training, the custom op where torch.compile traces. `padding`: the padding rows of the word and
-    position tables (None: none), whose gradients stay zero."""
+    """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd Function
+    for training, the custom op under torch.compile. `padding`: the word and position tables' padding rows or None."""
     word, segment, position, weight, bias = tables
     if segment is None:  # no segment table (DistilBERT, MPNet, ModernBERT): one zero row, which adds nothing
         segment, token_type_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
@@ -261,11 +240,7 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     compiling = is_compiling()
     if out is not None or not _needs_autograd(tables) and not compiling:
-        batch, length = input_ids.shape
-        return backend_module(backend).run_forward(
-            *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-            None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=False,
-            shape=(batch, length, word.shape[1]))[0]
+        return kernel_forward(backend, input_ids, token_type_ids, position_ids, *tables, eps, p, seed, out, False)[0]
     apply = embeddings_op if compiling else EagerEmbeddings.apply  # the op only where it is traced
     pad, position_pad = (-1 if i is None else int(i) for i in padding)
     return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,
@@ -273,8 +248,8 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
 
 
 def _check_out(out: Tensor, ids_shape, tables) -> None:
-    """A ValueError unless `out` can take the output: inference only, contiguous, of the word table's dtype and
-    device, [B, L, H]. Every backend asks it, the reference included, so `out=` works or fails alike on all."""
+    """A ValueError unless `out` can take the output: inference only, contiguous, [B, L, H] of the word table's dtype
+    and device (asked on every backend)."""
     if _needs_autograd(tables):
         raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
                          "or drop out= to get a tensor autograd can differentiate")
@@ -287,7 +262,7 @@ def _check_out(out: Tensor, ids_shape, tables) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _config(vocab: int, hidden: int, positions: int | None, types: int, eps: float) -> EmbeddingConfig:
-    """The sizes `check_inputs` reads, as a config (built once per set of sizes: building one checks every field)."""
+    """The sizes `check_inputs` reads, as a config (cached: building one checks every field)."""
     return EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions or 2**31 - 1,
                            type_vocab_size=types, layer_norm_eps=eps, hidden_dropout_prob=0.0,
                            position_embedding_type="none" if positions is None else "absolute")

@@ -1,15 +1,5 @@
 """CPU kernels (numba): BERT's embedding layer in one pass per token, forward and backward, with their torch glue.
-
-Forward, per token: gather the word row, add the segment row, then the position row (the reference's order) while
-summing the LayerNorm statistics; then normalise, scale and shift, dropout, store. Backward, per token: recompute the
-sum from the tables (no [N, H] tensor is saved), LayerNorm backward, and add the row gradient into the table gradients.
-
-Tables and outputs are float32 or bfloat16. numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern:
-widened to float32 by a shift, rounded back to nearest-even by integer arithmetic after each add, as torch rounds
-`word + segment` and then `+ position`. Helpers that differ by dtype are `overload`s, resolved when a kernel compiles.
-
-Ids are validated before any kernel runs (`bertembed.validation.check_inputs`); the kernels check them again and count
-what they skipped, so an out-of-range id never reads outside a table.
+Design and measurements: docs/cpu-kernels.md. A token with an id outside a table is skipped, counted and reported.
 
 Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, C chunks (one per thread).
 """
@@ -45,55 +35,32 @@ from bertembed.fast.cpu_ops import (  # noqa: F401  (cpu.round_like, cpu.keep, .
 )
 from bertembed.validation import skipped_ids_error
 
-
-def _launch_pool() -> None:
-    """Start numba's thread pool now, keeping torch's thread count: numba's OpenMP layer sets the OpenMP thread count
-    at launch, and torch (built with OpenMP) reads the same one."""
-    wanted = torch.get_num_threads()
-    numba.get_num_threads()
-    if torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
-
-
-_launch_pool()
+# Start numba's thread pool now, keeping torch's thread count: numba's OpenMP layer sets the count torch reads.
+_wanted = torch.get_num_threads()
+numba.get_num_threads()
+if torch.get_num_threads() != _wanted:
+    torch.set_num_threads(_wanted)
 POOL = numba.config.NUMBA_NUM_THREADS
 _forked: list[bool] = []
-
-
-def _lose_pool() -> None:
-    _forked.append(True)
-
-
 if numba.threading_layer() == "omp":
-    # GNU OpenMP cannot run in a process forked after it started (numba ends the child): a forked child, such as a
-    # DataLoader worker, runs the serial kernels only.
-    os.register_at_fork(after_in_child=_lose_pool)
+    # GNU OpenMP cannot run in a process forked after it started: a forked child runs the serial kernels only.
+    os.register_at_fork(after_in_child=lambda: _forked.append(True))
 
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
-# Outputs this large (float32) are written by non-temporal stores: they leave the cache before anyone reads them, and
-# streaming skips reading each line before writing it. Measured on AMD Zen cores (docs/memory.md, "Streamed outputs");
-# Intel cores gained from 32 MiB only.
-_STREAM_FROM = 12 << 20
+_STREAM_FROM = 12 << 20  # float32 output bytes from which rows go out by non-temporal stores (docs/memory.md)
+_SHIFT_FROM = 64  # the moments are summed around the mean of the row's first this-many entries
 
 
-# The mean of the row's first entries, this many, is the shift the moments are summed around: within a fraction of a
-# spread of the row's mean, so the one-pass variance loses no digits; where it does not (`_moments`), a second pass.
-_SHIFT_FROM = 64
-
-
-# `reassoc` lets the float32 sums vectorise (many short partial sums). It would also let LLVM regroup the adds of
-# `add_rounded`, which it does not do: the tests hold the kernels to the reference's roundings. `contract`: the squares
-# are summed by fused multiply-adds.
+# `reassoc` lets the float32 sums vectorise; the tests hold `add_rounded` to the reference's roundings.
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
     """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
-    mean and biased variance, from sums of d = x - shift and d^2 in one pass, or from a second pass around the mean
-    where the shift lies far from it (the squares would then cancel). As close to float64 as torch's LayerNorm."""
+    mean and biased variance, in one pass around a shift, or two where the shift lies far from the mean."""
     wide_vectors(wide)
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     head = min(x.size, _SHIFT_FROM)
     shift = np.float32(0.0)
-    if has_pos:
+    if has_pos:  # (a loop per case: a branch inside the loop keeps the bfloat16 loops from vectorising, 5-10x slower)
         for j in range(head):
             shift += add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
     else:
@@ -122,7 +89,7 @@ def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
 
 @njit(cache=True, fastmath={"reassoc"})
 def _moments(x, shift, total, wide):
-    """(float32 mean, biased variance) of x, the variance from a second pass around the mean (x is in L1 by then)."""
+    """(float32 mean, biased variance) of x, the variance from a second pass around the mean."""
     wide_vectors(wide)
     mean = np.float32(shift + total / x.size)
     squares = np.float32(0.0)
@@ -131,16 +98,13 @@ def _moments(x, shift, total, wide):
     return mean, squares / x.size
 
 
-# `contract`: LayerNorm's `* weight + bias` is one fused multiply-add.
 @njit(cache=True, inline="always", fastmath={"contract"})
 def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
                    wide, stream):
-    """The sum with its moments, then LayerNorm and dropout into x, then x into out[i]. Inlined: as a call it passed
-    ten arrays by value per token. `wide`: 512-bit vectors, for many tokens a thread (`wide_vectors`)."""
+    """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
+    dropout into x, then x into out[i]. Inlined: as a call it passed ten arrays by value per token."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
-    # The statistics round to float32: from there on the same float32 operations in the same order as torch's
-    # LayerNorm, ((x - mean) * rstd) * weight + bias.
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
     if threshold == 0:
@@ -190,8 +154,7 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens (a few per thread, so a thread that started late does not hold up the rest). stream: float32 rows go out
-    by non-temporal stores (`_STREAM_FROM`).
+    tokens, a few per thread. stream: float32 rows go out by non-temporal stores.
     """
     n = out.shape[0]
     bad = 0
@@ -201,18 +164,10 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
     return bad
 
 
-@njit(cache=True)
-def forward_serial(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
-    """`forward` on the calling thread, for a few tokens (waking the pool costs more than the work), with LLVM's own
-    vector width (a sentence ran slower with wide vectors)."""
-    return _forward_chunk(0, out.shape[0], ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed,
-                          out, mean, rstd, False, False)
-
-
 @njit(cache=True, fastmath={"reassoc"})
 def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
-    """LayerNorm (and dropout) backward of token i, in float32: dx[:] = d loss / d sum. The sum is recomputed from the
-    tables, xhat from it as the forward did, into x; dgamma, dbeta [H] float32 partials are added into."""
+    """LayerNorm (and dropout) backward of token i, in float32: dx[:] = d loss / d sum, with xhat recomputed from the
+    tables into x; adds into the dgamma, dbeta [H] float32 partials."""
     wide_vectors(True)
     h = x.size
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
@@ -228,8 +183,6 @@ def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, thresh
     else:
         for j in range(h):
             dx[j] = widen(gout[i, j])
-    # float32 row sums (`reassoc`: many short partial sums) stay closer to the float64 result than torch's float32
-    # LayerNorm backward does.
     sa, sb = np.float32(0.0), np.float32(0.0)
     for j in range(h):
         dgamma[j] += dx[j] * x[j]
@@ -249,9 +202,9 @@ def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
     """Table and LayerNorm gradients; returns how many tokens had bad ids.
 
     Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
-    between chunks, so each word-gradient row has one writer and a fixed summation order: deterministic. dword [V, H]
-    comes zeroed (shape (0, H): not wanted). dseg [C, T, H], dpos [C, R, H] float32 per-chunk partials (R = 0: not
-    wanted; row k is position pos_lo + k); dgamma, dbeta [C, H] float32 partials.
+    between chunks: each word-gradient row has one writer, in a fixed order. dword [V, H] comes zeroed ((0, H): not
+    wanted). dseg [C, T, H], dpos [C, R, H] (R = 0: not wanted; row k is position pos_lo + k), dgamma, dbeta [C, H]:
+    float32 per-chunk partials.
     """
     bad = 0
     for c in prange(bounds.size - 1):
@@ -298,8 +251,7 @@ _NUMPY = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(np.uint1
 
 
 class _Memory:
-    """A CPU tensor's memory as numpy's array interface describes it (bfloat16 as uint16 bits); the array made from
-    it holds it, and it the tensor (a temporary's memory stays alive while the array does)."""
+    """A CPU tensor's memory under numpy's array interface (bfloat16 as uint16 bits), holding the tensor."""
 
     def __init__(self, t: torch.Tensor) -> None:
         dtype, self.tensor = _NUMPY[t.dtype], t
@@ -308,13 +260,9 @@ class _Memory:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits). Made from its address, not by
-    `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers for a step by
-    resizing their storage to nothing."""
-    if t.dtype not in _NUMPY or t.numel() == 0 or t.device.type != "cpu":
-        return t.view(torch.int16).numpy(force=True).view(np.uint16) if t.dtype == torch.bfloat16 else \
-            t.numpy(force=True)
-    return np.asarray(_Memory(t))
+    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits). Not by `Tensor.numpy()`, which marks
+    the storage as never resizable: FSDP2 frees the tables it gathers by resizing their storage to nothing."""
+    return np.asarray(_Memory(t)) if t.numel() else np.zeros(t.shape, _NUMPY[t.dtype])
 
 
 def _threads() -> int:
@@ -326,16 +274,10 @@ def _threads() -> int:
     return count
 
 
-def _check_bad(bad: int, where: str) -> None:
-    if bad:
-        raise skipped_ids_error(bad, where)
-
-
 @intrinsic
 def _pointer(typingctx, address, dtype):
     """The integer `address` as a pointer to `dtype` elements (a numpy scalar type or an array's `.dtype`), for
-    `numba.carray`: arrays over tensors handed in as `Tensor.data_ptr()`, which costs a sentence less than
-    `Tensor.numpy()` per tensor. Valid while the caller holds the tensor."""
+    `numba.carray` over a `Tensor.data_ptr()` (cheaper than `Tensor.numpy()`). Valid while the caller holds it."""
     if not isinstance(address, types.Integer) or not isinstance(dtype, (types.NumberClass, types.DType)):
         return None
     target = types.CPointer(dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype)
@@ -348,9 +290,10 @@ def _pointer(typingctx, address, dtype):
 
 @njit(cache=True)
 def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks, stream):
-    """`forward` (chunks > 0) or `forward_serial` (chunks 0) over the tensors at the addresses `at` (ids, segment
-    ids, position ids: [N] int64; word, segment, position tables and out: `like`'s dtype; weight, bias: float32 [H];
-    mean, rstd: float32 [N], or 0 and 0 where they are not kept), of sizes (N, H, V, T, P)."""
+    """`forward` (chunks > 0) or its chunk on this thread, with LLVM's own vector width (chunks 0: a few tokens), over
+    the tensors at the addresses `at` (ids, segment ids, position ids: [N] int64; word, segment, position tables and
+    out: `like`'s dtype; weight, bias: float32 [H]; mean, rstd: float32 [N], or 0 and 0 where not kept), of sizes
+    (N, H, V, T, P)."""
     n, h, v, t, p = sizes
     ids, tts, pids = (carray(_pointer(at[0], np.int64), n), carray(_pointer(at[1], np.int64), n),
                       carray(_pointer(at[2], np.int64), n))
@@ -364,8 +307,11 @@ def _forward_at(at, sizes, like, eps, threshold, scale, seed, chunks, stream):
         mean, rstd = stats[0], stats[1]
     else:
         mean, rstd = carray(_pointer(at[9], np.float32), n), carray(_pointer(at[10], np.float32), n)
-    args = (ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd)
-    return forward(*args, chunks, stream) if chunks > 0 else forward_serial(*args)
+    if chunks > 0:
+        return forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
+                       chunks, stream)
+    return _forward_chunk(0, n, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean,
+                          rstd, False, False)
 
 
 _LIKE = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.uint16)}
@@ -375,11 +321,8 @@ _NO_DROPOUT = (dropout_threshold(0.0), dropout_scale(0.0), np.uint64(0))  # (thr
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, shape=None):
     """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may
-    be None.
-
-    Returns (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`: that of a new `out`, returned in
-    it; `out`: a contiguous buffer of N x H elements to write into instead. `stats=False` (inference): mean and rstd
-    are not kept, and come back as None."""
+    be None. Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or
+    None and None with `stats=False`)."""
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
     mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
@@ -392,7 +335,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     dropout = (dropout_threshold(p), dropout_scale(p), np.uint64(seed)) if p else _NO_DROPOUT
     bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), *dropout, chunks,
                       chunks > 0 and out.nbytes >= _STREAM_FROM)
-    _check_bad(bad, "bertembed cpu forward")
+    if bad:
+        raise skipped_ids_error(bad, "bertembed cpu forward")
     return out, mean, rstd
 
 
@@ -413,16 +357,14 @@ def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
                  need_word: bool = True, need_pos: bool = True):
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
-    dtypes, from grad [N, H]. Always deterministic: see `backward`."""
+    dtypes, from grad [N, H]. Deterministic: see `backward`."""
     n, h = grad.shape
     ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
     ids_np = _np(ids)
     order = np.argsort(ids_np, kind="stable")
     bounds = chunk_bounds(ids_np[order], chunks, pad)
-    # numpy's zeros, not torch's: numpy asks calloc, whose large blocks are fresh pages that need no writing, where
-    # torch.zeros writes every byte of the dense gradient (94 MB for BERT-base); the kernel then adds the rows of the
-    # ids the batch holds, and only their pages are ever written.
+    # numpy's zeros, not torch's: calloc's fresh pages need no writing; only the rows of the batch's ids are touched.
     dword = torch.from_numpy(np.zeros((word.shape[0] if need_word else 0, h), np.float32))
     want_pos = need_pos and pos is not None
     lo, hi = (int(pids.min()), int(pids.max())) if want_pos and n else (0, -1)
@@ -430,12 +372,12 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         lo, hi = 0, pos.shape[0] - 1
     dseg, dpos = torch.zeros(chunks, seg.shape[0], h), torch.zeros(chunks, hi - lo + 1, h)
     dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
-    kernel = backward if chunks > 1 else _backward_serial
-    bad = kernel(order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg),
-                 _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(mean), _np(rstd),
-                 _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p), np.uint64(seed), pad, _np(dword),
-                 _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
-    _check_bad(bad, "bertembed cpu backward")
+    args = (order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), _np(word[:0] if pos is None else pos),
+            _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p),
+            np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
+    if bad:
+        raise skipped_ids_error(bad, "bertembed cpu backward")
     if chunks == 1:  # one chunk's partials are the sums
         dseg, dgamma, dbeta = dseg[0], dgamma[0], dbeta[0]
         full_pos = dpos[0] if hi >= lo else torch.zeros(pos.shape[0] if want_pos else 0, h)
@@ -447,10 +389,3 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dtype = word.dtype
     return dword.to(dtype), dseg.to(dtype), full_pos.to(dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)
 
-
-@njit(cache=True)
-def _backward_serial(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
-                     seed, pad, dword, dseg, dpos, dgamma, dbeta):
-    """`backward` on the calling thread (one chunk), for a few tokens."""
-    return _backward_chunk(0, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold,
-                           scale, seed, pad, dword, dseg, dpos, dgamma, dbeta)

@@ -1,11 +1,5 @@
-"""The CPU kernels' building blocks (numba): per-element and per-row helpers that the kernels in `cpu.py` inline.
-
-Tables and outputs are float32 or bfloat16; numba has no bfloat16, so bfloat16 arrives as its uint16 bit pattern,
-widened to float32 by a shift and rounded back to nearest-even by integer arithmetic. Helpers that differ by dtype are
-`overload`s, resolved when a kernel compiles; the `intrinsic`s emit LLVM IR numba has no words for (prefetch,
-non-temporal stores, a fence, a vector-width hint, views without reference counting).
-
-Dimension letters: H hidden.
+"""The CPU kernels' building blocks (numba), inlined by `cpu.py`: bfloat16 (as uint16 bits) handling as `overload`s
+resolved per dtype, and `intrinsic`s for LLVM IR numba has no words for (docs/cpu-kernels.md). H: hidden size.
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ def _widen_impl(v):
 
 
 def round_like(table, x):
-    """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add in the
-    table's dtype. For bfloat16: to nearest-even, kept as float32. A NaN needs no test here: the sum of two bfloat16
-    values is a NaN only as one of them (its low 16 bits zero) or as the CPU's default NaN, and adding at most 0x8000
-    to such bits carries nowhere (tests/test_kernels_cpu_bfloat16.py checks every NaN and infinity)."""
+    """Round a float32 sum of two of the table's values to the table's precision, as torch rounds each add (bfloat16:
+    to nearest-even, kept as float32; no NaN test needed, docs/cpu-kernels.md)."""
 
 
 @overload(round_like, inline="always")
@@ -99,32 +91,24 @@ def ids_ok(w, s, q, v, t, p, has_pos):
     return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
 
 
+@njit(cache=True, inline="always")
 def add_rounded(v, row, j):
     """v + row[j] in float32, rounded as the row's dtype rounds (bfloat16 tables: each add, as torch rounds)."""
+    return round_like(row, v + widen(row[j]))
 
 
-@overload(add_rounded, inline="always")
-def _add_rounded_impl(v, row, j):
-    return lambda v, row, j: round_like(row, v + widen(row[j]))
-
-
+@njit(cache=True, inline="always")
 def token_rows(word, seg, pos, w, s, q, has_pos):
-    """The token's three table rows as 1-D views (`seg`'s row stands in for an absent position row, never read).
-    Loops over 1-D rows vectorise where the same loops indexing two 2-D tables do not."""
-
-
-@overload(token_rows, inline="always")
-def _token_rows_impl(word, seg, pos, w, s, q, has_pos):
-    def impl(word, seg, pos, w, s, q, has_pos):
-        srow = seg[s]
-        return word[w], srow, pos[q] if has_pos else srow
-    return impl
+    """The token's three table rows as 1-D views, which vectorise where 2-D indexing does not (`seg`'s row stands in
+    for an absent position row, never read)."""
+    srow = seg[s]
+    return word[w], srow, pos[q] if has_pos else srow
 
 
 @intrinsic
 def borrowed(typingctx, array):
-    """The same array without its reference to the memory's owner, so per-token code that passes it on makes no
-    atomic reference-count updates on counts that all threads share. Valid while the caller holds the original."""
+    """The same array without its reference to the memory's owner: no atomic reference counting per token. Valid
+    while the caller holds the original."""
     def codegen(context, builder, signature, args):
         view = context.make_array(signature.args[0])(context, builder, args[0])
         view.meminfo = context.get_constant_null(types.MemInfoPointer(types.voidptr))
@@ -136,8 +120,7 @@ def borrowed(typingctx, array):
 
 @intrinsic
 def hold(typingctx, array):
-    """Nothing, but a use of `array`: numba frees a local array after its last use, and a `borrowed` view of it must
-    not outlive it. Call it after the view's last use."""
+    """Nothing, but a use of `array`, so that numba keeps it alive until here, past its `borrowed` views' last use."""
     def codegen(context, builder, signature, args):
         return context.get_dummy_value()
 
@@ -146,9 +129,8 @@ def hold(typingctx, array):
 
 @intrinsic
 def prefetch_row(typingctx, table, row):
-    """Start loading every cache line of table[row, :] into the caches, and return at once (`llvm.prefetch`). A batch
-    reads word rows from all over a large table, from memory, and the hardware's own prefetcher starts on a row only
-    after its first miss: the forward asks for a coming token's row while it computes this one's."""
+    """Start loading every cache line of table[row, :] into the caches, and return at once (`llvm.prefetch`): the
+    hardware's prefetcher starts on a row only after its first miss."""
     def codegen(context, builder, signature, args):
         array_type = signature.args[0]
         array = context.make_array(array_type)(context, builder, args[0])
@@ -170,9 +152,8 @@ def prefetch_row(typingctx, table, row):
 
 @intrinsic
 def _stream_float_row(typingctx, y, out, i):
-    """out[i, :] = y (float32 [H], into a C-contiguous float32 [*, H]): the whole 64-byte lines of the row by
-    non-temporal stores, which skip reading each line first and leave the cache to the table rows; the unaligned head
-    and tail by ordinary ones. Call `store_fence` before anyone reads `out`."""
+    """out[i, :] = y (float32 [H], into a C-contiguous float32 [*, H]): whole 64-byte lines by non-temporal stores,
+    the unaligned head and tail by ordinary ones. Call `store_fence` before anyone reads `out`."""
     line = ir.VectorType(ir.FloatType(), 16)
 
     def codegen(context, builder, signature, args):
@@ -225,13 +206,13 @@ def _stream_row_impl(y, out, i):
 @intrinsic
 def wide_vectors(typingctx, wide):
     """With `wide` a literal True, asks LLVM to vectorise the calling function with 512-bit vectors where the CPU has
-    them (LLVM's x86 tuning prefers 256-bit ones on most AVX-512 CPUs); with a literal False, leaves LLVM's choice."""
+    them; with a literal False, leaves LLVM's choice."""
     if not isinstance(wide, types.BooleanLiteral):
         raise errors.TypingError(f"wide_vectors takes a constant True or False, not {wide}")
 
     def codegen(context, builder, signature, args):
         if wide.literal_value:
-            try:  # (llvmlite writes a string attribute out as given; should that change, the hint is lost, no more)
+            try:  # (llvmlite writes a string attribute out as given; should that change, only the hint is lost)
                 set.add(builder.function.attributes, '"prefer-vector-width"="512"')
             except TypeError:
                 pass

@@ -1,15 +1,13 @@
-"""The fused layer as a PyTorch custom op with its own backward, so autograd and `torch.compile` both see one node.
-
-`bertembed::embeddings` runs the forward kernel of a backend ("cpu": numba, "triton"), `bertembed::embeddings_backward`
-the backward one. `torch.library.register_autograd` ties them together and `register_fake` gives `torch.compile` the
-output shapes without running a kernel. In eager mode the same forward and backward run as `EagerEmbeddings`, a plain
-`torch.autograd.Function`, which skips the custom op's dispatch (Python, slower than a sentence's kernels).
+"""The fused layer as custom ops (`bertembed::embeddings` and its backward) that autograd and `torch.compile` see as
+one node; in eager mode the same forward and backward run as `EagerEmbeddings`, a plain autograd.Function, which
+skips the custom op's dispatch (slower than a sentence's kernels).
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -20,15 +18,8 @@ from bertembed.validation import in_torch_func
 
 
 def backend_module(backend: str):
-    if backend == "cpu":
-        import bertembed.fast.cpu as cpu
-
-        return cpu
-    if backend == "triton":
-        import bertembed.fast.triton as triton_kernels
-
-        return triton_kernels
-    raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
+    """The kernels of `backend`, "cpu" or "triton" (imported on first use)."""
+    return importlib.import_module(f"bertembed.fast.{backend}")
 
 
 def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
@@ -39,20 +30,16 @@ def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) ->
             t.expand(shape).to(torch.int64).contiguous() for t in (input_ids, token_type_ids, position_ids)]
 
 
-def _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
-             position_pad, backend, deterministic):
-    batch, length = input_ids.shape
-    # the output comes in its own shape, not as a view of the kernel's [N, H]: a view made inside an autograd Function
-    # may not be changed in place afterwards (`out.mul_(2)`, a forward hook's edit), which a plain tensor may
-    out, mean, rstd = backend_module(backend).run_forward(
+def kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p,
+                   seed, out=None, stats=True):
+    """`backend`'s forward kernel: (out [B, L, H], or the `out` given; mean [N], rstd [N], or None without stats)."""
+    return backend_module(backend).run_forward(
         *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-        None if position is None else position.contiguous(), weight, bias, eps, p, seed,
-        shape=(batch, length, word.shape[1]))
-    return out, mean.view(batch, length), rstd.view(batch, length)
+        None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=stats,
+        shape=(*input_ids.shape, word.shape[1]))
 
 
-@torch.library.custom_op("bertembed::embeddings", mutates_args=())
-def embeddings_op(
+def _forward(
     input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
     position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
     position_pad: int, backend: str, deterministic: bool,
@@ -63,8 +50,13 @@ def embeddings_op(
     `padding_idx` and `position_pad` (the word and position tables' padding rows, whose gradients stay zero; -1:
     none) and `deterministic` are read by the backward.
     """
-    return _forward(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
-                    padding_idx, position_pad, backend, deterministic)
+    # out in its own shape, not a view of [N, H]: a view made in an autograd Function may not be changed in place
+    out, mean, rstd = kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight,
+                                     bias, eps, p, seed)
+    return out, mean.view(input_ids.shape), rstd.view(input_ids.shape)
+
+
+embeddings_op = torch.library.custom_op("bertembed::embeddings", _forward, mutates_args=())
 
 
 @embeddings_op.register_fake
@@ -77,13 +69,11 @@ def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, 
 
 def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
                padding_idx, backend, deterministic, need_word, need_position):
-    hidden = word.shape[1]
     kwargs = {"deterministic": deterministic} if backend == "triton" else {}
     return backend_module(backend).run_backward(
-        grad.reshape(-1, hidden), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
-        segment.contiguous(),
-        None if position is None else position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed,
-        padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
+        grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
+        segment.contiguous(), None if position is None else position.contiguous(), weight, mean.reshape(-1),
+        rstd.reshape(-1), p, seed, padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
 
 
 @torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
@@ -100,8 +90,7 @@ def embeddings_backward_op(
 
 def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """`tensors` with each one that shares storage with an earlier one copied: a custom op's outputs may not alias
-    one another (`torch.compile` refuses them). The kernels return some gradients as views of one buffer, which eager
-    autograd takes as they are (two copies fewer a training step)."""
+    (the kernels return some gradients as views of one buffer, which eager autograd takes as they are)."""
     seen, own = set(), []
     for t in tensors:
         storage = t.untyped_storage().data_ptr()
@@ -123,27 +112,28 @@ def _setup_context(ctx, inputs, output) -> None:
     (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
      position_pad, backend, deterministic) = inputs
     _out, mean, rstd = output
-    # mean and rstd get no gradient: without this autograd would fill a [B, L] zero tensor for each, every step;
-    # backward never reads them
-    ctx.set_materialize_grads(False)
-    # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows, so training keeps no extra tensor.
+    ctx.set_materialize_grads(False)  # (no zero gradients made for mean and rstd, which backward never reads)
+    # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows.
     ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
-    ctx.options = (p, seed, padding_idx, backend, deterministic)
-    ctx.position_pad = position_pad
-    ctx.eps = eps  # (for `_gradients_with_graph` alone)
+    ctx.options = (p, seed, padding_idx, backend, deterministic, position_pad, eps)
 
 
-def _backward_with(gradients):
-    """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager)."""
+def _backward_with(gradients, twice: bool = False):
+    """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager).
+    `twice`: under `create_graph=True` (double backward) or a batched backward (`is_grads_batched`, run under vmap),
+    the gradients come from torch's own ops (`_gradients_with_graph`), which can be differentiated again and read
+    wrapped tensors; the kernels' gradients would silently be constants."""
     def backward(ctx, grad, _grad_mean, _grad_rstd):
+        if twice and (torch.is_grad_enabled() or in_torch_func() or torch._C._functorch.is_legacy_batchedtensor(grad)):
+            return _gradients_with_graph(ctx, grad)
         input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
-        p, seed, padding_idx, backend, deterministic = ctx.options
+        p, seed, padding_idx, backend, deterministic, position_pad, _eps = ctx.options
         need = ctx.needs_input_grad[3:8]  # word, segment, position, LayerNorm weight, bias
         dword, dseg, dpos, dweight, dbias = gradients(
             grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
             padding_idx, backend, deterministic, need[0], position is not None and need[2])
-        if position is not None and need[2] and ctx.position_pad >= 0:
-            dpos[ctx.position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
+        if position is not None and need[2] and position_pad >= 0:
+            dpos[position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
         return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
                 dpos if position is not None and need[2] else None, dweight if need[3] else None,
                 dbias if need[4] else None, None, None, None, None, None, None, None)
@@ -154,28 +144,11 @@ def _backward_with(gradients):
 embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_context=_setup_context)
 
 
-def _twice_differentiable(backward):
-    """`backward`, except under `create_graph=True` (double backward, as a gradient penalty asks), where autograd runs
-    a backward with grad mode on: there the gradients come from torch's own ops (`_gradients_with_graph`), so they can
-    be differentiated again. The kernels' gradients cannot, and leaving them as constants would drop the layer's part
-    of a penalty unseen: its gradients depend on the tables and LayerNorm's weight even when the upstream gradient is
-    constant. The same for a batched backward (`is_grads_batched=True`, `jacobian(vectorize=True)`), which runs under
-    vmap, where the kernels cannot read the wrapped gradient. """
-
-    def run(ctx, grad, *_stats_grads):
-        if torch.is_grad_enabled() or in_torch_func() or torch._C._functorch.is_legacy_batchedtensor(grad):
-            return _gradients_with_graph(ctx, grad)
-        return backward(ctx, grad, *_stats_grads)
-
-    return run
-
-
 def _gradients_with_graph(ctx, grad):
-    """The backward's return value recomputed with a graph: the forward again in torch's ops on the saved tables
-    (embedding lookups, the two adds, `layer_norm`), then `torch.autograd.grad(create_graph=True)` through it. Its
-    first-order values equal the kernels' to float32 rounding (the reference layer's tests hold both to it)."""
+    """The backward's return value recomputed by `torch.autograd.grad(create_graph=True)` through the forward redone
+    in torch's ops on the saved tables; equal to the kernels' to float32 rounding."""
     input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
-    p, _seed, padding_idx, _backend, _deterministic = ctx.options
+    p, _seed, padding_idx, _backend, _deterministic, position_pad, eps = ctx.options
     if p > 0:
         raise RuntimeError("a double backward (create_graph=True) or batched one (is_grads_batched) through the fused "
                            "layer's dropout is not supported: its mask lives in the kernel; use backend='reference', "
@@ -185,23 +158,20 @@ def _gradients_with_graph(ctx, grad):
         summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
         summed = summed + F.embedding(token_type_ids, segment)
         if position is not None:
-            summed = summed + F.embedding(position_ids, position, None if ctx.position_pad < 0 else ctx.position_pad)
-        out = F.layer_norm(summed, weight.shape, weight, None, ctx.eps)
-    chosen = [(i, t) for i, t in enumerate((word, segment, position, weight))
-              if t is not None and ctx.needs_input_grad[3 + i]]  # (the op's inputs 3-6)
-    found = torch.autograd.grad(out, [t for _, t in chosen], grad, create_graph=graph,
-                                materialize_grads=True) if chosen else ()
-    tables = [None] * 4
-    for (i, _), g in zip(chosen, found, strict=True):
-        tables[i] = g
+            summed = summed + F.embedding(position_ids, position, None if position_pad < 0 else position_pad)
+        out = F.layer_norm(summed, weight.shape, weight, None, eps)
+    wanted = [t if t is not None and ctx.needs_input_grad[3 + i] else None  # (the op's inputs 3-6)
+              for i, t in enumerate((word, segment, position, weight))]
+    leaves = [t for t in wanted if t is not None]
+    found = iter(torch.autograd.grad(out, leaves, grad, create_graph=graph, materialize_grads=True) if leaves else ())
+    tables = [None if t is None else next(found) for t in wanted]
     dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[7] else None
     return (None, None, None, *tables, dbias, None, None, None, None, None, None, None)
 
 
 class EagerEmbeddings(torch.autograd.Function):
-    """The op's forward and backward as a plain autograd.Function, for eager mode: torch.library's dispatch of a
-    custom op costs more Python a call than a sentence's kernels. `torch.compile` gets the op, which it can trace.
-    `EagerEmbeddings.apply` takes the op's arguments and returns its three outputs."""
+    """The op's forward and backward as a plain autograd.Function, for eager mode (the custom op's dispatch costs
+    more than a sentence's kernels): `apply` takes the op's arguments and returns its three outputs."""
 
     @staticmethod
     def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature
@@ -210,4 +180,4 @@ class EagerEmbeddings(torch.autograd.Function):
         ctx.mark_non_differentiable(*output[1:])
         return output
 
-    backward = staticmethod(_twice_differentiable(_backward_with(_gradients)))
+    backward = staticmethod(_backward_with(_gradients, twice=True))

@@ -1,19 +1,6 @@
-"""Triton kernels: BERT's embedding layer in one pass per token on a GPU, forward and backward.
-
-One program per token row (forward; `rows=` takes more): gather the word row, add the segment row then the
-position row (rounded to the tables' dtype after each add, as torch does in float16/bfloat16), LayerNorm in float32,
-scale and shift, dropout from `tl.rand(seed, element)` (recomputed in backward, never stored); the word rows and the
-output are marked first to leave the L2 cache, so the shared rows stay. Backward: each
-program takes a block of rows, recomputes the sum from the tables, does the LayerNorm backward, and adds the row
-gradients into float32 table gradients, with atomics (fast) or, with `deterministic=True`, through a [N, H] buffer
-summed per table row in a fixed order by a second kernel. The segment gradient and LayerNorm's weight and bias
-gradients are per-program partials, in one buffer summed by torch (every token adds into one of the few segment rows:
-atomics there serialise).
-
-Input ids are checked before a kernel runs (`bertembed.validation`, unless the layer's `id_checks` is "device");
-past that, a token whose id falls outside a table reads nothing and gets a row of NaN.
-
-Correctness is tested on CPU tensors with TRITON_INTERPRET=1 (set before this module is imported) and on a GPU.
+"""Triton kernels: BERT's embedding layer in one pass per token on a GPU, forward and backward (design:
+docs/gpu-kernels.md). A token whose id falls outside a table reads nothing and gets a row of NaN. Tested on CPU
+tensors with TRITON_INTERPRET=1 (set before this module is imported) and on a GPU.
 
 Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segments, G programs.
 """
@@ -32,8 +19,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # read when @triton.jit decorates
 
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
-        """float32 x rounded to `dtype`, to nearest even, returned as float32. The interpreter's own conversion to
-        bfloat16 truncates, so bfloat16 is rounded with integer ops here (the same bits as the GPU's conversion)."""
+        """float32 x rounded to `dtype`, to nearest even, returned as float32 (bfloat16 by integer ops: the
+        interpreter's own conversion truncates)."""
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -44,8 +31,7 @@ else:
 
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
-        """float32 x rounded to `dtype`, to nearest even, returned as float32: the GPU's own conversion (the integer
-        rounding the interpreter needs is slower on a GPU)."""
+        """float32 x rounded to `dtype`, to nearest even, returned as float32, by the GPU's own conversion."""
         if dtype == tl.float32:
             return x
         else:
@@ -56,8 +42,7 @@ else:
 def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS: tl.constexpr,
               ROUND: tl.constexpr, EVICT: tl.constexpr):
     """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
-    rows `rows` [R]; invalid ids load nothing. EVICT marks the word rows as the first to leave the L2 cache (see
-    run_forward)."""
+    rows `rows` [R]; invalid ids load nothing. EVICT: the word rows are the first to leave the L2 cache."""
     w = tl.load(ids + rows)
     s = tl.load(tts + rows)
     q = tl.load(pids + rows)
@@ -87,8 +72,8 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
                     HAS_POS: tl.constexpr, ROUND: tl.constexpr,
                     DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, EVICT: tl.constexpr,
                     R: tl.constexpr, BLOCK: tl.constexpr):
-    """R token rows. A token with an id outside its table reads nothing and gets a row of NaN; COUNT adds it to
-    `bad` (read back on CPU tensors, where the interpreter runs). STATS stores the rows' mean and 1/std (training)."""
+    """R token rows. COUNT adds each token with a bad id to `bad` (read back on CPU tensors, in the interpreter). STATS
+    stores the rows' mean and 1/std (training)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     live = rows < N
     rows = tl.minimum(rows, N - 1)  # the last program's spare rows recompute row N - 1 and store nothing
@@ -120,8 +105,8 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
 @triton.jit
 def _backward_kernel(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, dx_buf, dword, dpos, part, bad, N, H, V,
                      T, P, p, seed, pad, ROWS: tl.constexpr, HAS_POS: tl.constexpr, ROUND: tl.constexpr,
-                     DROPOUT: tl.constexpr, ATOMIC: tl.constexpr,                     WANT_WORD: tl.constexpr,
-                     WANT_POS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+                     DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr,
+                     COUNT: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). Each program owns a [T + 2, H] slab of
     `part`: the segment gradient's T rows, zeroed here first (every token adds to one of a few segment rows: atomics
     there would serialise), then LayerNorm's weight and bias gradients; torch sums the slabs."""
@@ -180,17 +165,6 @@ def _segment_sum_kernel(dx, order, begins, ends, rows, out, H, BLOCK: tl.constex
     tl.store(out + tl.load(rows + i).to(tl.int64) * H + cols, acc, mask=cmask)
 
 
-def _check_bad(bad: torch.Tensor | None, where: str) -> None:
-    """Count of tokens a kernel skipped for bad ids; kept and read only on CPU tensors (the interpreter): on a GPU the
-    loads are masked, so a bad id reads nothing, and its output row is NaN; a read-back would cost a sync."""
-    if bad is not None and int(bad):
-        raise skipped_ids_error(int(bad), where)
-
-
-def _block(hidden: int) -> int:
-    return triton.next_power_of_2(hidden)
-
-
 def _warps(elements: int, itemsize: int) -> int:
     """The forward's warps for a program of `elements` row elements: one per KB of row block (four at hidden 1024 in
     float32), but one for float16/bfloat16 rows of up to 1024 elements, the fastest on an H100 (docs/gpu-kernels.md)."""
@@ -199,37 +173,28 @@ def _warps(elements: int, itemsize: int) -> int:
     return min(max(elements * itemsize // 1024, 1), 8)
 
 
-def _bad_counter(device: torch.device) -> torch.Tensor | None:
-    return torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cpu" else None
-
-
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, num_warps: int | None = None, rows: int = 1, evict_first: bool = True, shape=None):
-    """As `bertembed.fast.cpu.run_forward`: (out [N, H] in the tables' dtype, mean [N], rstd [N] float32); `shape`:
-    that of a new `out`, returned in it. `stats=False` (inference) skips mean and rstd, returned as None.
-
-    Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2) and `num_warps`; the defaults are the
-    fastest on an H100 at hidden 768 and 1024. `evict_first` marks the word rows read and the output written as the
-    first to leave the L2 cache, so the few shared rows (positions, segments, LayerNorm's) stay."""
+    """As `bertembed.fast.cpu.run_forward`. Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2)
+    and `num_warps`, defaults the fastest on an H100; `evict_first` marks the word rows read and the output written
+    as the first to leave the L2 cache, so the few shared rows stay."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
-    if out is None:
+    if out is None:  # (any contiguous shape: the kernel reads its address)
         out = torch.empty(shape or (n, h), dtype=word.dtype, device=dev)
-    whole, out = out, out.view(n, h)
-    # without stats the kernel stores no mean or rstd: `out` stands in as a pointer never written through
+    # without stats `out` stands in for mean and rstd, as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
-    bad = _bad_counter(dev)
+    bad = torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cpu" else None  # (a GPU read-back would sync)
     if n:
-        block = _block(h)
+        block = triton.next_power_of_2(h)
         _forward_kernel[(triton.cdiv(n, rows),)](
             ids, tts, pids, word, seg, word if pos is None else pos, gamma, beta, out, mean, rstd,
             ids if bad is None else bad, n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], eps, p,
             seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats,
             COUNT=bad is not None, EVICT=evict_first, R=rows, BLOCK=block,
             num_warps=num_warps or _warps(rows * block, word.element_size()))
-    _check_bad(bad, "bertembed triton forward")
-    if shape:
-        out = whole
+    if bad is not None and int(bad):
+        raise skipped_ids_error(int(bad), "bertembed triton forward")
     return (out, mean, rstd) if stats else (out, None, None)
 
 
@@ -249,15 +214,16 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     types = seg.shape[0]
     part = (torch.empty if n else torch.zeros)(programs, types + 2, h, **f32)  # each program's slab, filled by it
     dx = torch.empty(n if deterministic else 1, h, **f32)
-    bad = _bad_counter(dev)
+    bad = torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cpu" else None
     if n:
         _backward_kernel[(programs,)](
             grad.contiguous(), ids, tts, pids, word, seg, word if pos is None else pos, gamma, mean, rstd, dx, dword,
             dpos, part, ids if bad is None else bad, n, h, word.shape[0], types, 0 if pos is None else pos.shape[0],
             p, seed, pad, ROWS=rows, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0,
             ATOMIC=not deterministic, WANT_WORD=need_word, WANT_POS=want_pos, COUNT=bad is not None,
-            BLOCK=_block(h), num_warps=4)
-    _check_bad(bad, "bertembed triton backward")
+            BLOCK=triton.next_power_of_2(h), num_warps=4)
+    if bad is not None and int(bad):
+        raise skipped_ids_error(int(bad), "bertembed triton backward")
     if deterministic and n:
         if need_word:
             _segment_sum(dx, ids, dword, skip=pad)
@@ -281,4 +247,4 @@ def _segment_sum(dx: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: i
     begins, ends, rows = starts[:-1][keep].contiguous(), starts[1:][keep].contiguous(), rows[keep].contiguous()
     if rows.numel():
         _segment_sum_kernel[(rows.numel(),)](dx, order, begins, ends, rows, out, dx.shape[1],
-                                             BLOCK=_block(dx.shape[1]), num_warps=4)
+                                             BLOCK=triton.next_power_of_2(dx.shape[1]), num_warps=4)
