@@ -244,3 +244,18 @@ def test_explain_on_a_long_text_says_how_it_would_be_windowed():
 
     with pytest.raises(ValueError, match=r"take it in windows: .*stride=128\) gives 3 windows of at most 512"):
         explain_text("word " * 1000)
+
+
+def test_a_backend_with_padding_on_pads_only_when_asked(ours, fast_reference):
+    """A `tokenizers` backend handed to the constructor with fixed padding switched on (as some tokenizer.json files
+    store it) pads a call only when the call asks, as transformers does; a text without tokens is still found."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(ours.backend.to_str())
+    backend.enable_padding(length=40)
+    tok = Tokenizer(backend, ours.max_length, pad_token=ours.pad_token)
+    batch = ["The quick brown fox jumps over the lazy dog", "I am Sinan"]
+    _same(tok(batch, padding=False), fast_reference(batch, padding=False))
+    _same(tok(batch, padding=True), fast_reference(batch, padding=True))
+    with pytest.raises(ValueError, match="no token"):
+        tok.require_tokens("\u200b")

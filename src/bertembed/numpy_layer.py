@@ -1,7 +1,8 @@
 """The reference computation again, in numpy, so the command line starts without importing torch; inference only.
 
 Rows are summed in float32 in `embeddings.BertEmbeddings`' order, LayerNorm's statistics taken in float64 (DeBERTa v1's
-too): within 1e-6 of the torch layer. B batch, L length, W the layer's output width.
+too): within 1e-6 of the torch layer, on outputs of magnitude up to about 5. B batch, L length, W the layer's output
+width.
 """
 
 from __future__ import annotations

@@ -150,7 +150,8 @@ def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str,
     """One EmbedLayerNormalization node over float32 `tables` (state-dict names; the segment table optional), with
     `eps`, giving `embeddings` [B, L, E]. `inputs`: the [B, L] id inputs, int64 cast to int32 inside (int32 with
     `int32_inputs`); without `token_type_ids`, segment 0 for every token. `pad`: positions counted from the padding
-    id, as RoBERTa's; None: 0, 1, 2, ..."""
+    id, as RoBERTa's; None: 0, 1, 2, ... An `attention_mask` input is taken, as optimum's graphs take it, and only
+    checked."""
     require_onnx()
     from onnx import TensorProto, checker, helper, numpy_helper
 

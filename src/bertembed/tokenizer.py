@@ -1,6 +1,6 @@
 """Text in, ids out: a checkpoint's own tokenizer (its tokenizer.json, or BERT's WordPiece from vocab.txt), a thin
-wrapper around Hugging Face's `tokenizers`, which applies each member's pair layout and segments. Nothing here imports
-torch unless tensors are asked for.
+wrapper around Hugging Face's `tokenizers`, which applies each member's pair layout: BERT's `[CLS] A [SEP]` is segment
+0, `B [SEP]` segment 1; RoBERTa-style `<s> A </s></s> B </s>` is all segment 0. Torch is imported only for tensors.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Tokenizer:
     def __init__(self, backend, max_length: int = 512, source: Source | None = None,
                  pad_token: str | None = None, one_segment: bool = False) -> None:
         self.backend = backend
+        backend.no_padding()  # (a stored padding would pad every call; __call__ pads where asked)
         self.max_length = max_length
         self.source = source
         found = [t for t in (pad_token, "[PAD]", "<pad>") if t and backend.token_to_id(t) is not None]
@@ -71,8 +72,7 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
                                     f"pass the folder of a BERT checkpoint that includes its tokenizer")
-        backend.no_padding()  # some checkpoints store fixed padding/truncation; __call__ pads, and sets truncation
-        backend.no_truncation()
+        backend.no_truncation()  # (some checkpoints store a fixed truncation; __call__ sets its own)
         return cls(backend, settings["max_length"], source, settings.get("pad_token"),
                    settings.get("one_segment", False))
 

@@ -38,7 +38,7 @@ def tokenize_whole(source, text: str, text_b: str | None = None, names: tuple[st
     if count > limit:
         stride = limit // 4
         windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
-        raise ValueError(f"the text is {count} tokens with [CLS] and [SEP], but the model has {limit} positions: "
+        raise ValueError(f"the text is {count} tokens with its special tokens, but the model has {limit} positions: "
                          f"shorten it by {count - limit} tokens, or take it in windows: Tokenizer(...)(text, "
                          f"return_overflowing_tokens=True, stride={stride}) gives {len(windows)} windows of at most "
                          f"{limit} tokens, each with its own specials, neighbours sharing {stride}; or extend the "

@@ -178,9 +178,10 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
     reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
     if reason is None:
-        norm, positions = modules["LayerNorm"], modules["position_embeddings"]
+        norm, positions, segments = (modules[k] for k in ("LayerNorm", "position_embeddings", "token_type_embeddings"))
         lead = word.weight if inputs_embeds is None else inputs_embeds  # (what sets the kernels' dtype and device)
-        tables = (lead, *layer.tables(modules)[1:])
+        tables = (lead, None if segments is None else segments.weight, None if positions is None else positions.weight,
+                  norm.weight, norm.bias)  # (word.weight read once: a parametrized table computes it on each read)
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:

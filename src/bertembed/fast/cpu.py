@@ -60,7 +60,7 @@ def _sum_row(word, seg, pos, w, s, q, has_pos, x, wide):
     wrow, srow, prow = token_rows(word, seg, pos, w, s, q, has_pos)
     head = min(x.size, _SHIFT_FROM)
     shift = np.float32(0.0)
-    if has_pos:  # (a loop per case: a branch inside the loop keeps the bfloat16 loops from vectorising, 5-10x slower)
+    if has_pos:  # (a loop per case: a branch inside the loop kept the bfloat16 loops from vectorising)
         for j in range(head):
             shift += add_rounded(add_rounded(widen(wrow[j]), srow, j), prow, j)
     else:

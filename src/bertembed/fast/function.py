@@ -19,6 +19,8 @@ from bertembed.validation import in_torch_func
 
 def backend_module(backend: str):
     """The kernels of `backend`, "cpu" or "triton" (imported on first use)."""
+    if backend not in ("cpu", "triton"):
+        raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
     return importlib.import_module(f"bertembed.fast.{backend}")
 
 
