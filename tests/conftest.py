@@ -11,6 +11,25 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; hub tests serve a local cache
 
+
+def _import_triton_interpreted() -> None:
+    """Without a GPU the Triton tests run in Triton's interpreter, which must be on when triton is first imported
+    (`triton.jit` reads it as it decorates, triton's own library included). Test modules import triton as they are
+    collected (test_patch.py through transformers and peft), so import it here, first, under the interpreter, and
+    switch the interpreter off again: the Triton test modules switch it on for their own tests."""
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import bertembed.fast.triton  # noqa: F401
+    except ImportError:  # (no triton: its tests skip)
+        pass
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_import_triton_interpreted()
+
 # name -> transformers BertConfig keyword arguments (one encoder layer keeps files small; only embeddings matter)
 HF_CONFIGS = {
     "bert-base": dict(hidden_size=768, num_attention_heads=12),
