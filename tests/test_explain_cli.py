@@ -234,7 +234,7 @@ def test_explain_json_is_strict_json_when_the_tables_hold_nan(tiny, tmp_path):
 
 def test_onehot_of_a_text_longer_than_the_positions_is_refused_at_once():
     result = invoke("inspect", "onehot", "word " * 600)  # the bundled model: 602 tokens, 512 positions
-    assert_user_error(result, r"602 tokens with \[CLS\] and \[SEP\], but the model has 512 positions")
+    assert_user_error(result, r"602 tokens with its special tokens, but the model has 512 positions")
 
 
 def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_path):
