@@ -9,6 +9,7 @@ keys and optimizer state stay as they were; it takes the old layer's hooks. (Not
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -16,13 +17,11 @@ import torch
 from torch import nn
 
 from bertembed.config import EmbeddingConfig, implied_facts
-from bertembed.embeddings import SUBMODULES, BertEmbeddings
+from bertembed.embeddings import SUBMODULES, BertEmbeddings, checked_backend
 from bertembed.family import module_names
-from bertembed.fast import check_backend
 
 log = logging.getLogger(__name__)
 
-_BUFFERS = ("position_ids", "token_type_ids")
 # The layer's own hooks move with it, as the dicts themselves: their handles still remove them.
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
@@ -160,24 +159,35 @@ def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
     return tuple(p.name for p in named), {p.name: p.default for p in named}, len(named) < len(params)
 
 
+@functools.cache
+def _patched_class(hf_class: type) -> type:
+    """`PatchedBertEmbeddings` that is also an instance of `hf_class`, so transformers' own code (`_init_weights`, which
+    refills the default-id buffers after `to_empty`; its ties and checks by type) treats it as the layer it replaced."""
+    return type(f"Patched{hf_class.__name__}", (PatchedBertEmbeddings, hf_class), {
+        "__module__": __name__,  # (made at run time: pickled and deep-copied through `_unpickled`)
+        "__reduce_ex__": lambda self, protocol: (_unpickled, (hf_class,), self.__getstate__())})
+
+
+def _unpickled(hf_class: type) -> nn.Module:
+    return nn.Module.__new__(_patched_class(hf_class))
+
+
 def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
-    """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated)."""
+    """A bertembed layer that uses `hf`'s own submodules and buffers (nothing copied, nothing allocated): the same
+    submodules, buffers (names and persistence) and class ancestry as `hf`, and nothing more."""
     member = _member(hf) or "bert"  # (a subclass of BERT's layer, called directly)
-    config = _config_of(hf, member)  # outside the meta device: a wrapper may build its weight when read (peft's)
+    config = _config_of(hf, member)  # a wrapper may build its weight when read (peft's)
     params, defaults, takes_kwargs = _signature_of(type(hf))
-    with torch.device("meta"):  # the new layer's own tables are replaced at once: never allocate them
-        layer = PatchedBertEmbeddings(config, backend=backend)
+    layer = _unpickled(type(hf))  # (no __init__: every table and buffer is hf's own; none is allocated)
+    nn.Module.__init__(layer)
+    layer.config, layer.backend, layer._stored_as = config, checked_backend(backend), module_names(member)
     layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
     # transformers' submodules under their own names, in their order (state-dict keys unchanged)
     theirs = [_hf_name(member, name) for name in SUBMODULES]
-    layer._modules.clear()
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
     layer._modules.update({k: None for k in theirs if k not in layer._modules})
-    layer._stored_as = module_names(member)
-    device = _base(getattr(hf, _hf_name(member, "word_embeddings"))).weight.device
-    positions = torch.arange(layer.config.max_position_embeddings, device=device)[None]
-    for name, default in zip(_BUFFERS, (positions, torch.zeros_like(positions)), strict=True):
-        setattr(layer, name, getattr(hf, name, default))  # older transformers may lack a buffer
+    layer._buffers.update(hf._buffers)
+    layer._non_persistent_buffers_set.update(hf._non_persistent_buffers_set)
     _move_state(hf, layer)
     object.__setattr__(layer, "_bertembed_original", hf)  # not a submodule: stays out of state_dict and .to()
     return layer
@@ -210,8 +220,8 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
                     left.append(f"{where} (position_embedding_type={kind!r})")
                     continue
                 setattr(parent, name, fused_from(child, backend))
-            elif getattr(child, "_bertembed_original", None) is not None:
-                child.backend = check_backend(backend)
+            elif isinstance(child, PatchedBertEmbeddings):
+                child.backend = checked_backend(backend)
             else:
                 continue
             swapped.append(where)
@@ -228,14 +238,11 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
 
 
 def _synced_original(layer: nn.Module) -> nn.Module:
-    """The transformers layer that `layer` replaced, holding `layer`'s current tables and buffers (`.to()` or an
-    assignment may have replaced them since `patch`)."""
+    """The transformers layer that `layer` replaced, holding `layer`'s current submodules and buffers under its own
+    names (`.to()`, `to_empty()` or an assignment may have replaced them since `patch`)."""
     original = layer._bertembed_original
-    member = layer.config.model_type
-    for name in SUBMODULES + _BUFFERS:
-        theirs = _hf_name(member, name)
-        if hasattr(original, theirs):
-            setattr(original, theirs, getattr(layer, name))
+    original._modules.update({name: layer._modules[name] for name in original._modules})
+    original._buffers.update({name: layer._buffers[name] for name in original._buffers})
     return original
 
 

@@ -151,8 +151,11 @@ class BertEmbeddings(Pretrained, nn.Module):
     def reset_buffers(self) -> None:
         """The buffers no state dict holds, refilled: the default ids and a computed position table."""
         with torch.no_grad():
-            self.position_ids.copy_(torch.arange(self.position_ids.shape[-1])[None])
-            self.token_type_ids.zero_()
+            for name, buffer in self._buffers.items():  # (a patched layer has the buffers its member has, or none)
+                if name == "position_ids":
+                    buffer.copy_(torch.arange(buffer.shape[-1])[None])
+                elif name == "token_type_ids":
+                    buffer.zero_()
             if isinstance(self.position_embeddings, SinusoidalPositions):
                 table = self.position_embeddings.weight
                 table.copy_(sinusoidal_table(*table.shape))
@@ -236,7 +239,7 @@ class BertEmbeddings(Pretrained, nn.Module):
                              f"({tokens}), with the documents flattened into one row: input_ids [1, N] or [N]")
         lengths = torch.diff(torch.tensor(bounds))
         starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
-        positions = (torch.arange(tokens) - starts + self.config.first_position)[None].to(self.position_ids.device)
+        positions = (torch.arange(tokens) - starts + self.config.first_position)[None].to(given.device)
         return input_ids, inputs_embeds, positions
 
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
@@ -251,11 +254,12 @@ class BertEmbeddings(Pretrained, nn.Module):
 
     def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
         """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
-        buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not)."""
-        buffer = self._buffers[name]
-        if start + length <= buffer.shape[-1]:
+        buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not) or
+        missing (a patched layer has only the buffers of the transformers layer it replaced)."""
+        buffer = self._buffers.get(name)
+        if buffer is not None and start + length <= buffer.shape[-1]:
             return buffer[:, start:start + length]
-        ids = torch.arange(start, start + length, device=buffer.device)[None]
+        ids = torch.arange(start, start + length, device=self.tables()[0].device)[None]
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
     def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:

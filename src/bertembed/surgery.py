@@ -60,9 +60,10 @@ def extend_positions(layer, n: int, method: str = "copy"):
     layer.position_embeddings = nn.Embedding.from_pretrained(rows, freeze=not positions.weight.requires_grad,
                                                              padding_idx=positions.padding_idx)
     layer.config = config.replace(max_position_embeddings=rows.shape[0])
-    ids = torch.arange(rows.shape[0], device=layer.position_ids.device)[None]
-    layer.register_buffer("position_ids", ids, persistent=False)
-    layer.register_buffer("token_type_ids", torch.zeros_like(ids), persistent=False)
+    ids = torch.arange(rows.shape[0], device=rows.device)[None]
+    for name in ("position_ids", "token_type_ids"):  # (the buffers the layer has: a patched one may lack some)
+        if name in layer._buffers:
+            layer._buffers[name] = ids if name == "position_ids" else torch.zeros_like(ids)
     return layer
 
 
