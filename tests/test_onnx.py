@@ -198,6 +198,28 @@ def test_whole_model_plain_and_fused_match_transformers(whole_graphs, name):
         assert_runs_like(graph, reference, feeds, WHOLE_TOLERANCE)
 
 
+def test_whole_fused_finds_the_embedding_norm_when_every_norm_is_equal(tmp_path):
+    """A freshly initialised model: every LayerNorm weight is ones and every bias zeros, and the exporter merges equal
+    initializers, so the embedding norm's weight has the name of five norms'; the norm is found by its place."""
+    import transformers
+
+    torch.manual_seed(0)
+    mlm = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=120, hidden_size=30, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=40)).eval()
+    mlm.save_pretrained(tmp_path / "fresh")
+    path = export_whole(tmp_path / "fresh", tmp_path / "model.onnx", fused=True)
+    counts = op_counts(path)
+    assert counts[("com.microsoft", "EmbedLayerNormalization")] == 1 and counts[("ai.onnx", "LayerNormalization")] == 4
+
+    def reference(feed):
+        with torch.no_grad():
+            return mlm.bert(**feed).last_hidden_state
+
+    assert_runs_like(path, reference, batches(EmbeddingConfig.from_hf_config(tmp_path / "fresh"))[:2],
+                     WHOLE_TOLERANCE)
+
+
 def test_whole_fused_refuses_a_member_without_position_table(member_checkpoint, tmp_path):
     folder, _ = member_checkpoint("modernbert")
     with pytest.raises(ValueError, match="modernbert layer has no position table"):

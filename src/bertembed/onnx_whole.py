@@ -102,15 +102,15 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
 
 
 def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
-    """The layer's state-dict name -> the graph's initializer of that table (the member's checkpoint key, `layout`)."""
-    keys = layout(config.model_type)
+    """The layer's table name -> the graph's initializer of that table (the member's checkpoint key, `layout`). Only
+    the tables: the exporter merges equal initializers, so a fresh model's LayerNorm weights share one name."""
+    keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
     names = {}
     for ours, key in keys.items():
         found = [i.name for i in graph.initializer if i.name == key or i.name.endswith("." + key)]
         if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
             names[ours] = found[0]
-    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight", "LayerNorm.weight") if
-               k not in names]
+    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight") if k not in names]
     if missing:
         raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
                          f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
@@ -118,24 +118,27 @@ def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
 
 
 def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
-    """(the embedding LayerNormalization, table name -> the Gather that reads it), checking that the norm's input
-    is a sum of those Gathers alone and that it normalises over the last axis with a scale and a bias."""
+    """(the embedding LayerNormalization: the first whose input is a sum reading the word table, found by its place
+    in the graph; table name -> the Gather that reads it), checking that the sum is of those Gathers alone and that
+    the norm normalises over the last axis with a scale and a bias."""
     producer = {out: node for node in graph.node for out in node.output}
-    norms = [n for n in graph.node if n.op_type == "LayerNormalization" and n.input[1] == tables["LayerNorm.weight"]]
-    if len(norms) != 1 or len(norms[0].input) < 3 or any(a.name == "axis" and a.i != -1 for a in norms[0].attribute):
-        raise ValueError(f"found {len(norms)} LayerNormalization nodes over {tables['LayerNorm.weight']} (with a bias "
-                         f"and axis -1), expected one; cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    leaves, pending = [], [norms[0].input[0]]
-    while pending:
-        node = producer.get(pending.pop())
-        if node is not None and node.op_type == "Add":
-            pending += list(node.input)
-        else:
-            leaves.append(node)
-    by_table = {n.input[0]: n for n in leaves if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
+
+    def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
+        node = producer.get(name)
+        return [leaf for i in node.input for leaf in leaves(i)] if node is not None and node.op_type == "Add" \
+            else [node]
+
+    word = tables["word_embeddings.weight"]
+    sums = [(n, leaves(n.input[0])) for n in graph.node if n.op_type == "LayerNormalization"]  # (in graph order)
+    reads_word = [any(x is not None and x.op_type == "Gather" and x.input[0] == word for x in s) for _, s in sums]
+    norm, summed = sums[reads_word.index(True)] if any(reads_word) else (None, [])
+    if norm is None or len(norm.input) < 3 or any(a.name == "axis" and a.i != -1 for a in norm.attribute):
+        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of {word}; "
+                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    by_table = {n.input[0]: n for n in summed if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
                 not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
-    roles = {ours: by_table.get(name) for ours, name in tables.items() if ours.endswith("embeddings.weight")}
-    if len(by_table) != len(leaves) or None in roles.values() or len(roles) != len(leaves):
+    roles = {ours: by_table.get(name) for ours, name in tables.items()}
+    if len(by_table) != len(summed) or None in roles.values() or len(roles) != len(summed):
         raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
                          f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    return norms[0], roles
+    return norm, roles
