@@ -155,12 +155,13 @@ def test_bad_checkpoints_for_drift(tiny, tmp_path):
 
 
 def test_plain_explain_imports_neither_torch_nor_matplotlib():
-    code = ("import sys\nfrom bertembed.cli import app\n"
+    """Nor does a plain `import bertembed`, whose names and submodules (`bertembed.parallel`) load on first use."""
+    code = ("import sys\nimport bertembed\nprint('BARE', 'torch' in sys.modules)\nfrom bertembed.cli import app\n"
             "app(['explain', 'The quick brown fox'], standalone_mode=False)\n"
             "print('HEAVY', sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "HEAVY []" in done.stdout
+    assert "BARE False" in done.stdout and "HEAVY []" in done.stdout
 
 
 def test_bracketed_tokens_survive_rich_markup():

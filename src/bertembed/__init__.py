@@ -2,7 +2,8 @@
 
     text -> Tokenizer -> ids -> BertEmbeddings (word + segment + position rows, LayerNorm) -> [B, L, H]
 
-Names are imported on first use, so `import bertembed` (and the command line) does not pay for torch until needed.
+Names and submodules (`bertembed.parallel`, ...) are imported on first use, so `import bertembed` (and the command
+line) does not pay for torch until needed.
 """
 
 from __future__ import annotations
@@ -44,4 +45,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
+    try:  # a submodule (`bertembed.parallel.shard_vocab(...)` after a plain `import bertembed`), imported on first use
+        return import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":  # (the submodule exists but lacks one of its own imports)
+            raise
     raise AttributeError(f"module 'bertembed' has no attribute {name!r}")
