@@ -59,6 +59,9 @@ def _built_on_meta(cls, config, patched: bool, seed: int = 0):
     if patched:
         bertembed.patch(model, backend="cpu")
     model.to_empty(device="cpu")
+    with torch.no_grad():  # (uninitialised memory may hold the right values by chance: make it wrong every time)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.fill_(-7)
     torch.manual_seed(seed)
     model.init_weights()
     return model.eval()
@@ -145,15 +148,24 @@ def test_accelerate_empty_weights_then_a_checkpoint_loads_a_patched_model(name, 
     torch.manual_seed(2)
     cls(copy.deepcopy(config)).save_pretrained(tmp_path)
     reference = cls.from_pretrained(tmp_path).eval()
-    with accelerate.init_empty_weights():
-        model = cls(copy.deepcopy(config))
-    bertembed.patch(model, backend="cpu")
-    model.tie_weights()  # (before the device map, as accelerate asks: a tied decoder is not in the checkpoint)
-    model = accelerate.load_checkpoint_and_dispatch(model, str(tmp_path / "model.safetensors"),
-                                                    device_map={"": "cpu"}).eval()
+
+    def loaded(patched: bool):
+        with accelerate.init_empty_weights():
+            model = cls(copy.deepcopy(config))
+        if patched:
+            bertembed.patch(model, backend="cpu")
+        model.tie_weights()  # (before the device map, as accelerate asks: a tied decoder is not in the checkpoint)
+        return accelerate.load_checkpoint_and_dispatch(model, str(tmp_path / "model.safetensors"),
+                                                       device_map={"": "cpu"}).eval()
+
+    try:
+        loaded(patched=False)
+    except NotImplementedError as error:  # (transformers 4.40 with today's accelerate)
+        pytest.skip(f"accelerate {accelerate.__version__} cannot load transformers {transformers.__version__}'s "
+                    f"model this way even unpatched: {error}")
     ids = _ids(config)
     with torch.no_grad():
-        torch.testing.assert_close(_output(model, ids), _output(reference, ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_output(loaded(patched=True), ids), _output(reference, ids), rtol=1e-5, atol=1e-5)
 
 
 _DECODERS = {"bert": "BertLMHeadModel", "roberta": "RobertaForCausalLM", "xlm-roberta": "XLMRobertaForCausalLM",
