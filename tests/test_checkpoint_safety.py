@@ -330,3 +330,59 @@ def test_a_name_no_file_system_takes_is_a_clear_error():
             load("a" * 300)
         with pytest.raises(FileNotFoundError, match="neither an existing file or folder nor a hub model id"):
             load("org/" + "b" * 300)  # (no folder "org": the name is not a path, and too long for a hub id)
+
+
+@pytest.fixture(scope="module")
+def linked_checkpoint(tmp_path_factory):
+    """A checkpoint whose config differs from BERT's defaults (eps 1e-5, padding id 3), with every tokenizer file,
+    laid out as huggingface_hub's cache lays it out: snapshot files are relative links into the repository's blobs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("linked")
+    torch.manual_seed(0)
+    BertModel(BertConfig(layer_norm_eps=1e-5, pad_token_id=3, **SMALL)).save_pretrained(root / "files")
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"w{i}": i for i in range(4, 99)}}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.save(str(root / "files" / "tokenizer.json"))
+    (root / "files" / "vocab.txt").write_text("".join(f"{t}\n" for t in vocab))
+    (root / "files" / "tokenizer_config.json").write_text('{"do_lower_case": false, "model_max_length": 20}')
+    repo = root / "hub" / "models--acme--linked"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123")
+    (repo / "snapshots" / "0123").mkdir(parents=True)
+    shutil.copytree(root / "files", repo / "blobs")
+    for path in (repo / "blobs").iterdir():
+        (repo / "snapshots" / "0123" / path.name).symlink_to(f"../../blobs/{path.name}")
+    return root
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                  "vocab.txt"])
+@pytest.mark.parametrize("where", ["folder", "hub cache"])
+def test_a_link_to_nothing_is_a_broken_checkpoint_not_a_missing_file(linked_checkpoint, tmp_path, monkeypatch, name,
+                                                                     where):
+    """A file that is a link to nothing (a hub snapshot whose blob was deleted, a link that loops) was read as absent:
+    a dangling config.json gave BERT's defaults (eps 1e-12, padding id 0) with an INFO line, a dangling tokenizer.json
+    fell back to vocab.txt. Each file a layer or its tokenizer reads is refused, naming it, in a folder or the cache."""
+    from bertembed import Tokenizer
+
+    if where == "folder":
+        src = tmp_path / "ckpt"
+        shutil.copytree(linked_checkpoint / "files", src)
+        (src / name).unlink()
+        (src / name).symlink_to(name)  # a loop
+    else:
+        src = tmp_path / "hub" / "models--acme--linked"
+        shutil.copytree(linked_checkpoint / "hub" / "models--acme--linked", src, symlinks=True)
+        (src / "blobs" / name).unlink()
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+        src = "acme/linked"
+    if name == "vocab.txt":  # (read where there is no tokenizer.json)
+        os.unlink(tmp_path / "ckpt" / "tokenizer.json" if where == "folder" else
+                  tmp_path / "hub" / "models--acme--linked" / "snapshots" / "0123" / "tokenizer.json")
+    layer, tokenizer = name in ("config.json", "model.safetensors"), name != "model.safetensors"
+    for load in [BertEmbeddings.from_pretrained] * layer + [Tokenizer.from_pretrained] * tokenizer:
+        with pytest.raises(ValueError, match=rf"{name} is a link to .*, which does not exist \(or loops back\)"):
+            load(src)

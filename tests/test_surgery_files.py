@@ -228,6 +228,18 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
     assert _snapshot(src) == before and not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("broken", ["special_tokens_map.json", "tokenizer.json"])
+def test_a_src_file_that_links_to_nothing_is_refused_by_name(tmp_path, broken):
+    """A hub snapshot whose blob was deleted: the copy of SRC's files ended in a traceback."""
+    src, _ = _source(tmp_path, "bert")
+    (src / broken).unlink(missing_ok=True)
+    (src / broken).symlink_to(f"../blobs/{broken}")
+    result = _run("extend-positions", src, tmp_path / "dst", "--to", "80")
+    assert result.exit_code == 2 and f"{broken} is a link to ../blobs/{broken}, which does not exist" in \
+        " ".join(result.output.split()), result.output
+    assert not (tmp_path / "dst").exists()
+
+
 def test_a_dst_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
     src, _ = _source(tmp_path, "bert")
     before = _snapshot(src)

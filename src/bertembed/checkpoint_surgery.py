@@ -17,7 +17,7 @@ from bertembed.atomic import atomic_folder
 from bertembed.checkpoint import WEIGHT_FILES, _shard, embedding_keys
 from bertembed.config import read_json
 from bertembed.embeddings import BertEmbeddings
-from bertembed.sources import resolve
+from bertembed.sources import present, resolve
 from bertembed.tensor_files import open_weights
 
 # copies of the model in other formats would keep the old tables: left out of DST (and not downloaded)
@@ -77,6 +77,9 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
         patterns = [*STALE, *(f"{name}/*" for name in STALE if "." not in name)]
         folder = Path(snapshot_download(source.name, revision=source.revision,
                                         local_files_only=source.local_files_only, ignore_patterns=patterns))
+    for entry in folder.iterdir():  # (each is read or copied: a link to nothing is refused, never skipped)
+        if not entry.exists():
+            present(entry)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +43,23 @@ class Source:
 
     def file(self, filename: str) -> Path | None:
         """The local path of one of the checkpoint's files, downloading it from the hub if needed; None if absent."""
-        if self.kind != "hub":
-            path = self.folder / filename
-            if path.is_file():
-                return path
-            if path.exists():  # a folder (or a device) under a checkpoint file's name: broken, not absent
-                raise ValueError(f"{path} is not a regular file; the checkpoint is broken: remove it or re-download")
-            return None
-        return _hub_file(self.name, filename, self.revision, self.local_files_only)
+        path = self.folder / filename if self.kind != "hub" else \
+            _hub_file(self.name, filename, self.revision, self.local_files_only)
+        return path if path is not None and present(path) else None
+
+
+def present(path: Path) -> bool:
+    """Whether a checkpoint's file is there: False if nothing has its name; ValueError if something that is not a
+    readable file has it (a folder, or a link to nothing, as a hub cache's snapshot whose blob was deleted): a broken
+    checkpoint is never read as one without that file."""
+    if path.is_file():
+        return True
+    if not os.path.lexists(path):
+        return False
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{path} is a link to {os.readlink(path)}, which does not exist (or loops back); the "
+                         f"checkpoint is broken: restore the file or re-download the checkpoint")
+    raise ValueError(f"{path} is not a regular file; the checkpoint is broken: remove it or re-download")
 
 
 def bundled_folder() -> Path:
@@ -82,7 +92,7 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return Source("folder", text, previous)
     if path.is_dir():  # (also when that save has switched it in since)
         return Source("folder", text, path)
-    if path.is_file():
+    if present(path):  # (a link to nothing is refused, never taken for a hub id)
         return Source("file", text, path.parent, weights_file=path)
     if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
             or len(text) > 96 or not _HUB_ID.match(text):  # (the hub's own limit on a repo id's length)
@@ -101,6 +111,7 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
     except errors.LocalEntryNotFoundError as err:
+        present(_snapshot(repo_id, revision) / filename)  # (a link to a deleted blob: broken, not absent)
         if filename != "config.json":
             return None  # an optional file that is not in the cache: the caller tries the next candidate
         offline = local_files_only or constants.HF_HUB_OFFLINE
@@ -115,3 +126,15 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
             from err
     except errors.EntryNotFoundError:
         return None
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    """The cache's snapshot folder of a revision, where huggingface_hub looks for its files offline."""
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / (revision or "main")).read_text().strip()
+    except OSError:  # (a commit hash, or nothing cached)
+        pass
+    return repo / "snapshots" / str(revision)
