@@ -86,8 +86,9 @@ def test_a_failed_save_raises_clearly_and_changes_nothing(tmp_path, monkeypatch,
         return original_mkdir(self, *args, **kwargs)
 
     expected = {"safetensors error": (OSError, "cannot save to .*model.safetensors failed.*No space left"),
-                "switch fails": (OSError, "cannot replace .*model.*left as it was.*Input/output error"),
-                "parent read-only": (PermissionError, "cannot create a folder in .*needs write access to its parent"),
+                "switch fails": (OSError, r"cannot save to .*model \(it is left as it was\): Input/output error$"),
+                "parent read-only": (PermissionError, "cannot save to .*model: .* refuses new files .*needs write "
+                                                      "access there"),
                 "a file": (NotADirectoryError, "it is a file, not a folder")}[failure]
     if failure == "safetensors error":
         monkeypatch.setattr("safetensors.torch.save_file", refuse)
@@ -229,3 +230,91 @@ def test_a_reader_never_sees_two_saves_mixed(saving):
     finally:
         stop(pid)
     assert {"A", "B"} <= set(seen) and len(seen) > 20, seen
+
+
+def _read_only_file_system(monkeypatch, root: Path) -> None:
+    """Every folder and file made under `root` fails as on a read-only mount (os.mkdir and open, which saves use)."""
+    import builtins
+    import errno
+
+    def refused(path):  # (where the folder it goes in is missing, the kernel says so first: ENOENT)
+        if str(os.path.abspath(path)).startswith(str(root)) and os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    mkdir, open_ = os.mkdir, builtins.open
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refused(path) or mkdir(path, *a, **k))
+    monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k: (
+        "r" not in mode and refused(path)) or open_(path, mode, *a, **k))
+
+
+@pytest.mark.parametrize("case", ["under a file", "deeper under a file", "read-only file system",
+                                  "read-only, parents missing", "a link that loops", "a file, read-only"])
+def test_a_failed_save_says_why_in_one_line_naming_the_target_and_leaves_nothing(tmp_path, monkeypatch, case):
+    """Saving under a file gave a bare FileExistsError [Errno 17]; a read-only file system an OSError naming the hidden
+    staging folder; a link that loops a RuntimeError. Each is now one line naming the target, and nothing is left."""
+    from bertembed.atomic import write_atomic
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "loop").symlink_to("loop")
+    target = {"under a file": tmp_path / "afile" / "model", "deeper under a file": tmp_path / "afile" / "a" / "model",
+              "read-only file system": tmp_path / "model", "read-only, parents missing": tmp_path / "a" / "b" / "model",
+              "a link that loops": tmp_path / "loop", "a file, read-only": tmp_path / "model.onnx"}[case]
+    if "read-only" in case:
+        _read_only_file_system(monkeypatch, tmp_path)
+    error, why = {"under a file": (NotADirectoryError, f"{tmp_path / 'afile'} is not a folder"),
+                  "deeper under a file": (NotADirectoryError, f"{tmp_path / 'afile'} is not a folder"),
+                  "a link that loops": (FileNotFoundError, "it is a link to loop, which does not exist"),
+                  }.get(case, (PermissionError, f"{tmp_path} refuses new files \\(Read-only file system\\)"))
+    with pytest.raises(error, match=f"^cannot save to {target}: {why}") as raised:
+        if case == "a file, read-only":
+            write_atomic(target, b"onnx")
+        else:
+            _tagged_layer("A").save_pretrained(target)
+    assert "\n" not in str(raised.value) and ".tmp" not in str(raised.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "loop"]  # no staging folder, no parents made
+
+
+def test_saves_into_a_read_only_folder_leave_no_old_versions_behind(tmp_path, monkeypatch):
+    """A save keeps the folder's mode, 0555 say, so after the switch the old version is a 0555 folder too: for a user
+    the mode binds it could not be emptied, and each save left one more `.NAME.tmp-*` beside the checkpoint. Root is
+    not bound by modes: a folder without write permission refuses removals here as it does for other users."""
+    import errno
+    import stat
+
+    def bound(remove):
+        def checked(path, *, dir_fd=None):
+            folder = os.stat(dir_fd) if dir_fd is not None else os.stat(os.path.dirname(os.path.abspath(path)))
+            if not folder.st_mode & stat.S_IWUSR:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+            return remove(path, dir_fd=dir_fd)
+        return checked
+
+    refs = {tag: _tagged_layer(tag) for tag in "AB"}
+    target = tmp_path / "model"
+    refs["A"].save_pretrained(target)
+    (target / "sub").mkdir()
+    (target / "sub" / "notes.txt").write_text("kept")
+    os.chmod(target / "sub", 0o555)
+    os.chmod(target, 0o555)
+    monkeypatch.setattr(os, "unlink", bound(os.unlink))
+    monkeypatch.setattr(os, "rmdir", bound(os.rmdir))
+    for tag in "BAB":
+        refs[tag].save_pretrained(target)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert _whole(target, refs, tokenizer=False) == "B" and target.stat().st_mode & 0o777 == 0o555
+    assert (target / "sub" / "notes.txt").read_text() == "kept"
+
+
+def test_a_file_saved_through_a_link_keeps_the_link(tmp_path):
+    """write_atomic (ONNX export, reports) replaced a link by a file, leaving the file it pointed to stale; now it
+    writes what the link points to, as `atomic_folder` does for a folder, and refuses a link to nothing."""
+    from bertembed.atomic import write_atomic
+
+    (tmp_path / "real.onnx").write_bytes(b"old")
+    (tmp_path / "link.onnx").symlink_to("real.onnx")
+    write_atomic(tmp_path / "link.onnx", b"new")
+    assert (tmp_path / "link.onnx").is_symlink() and (tmp_path / "real.onnx").read_bytes() == b"new"
+    (tmp_path / "dangling.onnx").symlink_to("gone/model.onnx")
+    with pytest.raises(FileNotFoundError, match="dangling.onnx: it is a link to gone/model.onnx, which does not exist"):
+        write_atomic(tmp_path / "dangling.onnx", b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.onnx", "link.onnx", "real.onnx"]

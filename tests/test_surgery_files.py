@@ -240,6 +240,15 @@ def test_a_src_file_that_links_to_nothing_is_refused_by_name(tmp_path, broken):
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_dst_under_a_file_is_refused_before_any_work(tmp_path, monkeypatch):
+    src, _ = _source(tmp_path, "bert")
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr("bertembed.checkpoint_surgery.BertEmbeddings", None)  # (reading SRC would fail the test)
+    result = _run("extend-positions", src, tmp_path / "afile" / "dst", "--to", "80")
+    assert result.exit_code == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in \
+        " ".join(result.output.split()), result.output
+
+
 def test_a_dst_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
     src, _ = _source(tmp_path, "bert")
     before = _snapshot(src)
@@ -252,7 +261,7 @@ def test_a_dst_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", read_only_parent)
     result = _run("extend-positions", src, tmp_path / "dst", "--to", "80")
-    assert result.exit_code == 2 and "needs write access to its parent" in " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{tmp_path} refuses new files" in " ".join(result.output.split())
     assert _snapshot(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src-bert"]
 
 

@@ -23,42 +23,76 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
     """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing), on an
     exception `path` is left as it was. With `keep_others`, entries of the old `path` that the new one lacks are
     carried over (hard-linked where possible). The old permissions are kept, a symlink `path` stays a link, and a
-    process whose working directory was `path` is moved into the new one. Raises NotADirectoryError if `path` is a
-    file, PermissionError if its parent cannot be written, OSError for other failures, all leaving `path` as it was.
+    process whose working directory was `path` is moved into the new one. Any OSError, the caller's included, comes
+    out as `save_error`'s, naming `path`; a failed save leaves `path` as it was and nothing beside it.
     """
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    target = target.resolve() if target.is_symlink() else target  # (the folder a link points to is replaced)
+    target = _followed(path)
     if not target.name:
         raise ValueError(f"cannot save to {path}: it is a file system root; pass a folder inside it")
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"cannot save to {target}: it is a file, not a folder; pass a folder path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if (old := interrupted_save(target)) is not None:
-        log.warning("%s was missing after an interrupted save; restoring the previous version from %s", target, old)
-        os.rename(old, target)
-    for litter in _siblings(target, "tmp|old"):
-        if not _alive(int(litter.name.split("-")[-2])):
-            shutil.rmtree(litter, ignore_errors=True)
+    made = [p for p in target.parents if not os.path.lexists(p)]  # parents this save makes: removed if it fails
     staging = _sibling(target, "tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (old := interrupted_save(target)) is not None:
+            log.warning("%s was missing after an interrupted save; restoring the previous version from %s", target, old)
+            os.rename(old, target)
+        for litter in _siblings(target, "tmp|old"):
+            if not _alive(int(litter.name.split("-")[-2])):
+                _remove(litter)
         staging.mkdir()  # (by mkdir, so that the umask applies)
-    except PermissionError as err:
-        raise PermissionError(f"cannot save to {target}: cannot create a folder in {target.parent} ({err.strerror}); "
-                              f"a save replaces the folder as a whole and needs write access to its parent") from err
-    try:
         yield staging
-        try:
-            _fsync_tree(staging, files=True)  # the caller's files reach the disk before the switch shows them
-            if target.is_dir():
-                if keep_others:
-                    _carry_over(target, staging)
-                os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
-                _fsync_tree(staging, files=False)  # (files linked in are on the disk already; their entries not)
-            _switch(staging, target)
-        except OSError as err:
-            raise os_error(err, f"cannot replace {target} (it is left as it was)") from err
+        _fsync_tree(staging, files=True)  # the caller's files reach the disk before the switch shows them
+        if target.is_dir():
+            if keep_others:
+                _carry_over(target, staging)
+            os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
+            _fsync_tree(staging, files=False)  # (files linked in are on the disk already; their entries not)
+        _switch(staging, target)
+        made = []
+    except OSError as err:
+        raise save_error(err, target, staging) from err
     finally:
-        shutil.rmtree(staging, ignore_errors=True)  # unfinished new files, or (after the switch) the old ones
+        _remove(staging)  # unfinished new files, or (after the switch) the old ones
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _followed(path: str | Path) -> Path:
+    """`path`, absolute; for a link, what it points to (a save replaces that and keeps the link). FileNotFoundError
+    for a link to nothing: what it would create is not where the user looks."""
+    target = Path(os.path.abspath(Path(path).expanduser()))
+    if target.is_symlink():
+        if not target.exists():
+            raise FileNotFoundError(f"cannot save to {target}: it is a link to {os.readlink(target)}, which does not "
+                                    f"exist (or loops back); remove the link or make what it names")
+        target = target.resolve()
+    return target
+
+
+def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSError:
+    """A failed save's OSError as one line of the same class that names `target`, why, and the fix where there is one;
+    a file inside `staging` is named as it will be inside `target`, a temporary folder never."""
+    why, name = err.strerror or str(err)[:300], str(err.filename or "")
+    if staging is not None and name.startswith(str(staging)):
+        name = os.path.relpath(name, staging) if name != str(staging) else ""
+    name = "" if name == str(target) or Path(name).name.startswith(f".{target.name}.") else name
+    blocker = next((p for p in target.parents if os.path.lexists(p) and not p.is_dir()), None)
+    if blocker is not None:
+        new: OSError = NotADirectoryError(f"cannot save to {target}: {blocker} is not a folder (a file is in the way); "
+                                          f"pass a path inside a folder")
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and (  # one of the save's own files or folders
+            not os.path.isabs(name) or Path(name) in target.parents):
+        where = Path(name).parent if os.path.isabs(name) else target.parent
+        new = PermissionError(f"cannot save to {target}: {where} refuses new files ({why}); a save writes beside "
+                              f"{target.name} first and needs write access there: pass a folder you can write to")
+    else:
+        kept = " (it is left as it was)" if target.is_dir() else ""
+        new = type(err)(f"cannot save to {target}{kept}: {why}{f' ({name})' if name else ''}")
+    new.errno = err.errno
+    return new
 
 
 def interrupted_save(path: str | Path) -> Path | None:
@@ -72,14 +106,6 @@ def interrupted_save(path: str | Path) -> Path | None:
             if old.is_dir() and not old.is_symlink():
                 olds.append((old.lstat().st_mtime_ns, old))
     return max(olds, default=(0, None))[1]
-
-
-def os_error(err: OSError, what: str) -> OSError:
-    """`err` again, of the same class (PermissionError, ...), its message led by `what` and the file it concerns."""
-    if err.errno is None:
-        return OSError(f"{what}: {err}")
-    where = f" ({err.filename})" if err.filename else ""
-    return OSError(err.errno, f"{what}: {err.strerror}{where}")
 
 
 def _sibling(target: Path, kind: str) -> Path:
@@ -104,6 +130,17 @@ def _alive(pid: int) -> bool:
     except OSError as err:
         return not isinstance(err, ProcessLookupError)  # (PermissionError: another user's, alive)
     return True
+
+
+def _remove(folder: Path) -> None:
+    """Delete a temporary folder, read-only folders in it included (a save gives the new folder the old one's mode,
+    so after the switch the old one may be 0555): never left behind for the next save to trip on."""
+    if folder.is_symlink():
+        return
+    for root, _, _ in os.walk(folder):
+        with contextlib.suppress(OSError):
+            os.chmod(root, 0o700)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _carry_over(old: Path, new: Path) -> None:
@@ -195,13 +232,16 @@ def check_output(path: str | Path) -> Path:
 
 
 def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write `data` to a temporary file beside `path`, then rename it into place (all or nothing)."""
-    path = check_output(path)
-    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+    """Write `data` to a temporary file beside `path` (for a link, beside what it points to), then rename it into place
+    (all or nothing)."""
+    target = _followed(path := check_output(path))
+    tmp = target.with_name(f".{target.name}.{os.urandom(6).hex()}.tmp")
     try:
         with open(tmp, "xb") as handle:  # (a new file, with the permissions open() gives under the umask)
             handle.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
+    except OSError as err:
+        raise save_error(err, target) from err
     finally:
         tmp.unlink(missing_ok=True)
     return path

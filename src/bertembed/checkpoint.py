@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
-from bertembed.atomic import atomic_folder, os_error
+from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.family import LEGACY, SUPPORTED, check_key_family, layout, padding_row, prefixes
 from bertembed.sources import Source, resolve
@@ -304,14 +304,12 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
         storages.add(value.untyped_storage().data_ptr())
         tensors[layout(config.model_type)[key]] = value
 
-    def write(staging: Path) -> None:
+    def write(staging: Path) -> None:  # (`atomic_folder` names `folder` in an OSError)
         try:
             save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-            (staging / "config.json").write_text(config_text, encoding="utf-8")
-        except OSError as err:
-            raise os_error(err, f"cannot save to {folder}") from err
         except SafetensorError as err:
-            raise OSError(f"cannot save to {folder}: writing model.safetensors failed ({err})") from err
+            raise OSError(f"writing model.safetensors failed ({err})") from err
+        (staging / "config.json").write_text(config_text, encoding="utf-8")
     return write
 
 

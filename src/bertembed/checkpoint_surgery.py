@@ -57,6 +57,8 @@ def check_destination(dst: str | Path, src: Path) -> Path:
     if target.is_relative_to(src.resolve()):
         raise ValueError(f"{target} lies inside the source checkpoint {src}; write the new checkpoint beside it")
     parent = next(p for p in target.parents if p.exists())
+    if not parent.is_dir():
+        raise NotADirectoryError(f"cannot write {target}: {parent} is a file, not a folder; pass a path in a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write {target}: {parent} is not writable; pass a folder you can write to")
     return target
