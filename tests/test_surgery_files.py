@@ -92,14 +92,14 @@ def test_add_tokens_matches_transformers_resize_and_the_tokenizer_gives_the_new_
     assert original.config.tie_word_embeddings
     # transformers before 4.46 drew new rows from normal(0, initializer_range) only: compare that there
     mean = "mean_resizing" in inspect.signature(original.resize_token_embeddings).parameters
-    torch.manual_seed(7)
-    result = _run("add-tokens", src, tmp_path / "dst", "newword", "another", "--init", "mean" if mean else "normal")
+    result = _run("add-tokens", src, tmp_path / "dst", "newword", "another", "--init", "mean" if mean else "normal",
+                  "--seed", "7")
     assert result.exit_code == 0, result.output
     grown = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
     assert tokenizer("newword another the")["input_ids"][1:3] == [120, 121]  # ids after the old tokenizer's last
     torch.manual_seed(7)
-    original.resize_token_embeddings(122)  # transformers' own resize: the same draws with the same seed
+    original.resize_token_embeddings(122)  # transformers' own resize: the same draws after the same manual_seed
     torch.testing.assert_close(grown.bert.embeddings.word_embeddings.weight,
                                original.bert.embeddings.word_embeddings.weight, rtol=0, atol=0)
     assert grown.cls.predictions.decoder.weight.data_ptr() == grown.bert.embeddings.word_embeddings.weight.data_ptr()
@@ -215,7 +215,7 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
         ("add-tokens", src, tmp_path / "a"): "no tokens given",
         ("add-tokens", src, tmp_path / "a", "x", "--init", "zeros"): "not one of",
         ("add-tokens", src, tmp_path / "a", "Newword"): "normalizes {'Newword': 'newword'}",
-        ("prune-vocab", src, tmp_path / "a", "--keep-from", tmp_path / "nope.txt"): "is not a file",
+        ("prune-vocab", src, tmp_path / "a", "--keep-from", tmp_path / "nope.txt"): "corpus",
     }
     for args, message in cases.items():
         result = _run(*args)
@@ -226,6 +226,37 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
         result = _run("extend-positions", tmp_path / "modernbert", tmp_path / "a", "--to", "80")
         assert result.exit_code == 2 and "no position table" in result.output
     assert _snapshot(src) == before and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("init", ["mean", "normal"])
+def test_add_tokens_draws_the_same_rows_on_every_run_and_seed_chooses_them(tmp_path, init):
+    """The command drew other rows on each run; --seed (0 by default) seeds them (the rows transformers draws after
+    torch.manual_seed(seed): test_add_tokens_matches_transformers_resize_and_the_tokenizer_gives_the_new_ids)."""
+    src, _ = _source(tmp_path, "bert")
+    runs = {}
+    for name, seed in [("first", []), ("again", []), ("seed 0", ["--seed", "0"]), ("seed 5", ["--seed", "5"])]:
+        result = _run("add-tokens", src, tmp_path / name, "newword", "--init", init, *seed)
+        assert result.exit_code == 0, result.output
+        runs[name] = _snapshot(tmp_path / name)
+    assert runs["first"] == runs["again"] == runs["seed 0"] != runs["seed 5"]
+
+
+@pytest.mark.parametrize("bad", ["missing", "a folder", "a link to nothing", "latin-1"])
+def test_a_token_or_corpus_file_that_cannot_be_read_is_named(tmp_path, bad):
+    """A missing --file printed a bare `[Errno 2]`, a file in Latin-1 only the codec's complaint."""
+    src, _ = _source(tmp_path, "bert")
+    path = tmp_path / "tokens.txt"
+    if bad == "a folder":
+        path.mkdir()
+    elif bad == "a link to nothing":
+        path.symlink_to("nothing.txt")
+    elif bad == "latin-1":
+        path.write_bytes("caf\u00e9\n".encode("latin-1"))
+    for args, what in ((["add-tokens", "--file"], "--file"), (["prune-vocab", "--keep-from"], "corpus")):
+        result = _run(args[0], src, tmp_path / "dst", args[1], path)
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2 and f"{what} {path}" in message and "[Errno" not in message, message
+        assert not (tmp_path / "dst").exists()
 
 
 @pytest.mark.parametrize("broken", ["special_tokens_map.json", "tokenizer.json"])

@@ -60,6 +60,18 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
             "rows_before": before, "rows_after": rows, "init": init, "resized": sorted(resized)} | write_whole(whole)
 
 
+def text_lines(path: str | Path, what: str, layout: str) -> list[str]:
+    """The lines of a UTF-8 text file that are not blank; FileNotFoundError or ValueError naming `what` and the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{what} {path} does not exist; pass a text file, {layout}") from err
+    except (OSError, UnicodeError) as err:
+        why = getattr(err, "strerror", None) or "not UTF-8 text"
+        raise ValueError(f"cannot read {what} {path} ({why}); pass a UTF-8 text file, {layout}") from err
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def _tokenizer(whole: WholeCheckpoint):
     """SRC's tokenizer.json loaded with padding and truncation off, and the file's data as `tokenizers` writes it."""
     from tokenizers import Tokenizer
@@ -117,12 +129,9 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
     as before (other text may meet the unknown token). Returns the sizes."""
     from tokenizers import Tokenizer
 
-    path = Path(corpus)
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus {path} is not a file; pass a text file, one text a line")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = text_lines(corpus, "corpus", "one text a line")
     if not lines:
-        raise ValueError(f"corpus {path} has no text: nothing tells which tokens to keep")
+        raise ValueError(f"corpus {corpus} has no text: nothing tells which tokens to keep")
     whole = read_whole(src, dst)
     tokenizer, data = _tokenizer(whole)
     keep = _kept_ids(whole, data, tokenizer, {i for e in tokenizer.encode_batch(lines) for i in e.ids})

@@ -54,20 +54,28 @@ def add_tokens(src: SrcArg, dst: DstArg,
                tokens: Annotated[Optional[list[str]], typer.Argument(help="the tokens to add")] = None,
                file: Annotated[Optional[Path], typer.Option("--file", help="a file of tokens, one a line")] = None,
                init: Annotated[str, typer.Option(help="pieces (mean of the rows it split into), mean or normal")] =
-               "pieces", as_json: JsonOpt = False) -> None:
+               "pieces",
+               seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="seeds the rows --init mean and normal "
+                                                 "draw: the same seed writes the same DST")] = 0,
+               as_json: JsonOpt = False) -> None:
     """Add tokens to the tokenizer and rows for them to the word table (and a tied or untied MLM decoder)."""
     with user_errors():
-        from bertembed.vocab_surgery import add_tokens_checkpoint
+        import torch
+
+        from bertembed.vocab_surgery import add_tokens_checkpoint, text_lines
 
         wanted = list(tokens or [])
         if file is not None:
-            wanted += [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+            wanted += [line.strip() for line in text_lines(file, "--file", "one token a line")]
         if not wanted:
-            raise ValueError("no tokens given: name them after DST, or pass --file with one token a line")
+            raise ValueError(f"no tokens given{f' (--file {file} has none)' if file else ''}: name them after DST, or "
+                             f"pass --file with one token a line")
+        torch.manual_seed(seed)  # (the Python API draws from torch's global generator, as transformers' resize does)
         with console.status("reading, resizing and writing the checkpoint"):
             result = add_tokens_checkpoint(src, dst, wanted, init)
-        lines = [f"{token!r}: id {i}" + (f", from the rows of pieces {result['pieces'][token]}" if init == "pieces"
-                                          else f", row by {init}") for token, i in result["added"].items()]
+        how = {t: f"from the rows of pieces {p}" for t, p in result["pieces"].items()} if init == "pieces" else {}
+        lines = [f"{token!r}: id {i}, {how.get(token, f'row by {init} (seed {seed})')}"
+                 for token, i in result["added"].items()]
         if result["already_present"]:
             lines.append(f"already in the tokenizer, not added: {', '.join(result['already_present'])}")
         lines.append(f"rows {result['rows_before']} -> {result['rows_after']} in {', '.join(result['resized'])}; "
