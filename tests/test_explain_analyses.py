@@ -247,6 +247,16 @@ def test_a_word_that_splits_gives_its_pieces_and_their_neighbours():
     assert [n["id"] for n in piece["neighbours"]] == cos.topk(3).indices.tolist()
 
 
+def test_the_word_tables_row_norms_are_computed_once_per_call(tiny, monkeypatch):
+    """Not once per piece: each piece's neighbours reuse the [V] norms (they were all 30,522 again per piece)."""
+    from bertembed.explain import tokens
+
+    shapes = []
+    monkeypatch.setattr(tokens, "row_norms", lambda m: shapes.append(m.shape) or np.linalg.norm(m, axis=-1))
+    report = analyze_tokens("the cat sat", tiny, k=3)
+    assert [p["token"] for p in report.pieces] == ["the", "cat", "sat"] and shapes == [(len(helpers.VOCAB), 10)]
+
+
 def test_a_capitalised_word_is_found_where_the_model_lowercases():
     report = analyze_tokens("Paris", k=3)
     assert report.token == "paris" and report.asked == "Paris" and "normalises" in report.note and not report.pieces

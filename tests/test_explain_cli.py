@@ -4,6 +4,7 @@ exit status 2, no traceback, no half-written file)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,12 +14,15 @@ import pytest
 from typer.testing import CliRunner
 
 import conftest_explain as helpers
+from bertembed import Tokenizer
 from bertembed.cli import app
 
 tiny = helpers.tiny  # shared fixture
 tiny_b = helpers.tiny_b  # shared fixture
 
 runner = CliRunner()
+LATIN1 = os.fsdecode(b"caf\xe9")  # "café" in Latin-1, as Python decodes it from a command line: "caf\udce9"
+UTF8 = r"^error: %s is not valid UTF-8: byte 0xE9 at character 3; give UTF-8 text"
 
 
 def invoke(*args: str):
@@ -107,9 +111,40 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     (["inspect", "onehot", "\t\u2060\x7f"], "the text has no tokens"),
     (["inspect", "tokens", "\u200b"], "not in the vocabulary"),
     (["walkthrough", "the cat", "\u200b"], r"text_b has no tokens.*U\+200B"),
+    # a Latin-1 argument, as Python hands it over (os.fsdecode): one message from every command, never a TypeError
+    (["explain", LATIN1], UTF8 % "TEXT"),
+    (["explain", "the cat", LATIN1], UTF8 % "TEXT_B"),
+    (["inspect", "segments", LATIN1], UTF8 % "the text"),
+    (["inspect", "segments", "the cat", "--text-b", LATIN1], UTF8 % "text_b"),
+    (["inspect", "onehot", LATIN1], UTF8 % "the text"),
+    (["inspect", "tokens", LATIN1], UTF8 % "the token"),
+    (["walkthrough", LATIN1], UTF8 % "the text"),
 ])
 def test_bad_text_is_a_clear_error(tiny, args, pattern):
     assert_user_error(invoke(*args, "--model", tiny), pattern)
+
+
+def test_notebook_refuses_text_that_is_not_utf8_before_writing(tiny, tmp_path):
+    assert_user_error(invoke("notebook", tmp_path / "n.ipynb", "--text", LATIN1, "--model", tiny), UTF8 % "the text")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_tokens_refuses_a_text_of_many_pieces_before_any_search(tiny, monkeypatch):
+    """The bound is on the pieces the tokenizer gives (each one a search of the whole word table); the message names
+    the count, the limit and why, and no neighbour search starts."""
+    from bertembed.explain import tokens
+
+    def searched(*args):
+        raise AssertionError("a neighbour search started")
+
+    monkeypatch.setattr(tokens, "nearest", searched)
+    text = "the cat sat " * 6  # 18 pieces of the tiny vocabulary
+    assert len(Tokenizer.from_pretrained(tiny)(text, truncation=False).input_ids) == 18 + 2
+    assert_user_error(invoke("inspect", "tokens", text, "--model", tiny),
+                      r"splits into 18 tokens, over the limit of 16 \(MAX_PIECES\): each token's neighbours are a "
+                      r"search of the whole word table")
+    monkeypatch.undo()
+    assert len(tokens.analyze_tokens("the cat sat", tiny).pieces) == 3  # (a few words still pass)
 
 
 @pytest.mark.parametrize("target, pattern", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -139,6 +140,31 @@ def test_empty_texts_are_refused(ours, text):
 def test_texts_with_a_token_pass(ours, fast_reference, text):
     ours.require_tokens(text)
     assert ours(text).input_ids == fast_reference(text)["input_ids"] and len(ours(text).input_ids) == 3
+
+
+# b"caf\xe9" (Latin-1) as Python hands it over from a command line: os.fsdecode keeps the byte as a lone surrogate
+LATIN1 = os.fsdecode(b"caf\xe9")
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda tok: tok(LATIN1), "the text"),
+    (lambda tok: tok("fine", LATIN1), "the text"),  # (the pair's second text)
+    (lambda tok: tok(["fine", LATIN1]), "text 1 of the batch"),
+    (lambda tok: tok([("fine", LATIN1)], return_tensors="pt"), "text 0 of the batch"),
+    (lambda tok: tok.require_tokens(LATIN1, "TEXT"), "TEXT"),
+    (lambda tok: tok.require_tokens("fine", "TEXT", LATIN1, "TEXT_B"), "TEXT_B"),
+])
+def test_text_that_is_not_utf8_is_a_value_error_naming_the_byte(ours, call, name):
+    assert LATIN1 == "caf\udce9"
+    with pytest.raises(TypeError):  # the cause: `tokenizers` refuses a lone surrogate, and says nothing useful
+        ours.backend.encode(LATIN1)
+    with pytest.raises(ValueError, match=rf"^{name} is not valid UTF-8: byte 0xE9 at character 3; give UTF-8 text"):
+        call(ours)
+
+
+def test_a_lone_surrogate_that_is_no_byte_is_named_by_its_code_point(ours):
+    with pytest.raises(ValueError, match=r"the text is not valid UTF-8: lone surrogate U\+D800 at character 1"):
+        ours("a\ud800b")
 
 
 def test_unreadable_tokenizer_files_are_value_errors(tmp_path, bundled_path):

@@ -98,6 +98,9 @@ class Tokenizer:
             `tokenizers` itself); the result is a batch of windows, `overflow_to_sample_mapping` naming each one's text.
         """
         batched, items = _as_items(text, text_pair)
+        for i, item in enumerate(items):
+            for value in (item,) if isinstance(item, str) else item:
+                check_text(value, f"text {i} of the batch" if batched else "the text")
         limit = max_length or self.max_length
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
@@ -179,10 +182,24 @@ def check_not_blank(text: str, name: str = "the text", text_b: str | None = None
     """Raise ValueError for an empty or all-whitespace `text` or `text_b` (when given), before any checkpoint is
     loaded; see `Tokenizer.require_tokens`."""
     for value, label in _named(text, name, text_b, name_b):
-        if not isinstance(value, str):
-            raise ValueError(f"{label} must be a string, got {type(value).__name__}")
-        if not value.strip():
+        if not check_text(value, label).strip():
             raise ValueError(f'{label} is empty; give a sentence, e.g. "The quick brown fox"')
+
+
+def check_text(value: str, name: str = "the text") -> str:
+    """`value`, when it is a string of valid Unicode; else ValueError. Every text reaches the tokenizer through here:
+    Python turns the bytes of a command-line argument that are not UTF-8 into lone surrogates ("caf\\xe9", Latin-1,
+    arrives as "caf\\udce9"), which `tokenizers` refuses with a TypeError and no encoding can write."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(value[err.start])
+        what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ValueError(f"{name} is not valid UTF-8: {what} at character {err.start}; give UTF-8 text (convert "
+                         f"Latin-1 text with `iconv -f latin1 -t utf-8`)") from None
+    return value
 
 
 def _as_items(text, text_pair) -> tuple[bool, list]:

@@ -56,8 +56,9 @@ def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")
     with user_errors():
         from bertembed.explain.walkthrough import write_notebook
 
+        written = write_notebook(out, model, text)
         say_model(model)
-        console.print(f"wrote {write_notebook(out, model, text)}")
+        console.print(f"wrote {written}")
 
 
 @app.command()

@@ -12,6 +12,9 @@ from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, t
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
+# Each piece of the input gets a search of the whole word table (a [V, H] product) and a line of its own: a word or
+# a few, not a text (600 words were 2 minutes of work and a table no one reads).
+MAX_PIECES = 16
 
 
 @dataclass
@@ -51,9 +54,10 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def nearest(words: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
-    """The k rows of `words` [V, H] with the highest cosine to row `row`, excluding itself: [(id, cosine)]."""
-    norms = np.maximum(row_norms(words), 1e-30)
+def nearest(words: np.ndarray, norms: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
+    """The k rows of `words` [V, H] with the highest cosine to row `row`, excluding itself: [(id, cosine)]. `norms`
+    [V]: the rows' norms (computed once by the caller, not once per row asked)."""
+    norms = np.maximum(norms, 1e-30)
     cos = (words @ words[row]) / (norms * norms[row])
     cos[row] = -np.inf
     top = np.argpartition(-cos, k)[:k]
@@ -73,18 +77,23 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
     tokenizer.backend.no_truncation()
     tokenizer.backend.no_padding()
     pieces = tokenizer.backend.encode(token, add_special_tokens=False).tokens
+    shown = repr(token) if len(token) <= 60 else f"{token[:40]!r}... ({len(token)} characters)"
     if not pieces:
-        raise ValueError(f"{token!r} is not in the vocabulary and gives no tokens")
-    return pieces, f"{token!r} is not one entry of the vocabulary: it splits into {pieces}; each piece has its row"
+        raise ValueError(f"{shown} is not in the vocabulary and gives no tokens")
+    if len(pieces) > MAX_PIECES:
+        raise ValueError(f"{shown} splits into {len(pieces)} tokens, over the limit of {MAX_PIECES} (MAX_PIECES): "
+                         f"each token's neighbours are a search of the whole word table and a line of their own, so "
+                         f"give one word or a few; bertembed explain takes a whole text apart")
+    return pieces, f"{shown} is not one entry of the vocabulary: it splits into {pieces}; each piece has its row"
 
 
 def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) -> TokenReport:
     """Nearest neighbours of `token` (a vocabulary entry such as "king" or "##ing", a word the tokenizer normalises
     to one, "Paris" -> "paris", or a word that splits into pieces, each piece with its neighbours) and the word
     table's norms."""
-    from bertembed.tokenizer import Tokenizer
+    from bertembed.tokenizer import Tokenizer, check_text
 
-    if not token.strip():
+    if not check_text(token, "the token").strip():
         raise ValueError('the token is empty; give one vocabulary entry, e.g. "king"')
     if k < 1:
         raise ValueError(f"k={k}: ask for at least 1 neighbour")
@@ -98,7 +107,8 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     k = min(k, len(norms) - 1)
 
     def neighbours(row: int) -> list[dict]:
-        return [{"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c} for i, c in nearest(words, row, k)]
+        return [{"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c}
+                for i, c in nearest(words, norms, row, k)]
 
     pieces = [{"token": e, "id": i, "neighbours": neighbours(i)} for e, i in zip(entries, ids, strict=True)]
     special = [{"token": t, "id": i, "norm": float(norms[i])} for t in SPECIAL_TOKENS

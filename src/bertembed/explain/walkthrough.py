@@ -212,7 +212,9 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     except ImportError as err:
         raise ValueError("writing a notebook needs nbformat: pip install 'bertembed[notebook]'") from err
     from bertembed.atomic import check_output, write_atomic
+    from bertembed.tokenizer import check_not_blank
 
+    check_not_blank(text, "the text", text_b)
     path = check_output(path)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
