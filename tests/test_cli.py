@@ -77,7 +77,7 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
 
 def test_help_keeps_square_brackets():
     """rich reads help text as markup, where "[viz]" is a style tag and vanishes unless escaped."""
-    for args, text in ((("inspect", "positions", "--help"), "bertembed[viz]"),
+    for args, text in ((("inspect", "positions", "--help"), ".[viz]"),
                        (("inspect", "onehot", "--help"), "W[ids]")):
         done = run(*args)
         assert done.returncode == 0, done.stderr

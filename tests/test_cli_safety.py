@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,43 @@ def test_save_into_an_empty_folder_writes_it_whole(tiny, tmp_path):
     os.umask(umask)
     assert (tmp_path / "ft").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it, not mkdtemp's 0700
     assert BertEmbeddings.from_pretrained(tmp_path / "ft").config.vocab_size == len(helpers.VOCAB)
+
+
+# --- optional packages: a missing one is one line naming its extra, before any work --------------------------------
+
+# (command, the package made missing, the extra the message names, the call in bertembed that is the command's first
+# work)
+MISSING = [
+    (["explain", "the cat", "--report", "{tmp}/r.html"], "matplotlib", "viz", "explain.decompose.explain_text"),
+    (["explain", "the cat", "--plots", "{tmp}/figures"], "matplotlib", "viz", "explain.decompose.explain_text"),
+    (["inspect", "positions", "--plot", "{tmp}/p.png"], "matplotlib", "viz", "explain.positions.analyze_positions"),
+    (["inspect", "tokens", "king", "--plot", "{tmp}/p.png"], "matplotlib", "viz", "explain.tokens.load_layer"),
+    (["drift", "{tiny}", "{tiny}", "--plot", "{tmp}/p.png"], "matplotlib", "viz", "explain.drift.load_layer"),
+    (["notebook", "{tmp}/n.ipynb"], "nbformat", "notebook", "explain.walkthrough.notebook_cells"),
+    (["export", "onnx", "{tmp}/e.onnx"], "onnx", "onnx", "onnx_export.check_opset"),
+    (["export", "onnx", "{tmp}/e.onnx"], "onnxscript", "onnx", "onnx_export.check_opset"),
+    (["bench", "--quick"], "numba", "bench", "bench.measure.run"),
+    (["bench", "--quick"], "onnxruntime", "bench", "bench.measure.run"),
+]
+
+
+@pytest.mark.parametrize("args, package, extra, work", MISSING)
+def test_a_missing_optional_package_is_one_line_naming_its_extra_before_any_work(tiny, tmp_path, monkeypatch, args,
+                                                                                   package, extra, work):
+    import importlib
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"{work} ran before {package} was found missing")
+
+    module, name = work.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(f"bertembed.{module}"), name, started)
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` fails, as where it is not installed
+    args = [a.format(tmp=tmp_path, tiny=tiny) for a in args]
+    assert_one_line_error(invoke(*args, *(["--model", tiny] if args[0] in ("explain", "inspect", "notebook",
+                                                                             "export") else [])),
+                          rf'needs {package}, not installed here: pip install -e "\.\[{extra}\]" \(the {extra} extra; '
+                          rf'"\.\[cli\]" installs what every command needs\)')
+    assert list(tmp_path.iterdir()) == []
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # the extra named installs it, as cli does
+    for listed in (extra, "cli"):
+        assert re.search(rf'^{listed} = \[[^]]*"{package}>=', pyproject, re.M), (listed, package)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -25,7 +26,10 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="hub id, 
                                                  f"default: the bundled {DEFAULT_MODEL}")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
-                                                "(needs matplotlib: pip install 'bertembed\\[viz]')")]
+                                                "(needs matplotlib: pip install -e \".\\[viz]\")")]
+# the optional packages the commands use, each with the extra that installs it (".[cli]" installs them all)
+EXTRAS = {"matplotlib": "viz", "nbformat": "notebook", "numba": "fast", "onnx": "onnx", "onnxscript": "onnx",
+          "onnxruntime": "onnx", "triton": "gpu"}
 
 
 def make_console(**options) -> Console:
@@ -59,11 +63,31 @@ def say_model(model) -> None:
                       "Hugging Face cache or hub)[/dim]")
 
 
+def missing(names: list[str], extra: str = "") -> str:
+    """The one line that says optional packages are missing, and which extra installs them."""
+    extra = extra or EXTRAS.get(names[0], "cli")
+    return (f'this command needs {", ".join(names)}, not installed here: pip install -e ".[{extra}]" (the {extra} '
+            f'extra; ".[cli]" installs what every command needs)')
+
+
+def require(*modules: str, extra: str = "") -> None:
+    """Import each of `modules` now, before a command does any work: one ImportError naming the missing ones and the
+    extra that installs them (`extra`, else the first one's in EXTRAS)."""
+    gone = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:  # (the package itself, or one it needs: onnxscript needs onnx)
+            gone.append(err.name or name)
+    if gone:
+        raise ImportError(missing(list(dict.fromkeys(gone)), extra))
+
+
 @contextlib.contextmanager
-def user_errors(*outputs: str | Path | None) -> Iterator[None]:
+def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: str = "") -> Iterator[None]:
     """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
     its message and exit status 2; anything else is a bug and keeps its traceback. Each of `outputs` that is given is
-    checked first as writable."""
+    checked first as writable, then each optional package the command `needs` (`require`, naming `extra`)."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
@@ -79,7 +103,10 @@ def user_errors(*outputs: str | Path | None) -> Iterator[None]:
         for path in outputs:
             if path is not None:
                 check_output(path)
+        require(*needs, extra=extra)
         yield
+    except ModuleNotFoundError as err:  # (one that `needs` did not name: said the same way)
+        _fail(missing([err.name]) if err.name in EXTRAS else str(err))
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
         console.print(escape(str(err)), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:

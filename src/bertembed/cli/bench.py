@@ -13,6 +13,7 @@ import typer
 from bertembed.cli.app import app, console, user_errors
 
 Many = Optional[list[str]]
+BENCH_NEEDS = ("numba", "onnx", "onnxruntime")  # bertembed's fused CPU layer; ONNX Runtime's fused op
 
 
 @app.command()
@@ -38,8 +39,9 @@ def bench(
     reference: Annotated[bool, typer.Option("--reference", help="time bertembed's reference layer too")] = False,
 ) -> None:
     """Time BERT's embedding layer: transformers eager and torch.compile, ONNX Runtime's fused op and bertembed's
-    fused layer, interleaved in one process, with ratios against eager; check the issue's targets."""
-    with user_errors(json_out, markdown_out):  # the output files checked before a run of minutes, not after it
+    fused layer, interleaved in one process, with ratios against eager (needs the bench extra)."""
+    # the output files and packages checked before a run of minutes, not after it
+    with user_errors(json_out, markdown_out, needs=BENCH_NEEDS, extra="bench"):
         from bertembed.atomic import write_atomic
         from bertembed.bench import measure, report
 

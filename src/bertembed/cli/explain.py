@@ -53,7 +53,7 @@ def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")
              text: Annotated[str, typer.Option(help="the text the notebook starts with")] =
              "The quick brown fox jumps over the lazy dog") -> None:
     """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
-    with user_errors():
+    with user_errors(needs=("nbformat",)):
         from bertembed.explain.walkthrough import write_notebook
 
         written = write_notebook(out, model, text)
@@ -77,7 +77,7 @@ def explain(
                                            "demo (seconds, needs torch)")] = False,
 ) -> None:
     """Show how BERT's embedding layer builds each token's vector: word + position + segment, then LayerNorm."""
-    with user_errors(report):
+    with user_errors(report, needs=("matplotlib",) if report is not None or plots is not None else ()):
         from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
 

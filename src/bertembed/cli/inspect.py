@@ -49,6 +49,12 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
         console.print(f"figures written to {plot}")
 
 
+def plotting(plot: str | None):
+    """`user_errors` for a command with --plot: the PNG's folder, and matplotlib where a PNG is asked for, checked
+    before any work."""
+    return user_errors(plot, needs=("matplotlib",) if plot is not None else ())
+
+
 def rows_table(title: str, rows: list[dict]):
     from rich.table import Table
 
@@ -67,7 +73,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 
         emit(analyze_positions(model, k=k), as_json, plot, models=(model,))
@@ -80,7 +86,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
                                                            "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     """What the two segment vectors are and what changes when a text moves from segment A to B."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain.segments import analyze_segments
 
         result = analyze_segments(text, text_b, model)
@@ -98,7 +104,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
            k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain.tokens import analyze_tokens
 
         result = analyze_tokens(token, model, k=k)
@@ -113,7 +119,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     r"""Check that one_hot(ids) @ W equals the lookup W\[ids], and what each costs."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain.onehot import analyze_onehot
 
         emit(analyze_onehot(text, model), as_json, plot, models=(model,))
@@ -127,7 +133,7 @@ def drift_command(
     top: Annotated[int, typer.Option(min=0, help="how many most-changed rows to list per table")] = 10,
 ) -> None:
     """Relative change of each embedding tensor between two checkpoints, and the rows that changed most."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain.drift import drift
 
         result = drift(model_a, model_b, top=top)
@@ -159,7 +165,7 @@ def finetune_demo(
                                                 "drift`)")] = None,
 ) -> None:
     """Fine-tune the embedding layer on a few sentences with Adam, AdamW and a frozen table; count rows moved."""
-    with user_errors(plot):
+    with plotting(plot):
         from bertembed.explain import finetune
 
         bar, progress = rich_progress()

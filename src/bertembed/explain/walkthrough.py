@@ -206,11 +206,9 @@ def notebook_cells(model: str | None, text: str, text_b: str | None = None) -> l
 
 def write_notebook(path: str | Path, model: str | None = None, text: str = "The quick brown fox jumps over the lazy "
                    "dog", text_b: str | None = None) -> Path:
-    """Write the walkthrough notebook to `path` (needs nbformat: pip install 'bertembed[notebook]')."""
-    try:
-        import nbformat
-    except ImportError as err:
-        raise ValueError("writing a notebook needs nbformat: pip install 'bertembed[notebook]'") from err
+    """Write the walkthrough notebook to `path` (needs nbformat: pip install -e ".[notebook]")."""
+    import nbformat
+
     from bertembed.atomic import check_output, write_atomic
     from bertembed.tokenizer import check_not_blank
 
