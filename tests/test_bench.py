@@ -259,3 +259,27 @@ def test_member_cases_compare_against_the_members_own_transformers_layer(member)
     for name in ("hf-eager", "bertembed-fused"):
         torch.testing.assert_close(cands.call(name, built, case, ids, types, grad)(), expected, rtol=0, atol=1e-5)
     assert type(built["hf-eager"]).__module__.startswith(f"transformers.models.{member}.")
+
+
+def test_the_run_prints_no_profiler_lines_nor_config_warnings(capfd):
+    """torch's profiler (the peak memory) printed two USDT lines per call on stderr, and building ModernBERT's
+    transformers layer warned of four special ids past the benchmark's vocabulary."""
+    assert measure.peak_bytes(lambda: torch.ones(1000) + 1, "cpu") >= 4000
+    built = cands.modules(32, "cpu", "float32", member="modernbert")
+    assert type(built["hf-eager"]).__name__ == "ModernBertEmbeddings"
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == "", printed
+
+
+def test_no_command_speaks_of_the_issue_or_of_files_that_do_not_ship():
+    """Words meant for the maintainers (the issue's targets, FAMILY.md in the steering repository) are not in the
+    help or the messages users read."""
+    from bertembed.cli.app import app as root
+
+    helps = [CliRunner().invoke(root, [*command, "--help"]).output for command in
+             ([], ["bench"], ["inspect"], ["export"], ["surgery"])]
+    member = cands.Case(32, 1, 3, member="roberta")
+    with pytest.raises(cands.NotAvailable) as refused:
+        cands.call("ort-fused", cands.modules(32, "cpu", "float32", vocab=100, member="roberta"), member, *[None] * 3)
+    for text in (*helps, str(refused.value)):
+        assert "issue" not in text and "FAMILY.md" not in text, text

@@ -130,8 +130,10 @@ def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Modu
 
     from bertembed.family import layout
 
+    # the encoder around the layer, built once and dropped; no special ids (ModernBERT's lie past the vocabulary here,
+    # and transformers would warn of each)
     small = {"num_hidden_layers": 1, "n_layers": 1, "num_attention_heads": 1, "n_heads": 1, "intermediate_size": 8,
-             "hidden_dim": 8}  # (the encoder around the layer, built once and dropped)
+             "hidden_dim": 8, **dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"))}
     hf_config = transformers.AutoConfig.for_model(**{**config.to_hf_config(), **small})
     layer = transformers.AutoModel.from_config(hf_config).embeddings
     keys = layout(config.model_type)
@@ -161,7 +163,7 @@ def call(name: str, built: dict[str, Any], case: Case, ids, types, grad) -> Call
         raise module
     if name == "ort-fused":
         if case.member != "bert":
-            raise NotAvailable("ONNX Runtime's fused node is BERT's (it fuses no other member, FAMILY.md)")
+            raise NotAvailable("ONNX Runtime's fused node is BERT's: it fuses no other member")
         return _ort(built["state"], built["config"].layer_norm_eps, ids, types)
     given = arguments(built, ids, types)
     if name == "hf-compile":
@@ -207,7 +209,7 @@ def _ort(state: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, types: t
 
         model = fused_graph({k: v.float().numpy() for k, v in state.items()}, eps, int32_inputs=True, opset=17)
     except ImportError as err:
-        raise NotAvailable(f"onnx/onnxruntime not installed ({err}); pip install 'bertembed[bench]'") from err
+        raise NotAvailable(f'onnx/onnxruntime not installed ({err}); pip install -e ".[bench]"') from err
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
     options.log_severity_level = 3

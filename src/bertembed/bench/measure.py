@@ -193,6 +193,7 @@ def peak_bytes(fn, device: str) -> int:
         return torch.cuda.max_memory_allocated() - before
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read at its first use: below 6 it prints 2 USDT lines a call)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
