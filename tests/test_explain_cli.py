@@ -74,6 +74,24 @@ def test_drift_table_output(tiny, tiny_b):
     result = invoke("drift", tiny, tiny_b[0])
     assert result.exit_code == 0, result.output
     assert "cat (7)" in result.output and "pos 3" in result.output
+    # one line per tensor in 120 columns (the lists of most-changed rows wrapped every row into many), then the lists
+    table = result.output.split("drift per tensor")[1].split("└")[0]
+    body = [line for line in table.splitlines() if line.startswith("│")]
+    assert [line.split("│")[1].strip() for line in body] == ["word", "position", "segment", "LayerNorm.weight",
+                                                             "LayerNorm.bias"]
+    assert max(len(line) for line in result.output.splitlines()) <= 120
+    assert "word, most changed rows: cat (7)" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args, title", [
+    (["inspect", "positions"], "Why don't the learned positions look like sin/cos?"),
+    (["inspect", "segments"], "What are segment embeddings: zeros and ones?"),
+    (["inspect", "tokens", "king"], "What is in the word table?"),
+    (["inspect", "onehot", "the cat"], "Is nn.Embedding a one-hot matrix product?"),
+])
+def test_tables_are_titled_with_the_question_they_answer_not_a_class_name(tiny, args, title):
+    output = invoke(*args, "--model", tiny).output
+    assert title in " ".join(output.split()) and "Report" not in output, output
 
 
 def test_explain_report_and_plots(tiny, tmp_path):
@@ -297,3 +315,32 @@ def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_pat
 def test_every_command_names_the_checkpoint_it_measured(args):
     output = " ".join(invoke(*args).output.split())
     assert "all-MiniLM-L6-v2" in output and "not bert-base-uncased" in output
+
+
+@pytest.mark.parametrize("name, recipe", [
+    ("bert", "LayerNorm(word + segment + position)"),
+    ("distilbert", "LayerNorm(word + position)"),
+    ("deberta-v3", "LayerNorm(word)"),
+    ("deberta-v2-factorised", "LayerNorm((word + position + segment) @ projection)"),
+])
+def test_the_explain_table_is_the_members_own(member_checkpoint, tmp_path, name, recipe):
+    """Title and check line name the member's recipe; a part whose table the member lacks has no column (no |s| of
+    zeros for DeBERTa v3), in the table and in --json. The reference: which tables transformers' own module has."""
+    import shutil
+
+    from bertembed import BertEmbeddings
+    from conftest import write_member_tokenizer
+
+    folder, model = member_checkpoint(name)
+    shutil.copytree(folder, tmp_path / name)
+    write_member_tokenizer(tmp_path / name, BertEmbeddings.from_pretrained(folder).config)
+    has = [part for part, table in (("position", "position_embeddings"), ("segment", "token_type_embeddings"))
+           if getattr(model.embeddings, table, None) is not None]
+    output = invoke("explain", "the quick fox", "--model", tmp_path / name).output
+    header = next(line for line in output.splitlines() if "token" in line and "|out|" in line)
+    assert f"{recipe}, one row per token" in output and f"check: {recipe} by hand" in " ".join(output.split())
+    assert [h.strip() for h in header.split("┃")[1:-1]] == ["pos", "token", "id", *["seg"] * ("segment" in has), "|w|",
+                                                          *(f"|{part[0]}|" for part in has), "mean", "std", "|out|"]
+    token = json.loads(invoke("explain", "the quick fox", "--model", tmp_path / name, "--json").output)["tokens"][1]
+    assert {k for k in token if k.endswith(("_norm", "_share")) and k != "output_norm"} == {
+        f"{part}_{kind}" for part in ("word", *has) for kind in ("norm", "share")}

@@ -76,7 +76,8 @@ def explain(
     finetune: Annotated[bool, typer.Option("--finetune", help="with --report or --plots: also run the fine-tune "
                                            "demo (seconds, needs torch)")] = False,
 ) -> None:
-    """Show how BERT's embedding layer builds each token's vector: word + position + segment, then LayerNorm."""
+    """Show how the embedding layer builds each token's vector: the rows of its word, position and segment tables
+    (those the member has) summed, then LayerNorm."""
     with user_errors(report, needs=("matplotlib",) if report is not None or plots is not None else ()):
         from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
@@ -107,21 +108,24 @@ def explain(
                     "max_abs_diff": dec.max_abs_diff})
         return
     say_model(dec.source)
-    console.print(_token_table(rows))
+    console.print(_token_table(rows, dec))
     verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
-    console.print(f"check: LayerNorm(word + position + segment) by hand in float64 is {verdict} to the layer's "
-                  f"output ({dec.engine}): max |diff| = {dec.max_abs_diff:.2e}")
+    console.print(f"check: {dec.recipe} by hand in float64 is {verdict} to the layer's output ({dec.engine}): "
+                  f"max |diff| = {dec.max_abs_diff:.2e}")
 
 
-def _token_table(rows: list[dict]):
+def _token_table(rows: list[dict], dec):
+    """The rows as a table titled with the member's recipe, a column for each part it has (no |s| for DeBERTa v3)."""
     from rich.table import Table
 
-    table = Table(title="BERT embedding layer, one row per token", title_justify="left",
-                  caption="|w| |p| |s|: norms of the word, position and segment vectors; mean, std: LayerNorm's "
-                          "statistics of their sum; |out|: norm of the output", caption_justify="left")
-    columns = [("pos", "position", "{}"), ("token", "token", "{}"), ("id", "id", "{}"), ("seg", "segment", "{}"),
-               ("|w|", "word_norm", "{:.3f}"), ("|p|", "position_norm", "{:.3f}"), ("|s|", "segment_norm", "{:.3f}"),
-               ("mean", "ln_mean", "{:+.4f}"), ("std", "ln_std", "{:.4f}"), ("|out|", "output_norm", "{:.2f}")]
+    norms = [(f"|{part[0]}|", f"{part}_norm", "{:.3f}") for part in dec.parts]
+    named = " and ".join(filter(None, (", ".join(dec.parts[:-1]), dec.parts[-1])))
+    table = Table(title=f"{dec.recipe}, one row per token", title_justify="left", caption_justify="left",
+                  caption=f"{' '.join(h for h, _, _ in norms)}: norms of the {named} vectors; mean, std: LayerNorm's "
+                          f"statistics of their sum; |out|: norm of the output")
+    columns = [("pos", "position", "{}"), ("token", "token", "{}"), ("id", "id", "{}"),
+               *[("seg", "segment", "{}")] * ("segment" in dec.parts), *norms, ("mean", "ln_mean", "{:+.4f}"),
+               ("std", "ln_std", "{:.4f}"), ("|out|", "output_norm", "{:.2f}")]
     for header, _, _ in columns:
         table.add_column(header, justify="left" if header == "token" else "right", no_wrap=header != "token")
     for row in rows:

@@ -21,6 +21,7 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     under `title`) as rich tables or JSON; write its figures to `plot`."""
     from bertembed.explain._common import label
     from bertembed.explain.figures import specs_for
+    from bertembed.explain.report import INTROS
 
     summary = result.summary()
     if plot is not None:
@@ -36,7 +37,7 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
     rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
             for k, v in summary.items()]
-    console.print(rows_table(type(result).__name__, rows))
+    console.print(rows_table(INTROS[type(result).__name__][0], rows))  # (the question the table answers)
     if extra_rows:
         console.print(rows_table(title, extra_rows))
     if verdict:
@@ -137,7 +138,12 @@ def drift_command(
         from bertembed.explain.drift import drift
 
         result = drift(model_a, model_b, top=top)
-        emit(result, as_json, plot, result.rows(), "drift per tensor", models=(model_a, model_b))
+        rows = result.rows()  # (the table without the long lists of rows, which follow it one tensor a line)
+        emit(result, as_json, plot, rows if as_json else [{k: v for k, v in r.items() if k != "most_changed"}
+                                                          for r in rows], "drift per tensor", models=(model_a, model_b))
+        for row in [] if as_json else rows:
+            if row["most_changed"]:
+                console.print(f"{escape(row['table'])}, most changed rows: {escape(row['most_changed'])}")
 
 
 def rich_progress():

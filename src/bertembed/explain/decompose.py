@@ -36,6 +36,8 @@ class TextDecomposition(Result):
     gamma: np.ndarray  # LayerNorm.weight [H]
     beta: np.ndarray  # LayerNorm.bias [H]
     eps: float
+    parts: tuple[str, ...] = PARTS  # the parts the member adds (a table it lacks adds nothing: DeBERTa v3's segment)
+    recipe: str = "LayerNorm(word + segment + position)"  # the member's own, in its order (`recipe`)
 
     def by_hand(self) -> np.ndarray:
         """LayerNorm(word + position + segment) recomputed from the parts in float64: [L, H]."""
@@ -53,19 +55,19 @@ class TextDecomposition(Result):
     def norms(self) -> dict[str, np.ndarray]:
         """Euclidean norm per token of each part: [L] arrays."""
         return {name: np.linalg.norm(getattr(self, name).astype(np.float64), axis=-1)
-                for name in (*PARTS, "sum", "output")}
+                for name in (*self.parts, "sum", "output")}
 
     def _covariances(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Per part, part * (sum - its mean over H), and that centred sum squared: [L, H] float64 arrays."""
         total = self.sum.astype(np.float64)
         centred = total - total.mean(-1, keepdims=True)
-        return {name: getattr(self, name).astype(np.float64) * centred for name in PARTS}, centred ** 2
+        return {name: getattr(self, name).astype(np.float64) * centred for name in self.parts}, centred ** 2
 
     def variance_shares(self) -> dict[str, np.ndarray]:
         """Each part's share of the variance (over H) of the sum that LayerNorm divides by: [L] arrays.
 
-        Var(w + p + s) = Cov(w, sum) + Cov(p, sum) + Cov(s, sum), so share_c = Cov_H(c, sum) / Var_H(sum) and the
-        three shares add up to 1 for every token (a share can be negative when a part cancels the others).
+        Var(w + p + s) = Cov(w, sum) + Cov(p, sum) + Cov(s, sum) over the member's parts, so share_c = Cov_H(c, sum) /
+        Var_H(sum) and the shares add up to 1 for every token (a share can be negative when a part cancels the others).
         """
         cov, var = self._covariances()
         return {name: c.mean(-1) / var.mean(-1) for name, c in cov.items()}
@@ -79,7 +81,7 @@ class TextDecomposition(Result):
         """One dict per token, for tables and JSON."""
         norms, shares = self.norms(), self.variance_shares()
         columns = {"position": self.positions, "token": self.tokens, "id": self.ids, "segment": self.segments,
-                   **{f"{k}_norm": norms[k] for k in PARTS}, **{f"{k}_share": shares[k] for k in PARTS},
+                   **{f"{k}_norm": norms[k] for k in self.parts}, **{f"{k}_share": shares[k] for k in self.parts},
                    "ln_mean": self.mean, "ln_std": self.std, "output_norm": norms["output"]}
         return [{k: float(v[i]) if isinstance(v, np.ndarray) else v[i] for k, v in columns.items()}
                 for i in range(len(self.tokens))]
@@ -92,6 +94,17 @@ class TextDecomposition(Result):
         out |= {f"mean_{k}_norm": float(v.mean()) for k, v in norms.items()}
         out["max_abs_diff"] = self.max_abs_diff
         return out
+
+
+def recipe(config) -> tuple[tuple[str, ...], str]:
+    """The parts a member's layer adds (of PARTS) and its recipe in words, in the member's own order of the sum:
+    BERT's "LayerNorm(word + segment + position)", DeBERTa v3's "LayerNorm(word)"."""
+    parts = tuple(p for p in PARTS if p == "word" or (config.position_embedding_type != "none" if p == "position"
+                                                       else config.type_vocab_size > 0))
+    order = ("word", "position", "segment") if config.sum_order == "position_first" else ("word", "segment", "position")
+    total = " + ".join(p for p in order if p in parts)
+    total = f"({total}) @ projection" if config.projection == "before_norm" else total
+    return parts, f"LayerNorm({total})"  # (ALBERT's and ELECTRA's projection is outside the layer: layer.project)
 
 
 def explain_text(text: str, text_b: str | None = None, model=None, *,
@@ -128,9 +141,10 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
         source, config = module.source, module.config
         gamma = module.LayerNorm.weight.detach().float().numpy()
         beta = np.zeros_like(gamma) if module.LayerNorm.bias is None else module.LayerNorm.bias.detach().float().numpy()
+    has, written = recipe(config)
     return TextDecomposition(
         source=source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
         segments=list(enc.token_type_ids),
         positions=list(range(config.first_position, config.first_position + len(enc.input_ids))),
         **{k: parts[k][0] for k in ("word", "position", "segment", "sum", "mean", "std", "output")},
-        gamma=gamma, beta=beta, eps=config.layer_norm_eps)
+        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=written)

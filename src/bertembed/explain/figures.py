@@ -65,20 +65,23 @@ def _token_axis(ax, tokens) -> None:
 def caption_decomposition_norms(dec) -> str:
     n = dec.norms()
     b = sum(dec.segments)
-    return (f"{len(dec.tokens)} tokens ({b} in segment B, shaded). Mean norms: word {n['word'].mean():.3f}, position "
-            f"{n['position'].mean():.3f}, segment {n['segment'].mean():.3f}; their sum {n['sum'].mean():.3f}. "
+    means = ", ".join(f"{part} {n[part].mean():.3f}" for part in dec.parts)
+    return (f"{len(dec.tokens)} tokens ({b} in segment B, shaded). Mean norms: {means}; their sum "
+            f"{n['sum'].mean():.3f}. "
             f"After LayerNorm the output norm is {n['output'].mean():.2f} on average: LayerNorm rescales every "
             f"token to unit variance, then applies its learned gain and bias.")
 
 
 @figure("TextDecomposition", "Norms per token", caption_decomposition_norms)
 def plot_decomposition_norms(dec, ax=None):
-    """Per token: the norms of its word, position and segment vectors (grouped bars)."""
+    """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
     fig, ax = _axes(ax)
     norms, x = dec.norms(), np.arange(len(dec.tokens))
     _shade_segment_b(ax, dec.segments)
-    for j, name in enumerate(("word", "position", "segment")):
-        ax.bar(x + (j - 1) * 0.27, norms[name], 0.27, color=PART_COLOURS[name], label=f"{name} vector")
+    width = 0.8 / len(dec.parts)
+    for j, name in enumerate(dec.parts):
+        ax.bar(x + (j - (len(dec.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
+               label=f"{name} vector")
     _token_axis(ax, dec.tokens)
     ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
     ax.legend(fontsize=8, ncols=4, loc="upper right")
@@ -87,10 +90,10 @@ def plot_decomposition_norms(dec, ax=None):
 
 def caption_variance_shares(dec) -> str:
     s = dec.overall_shares()
-    return (f"Share of the variance over the hidden dimensions of word + position + segment that comes from each part "
-            f"(Cov(part, sum) / Var(sum); the three add up to 1 per token). Pooled over the tokens: word "
-            f"{s['word']:.0%}, position {s['position']:.0%}, segment {s['segment']:.0%}. "
-            f"LayerNorm(sum) recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
+    return (f"Share of the variance over the hidden dimensions of {' + '.join(dec.parts)} that comes from each part "
+            f"(Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
+            f"{', '.join(f'{part} {s[part]:.0%}' for part in dec.parts)}. "
+            f"{dec.recipe} recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
 
 
 @figure("TextDecomposition", "Variance shares", caption_variance_shares)
@@ -100,7 +103,7 @@ def plot_variance_shares(dec, ax=None):
     shares, x = dec.variance_shares(), np.arange(len(dec.tokens))
     _shade_segment_b(ax, dec.segments)
     pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
-    for name in ("word", "position", "segment"):
+    for name in dec.parts:
         value = shares[name]
         base = np.where(value >= 0, pos_base, neg_base)
         ax.bar(x, value, 0.7, bottom=base, color=PART_COLOURS[name], label=name)

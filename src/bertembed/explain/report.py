@@ -118,9 +118,9 @@ def _first_word(tokens: list[str]) -> str:
 
 # per result type: the question its section answers, a one-line answer (None: the result's verdict), the claim's tag
 INTROS = {
-    "TextDecomposition": ("What does the layer add to each token?", "Each token's vector is word + position + "
-                          "segment, summed, then LayerNorm. The table gives each part's norm and its share of the "
-                          "variance LayerNorm sees.", MEASURED),
+    "TextDecomposition": ("What does the layer add to each token?", "Each token's vector is the sum of its rows "
+                          "(word, and position and segment where the member has those tables), then LayerNorm. The "
+                          "table gives each part's norm and its share of the variance LayerNorm sees.", MEASURED),
     "PositionReport": ("Why don't the learned positions look like sin/cos?", None, MEASURED),
     "SegmentReport": ("What are segment embeddings: zeros and ones?", "No: two learned vectors. Segment A's is added "
                       "to [CLS], sentence A and its [SEP]; segment B's to sentence B and the last [SEP]. Both "
