@@ -125,3 +125,20 @@ def test_an_unsupported_checkpoint_is_refused_in_one_line(tmp_path):
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "longformer" in done.stderr and "supported: bert, roberta" in done.stderr
+
+
+def test_version_and_the_commands_in_the_order_of_a_first_tour():
+    """--version prints pyproject's version; --help lists the commands as the README tours them (explain first, bench
+    last), not in the order their modules registered them (bench was first)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from bertembed.cli import app
+
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    done = CliRunner().invoke(app, ["--version"])
+    assert done.exit_code == 0 and done.output == f"bertembed {version}\n", done.output
+    listed = re.findall(r"^│ ([a-z][a-z-]*) ", CliRunner().invoke(app, ["--help"]).output, re.M)
+    assert listed == ["explain", "walkthrough", "notebook", "inspect", "drift", "finetune-demo", "export", "surgery",
+                      "bench"]
+    assert set(listed) == set(typer.main.get_command(app).commands)  # every command, each once

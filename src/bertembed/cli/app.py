@@ -16,11 +16,36 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from bertembed.sources import DEFAULT_MODEL
 
+# the commands in the order of a first tour (the README's): one text taken apart, each part, then the tools
+TOUR = ("explain", "walkthrough", "notebook", "inspect", "drift", "finetune-demo", "export", "surgery", "bench")
+
+
+class _Tour(TyperGroup):
+    def list_commands(self, ctx) -> list[str]:
+        """The commands in TOUR's order, not in the order their modules happened to register them."""
+        return sorted(super().list_commands(ctx), key=lambda name: TOUR.index(name) if name in TOUR else len(TOUR))
+
+
 app = typer.Typer(help="BERT's input embedding layer: exact, fast, and explained.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+                  add_completion=False, pretty_exceptions_enable=False, cls=_Tour)
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from bertembed import __version__
+
+        print(f"bertembed {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                   help="print bertembed's version and exit")] = False) -> None:
+    """BERT's input embedding layer: exact, fast, and explained."""
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="hub id, local folder or weights file; "
                                                  f"default: the bundled {DEFAULT_MODEL}")]
