@@ -137,13 +137,20 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     (["inspect", "onehot", LATIN1], UTF8 % "the text"),
     (["inspect", "tokens", LATIN1], UTF8 % "the token"),
     (["walkthrough", LATIN1], UTF8 % "the text"),
+    # longer than the 16 positions: refused, not cut to fit (walkthrough truncated; segments took the pair whole)
+    (["walkthrough", "the cat " * 10], "22 tokens with its special tokens, but the model has 16 positions"),
+    (["walkthrough", "the cat", "sat " * 14], "19 tokens with its special tokens, but the model has 16 positions"),
+    (["inspect", "segments", "the cat", "--text-b", "sat " * 14], "19 tokens .* 16 positions"),
 ])
 def test_bad_text_is_a_clear_error(tiny, args, pattern):
     assert_user_error(invoke(*args, "--model", tiny), pattern)
 
 
-def test_notebook_refuses_text_that_is_not_utf8_before_writing(tiny, tmp_path):
-    assert_user_error(invoke("notebook", tmp_path / "n.ipynb", "--text", LATIN1, "--model", tiny), UTF8 % "the text")
+@pytest.mark.parametrize("text, pattern", [(LATIN1, UTF8 % "the text"), ("\u200b\x00", "the text has no tokens"),
+                                           ("the cat " * 10, "22 tokens .* 16 positions")])
+def test_notebook_refuses_a_text_the_layer_cannot_take_before_writing(tiny, tmp_path, text, pattern):
+    """As every other command does: the notebook's cells would fail, or cut the text, where these are written."""
+    assert_user_error(invoke("notebook", tmp_path / "n.ipynb", "--text", text, "--model", tiny), pattern)
     assert list(tmp_path.iterdir()) == []
 
 

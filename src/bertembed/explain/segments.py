@@ -61,12 +61,11 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     layer = load_layer(model)
     seg = table(layer, "segment")
     tokenizer, enc = tokenize_whole(layer.source, text)
-    if text_b is not None:
-        tokenizer.require_tokens(text_b, "text_b")
+    # the pair, one sequence: refused, as the text alone, where it has no tokens or more than the positions
+    pair = tokenize_whole(layer.source, text, text_b)[1] if text_b is not None else None
     ids = np.array([enc.input_ids, enc.input_ids])
     parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)
-    pair = tokenizer(text, text_b, truncation=False, padding=False) if text_b is not None else None
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
     return SegmentReport(

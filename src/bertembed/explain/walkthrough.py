@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg
+from bertembed.explain._common import ModelArg, tokenize_whole
 
 
 @dataclass
@@ -108,12 +108,11 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     import torch
 
     from bertembed.embeddings import BertEmbeddings, sinusoidal_table
-    from bertembed.tokenizer import Tokenizer, check_not_blank
+    from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)
     layer = BertEmbeddings.from_pretrained(model.source if hasattr(model, "source") else model, dtype=torch.float32)
-    tokenizer = Tokenizer.from_pretrained(layer.source)
-    tokenizer.require_tokens(text, "the text", text_b=text_b)
+    tokenizer = tokenize_whole(layer.source, text, text_b)[0]  # (no tokens, or more than the positions: refused)
     space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
                              "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
     results = []
@@ -210,9 +209,8 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     import nbformat
 
     from bertembed.atomic import check_output, write_atomic
-    from bertembed.tokenizer import check_not_blank
 
-    check_not_blank(text, "the text", text_b)
+    tokenize_whole(model, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
