@@ -25,7 +25,8 @@ def onnx_command(
 ) -> None:
     """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
-    with user_errors(out, needs=("onnx", "onnxscript")):  # the output, packages and opset checked before any work
+    # the output, packages and opset checked before any work; onnxscript: torch's exporter (all but a fused layer)
+    with user_errors(out, needs=("onnx", *["onnxscript"] * (whole or not fused))):
         from bertembed.onnx_export import check_opset
 
         check_opset(opset)
