@@ -247,3 +247,22 @@ def test_a_fused_layer_exports_without_onnxscript(tiny, tmp_path, monkeypatch):
     result = invoke("export", "onnx", tmp_path / "e.onnx", "--fused", "--model", tiny)
     assert result.exit_code == 0, result.output
     assert "EmbedLayerNormalization" in [node.op_type for node in onnx.load(tmp_path / "e.onnx").graph.node]
+
+
+@pytest.mark.parametrize("command", [("export", "onnx", "{out}.onnx"), ("surgery", "extend-positions", "{tiny}",
+                                                                         "{out}", "--to", "80")])
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny, tmp_path, monkeypatch, command):
+    """The disk fills up as the output is made durable: an error line naming the target and the reason (after the
+    model line export prints first), exit 2, no file or folder left, not a traceback."""
+    import os
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    args = [a.format(tiny=tiny, out=tmp_path / "out") for a in command]
+    result = invoke(*args, *(["--model", tiny] if command[0] == "export" else []))
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert re.fullmatch(r"error: cannot save to .*out.*: No space left on device", lines[-1]), lines
+    assert list(tmp_path.iterdir()) == []

@@ -239,6 +239,8 @@ def write_atomic(path: str | Path, data: bytes) -> Path:
     try:
         with open(tmp, "xb") as handle:  # (a new file, with the permissions open() gives under the umask)
             handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())  # (on the disk before the rename shows it: a crash finds old or new, never empty)
         os.replace(tmp, target)
     except OSError as err:
         raise save_error(err, target) from err

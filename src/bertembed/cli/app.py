@@ -137,6 +137,8 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: s
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:
         _fail(str(err))
     except OSError as err:
+        if str(err).startswith("cannot save to "):  # (a full disk, an I/O error: `atomic.save_error` names the target)
+            _fail(str(err))
         if err.errno != errno.ENAMETOOLONG:
             raise
         name = str(err.filename or "a path")
