@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bertembed.bench.candidates import Case, bound_bytes, inputs
+from bertembed.bench.candidates import DTYPES, Case, inputs
 from bertembed.config import EmbeddingConfig
 from bertembed.embeddings import BertEmbeddings
 from bertembed.fast import triton as triton_kernels
@@ -32,7 +32,6 @@ CASES = [Case(1024, 64, 512), Case(1024, 64, 512, dtype="bfloat16"), Case(1024, 
          Case(768, 32, 128), Case(768, 1, 11), Case(1024, 64, 512, "fwdbwd"), Case(768, 32, 128, "fwdbwd")]
 # (rows per program, num_warps) of the raw forward kernel
 VARIANTS = [(1, 2), (1, 4), (2, 2), (2, 8)]  # the best of (1, 2, 4) x (2, 4, 8) in an earlier run
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -45,6 +44,13 @@ class Workload:
     input_ids: torch.Tensor
     token_type_ids: torch.Tensor
     grad_output: torch.Tensor
+
+
+def bound_bytes(case: Case) -> int:
+    """Least bytes a forward moves: B*L gathered word, position and segment rows of H values, gamma and beta, and
+    the [B, L, H] output written once (ids left out)."""
+    tokens, size = case.batch * case.length, DTYPES[case.dtype].itemsize
+    return (tokens * 3 * case.hidden + 2 * case.hidden + tokens * case.hidden) * size
 
 
 def make_workload(case: Case, vocab_size: int = 30522) -> Workload:
@@ -92,7 +98,7 @@ def copy_bandwidth(device: str) -> float:
 
 
 def modules(work: Workload, device: str):
-    dtype = _DTYPES[work.case.dtype]
+    dtype = DTYPES[work.case.dtype]
     ours = BertEmbeddings(work.config, backend="triton")
     ours.load_state_dict(work.state_dict)
     hf = _hf_module(work)
@@ -128,7 +134,7 @@ def check(ours, ref, work: Workload) -> dict:
     with torch.no_grad():
         expected = ref.eval()(ids.cpu(), tts.cpu())
         errors = {"err module": _rel_err(ours.eval()(ids, tts), expected)}
-        out = torch.empty((*ids.shape, work.case.hidden), device=ids.device, dtype=_DTYPES[work.case.dtype])
+        out = torch.empty((*ids.shape, work.case.hidden), device=ids.device, dtype=DTYPES[work.case.dtype])
         for variant in VARIANTS:
             out.fill_(float("nan"))
             raw_forward(ours, ids, tts, variant, out)()
@@ -144,7 +150,7 @@ def _rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def time_forward(case: Case, work: Workload, ours, hf, device: str) -> dict:
     ids, tts = work.input_ids, work.token_type_ids
-    out = torch.empty((*ids.shape, case.hidden), device=device, dtype=_DTYPES[case.dtype])
+    out = torch.empty((*ids.shape, case.hidden), device=device, dtype=DTYPES[case.dtype])
     variants = VARIANTS if ids.numel() >= 4096 else [(1, 4)]  # a sentence: launch-bound, one is enough
     row = {_name(v): median_ms(raw_forward(ours, ids, tts, v, out)) for v in variants}
     ours.eval(), hf.eval()

@@ -211,8 +211,6 @@ MISSING = [
     (["notebook", "{tmp}/n.ipynb"], "nbformat", "notebook", "explain.walkthrough.notebook_cells"),
     (["export", "onnx", "{tmp}/e.onnx"], "onnx", "onnx", "onnx_export.check_opset"),
     (["export", "onnx", "{tmp}/e.onnx"], "onnxscript", "onnx", "onnx_export.check_opset"),
-    (["bench", "--quick"], "numba", "bench", "bench.measure.run"),
-    (["bench", "--quick"], "onnxruntime", "bench", "bench.measure.run"),
 ]
 
 

@@ -1,1 +1,1 @@
-"""`bertembed bench`: candidates.py (cases, candidates), measure.py (timing, memory, bandwidth), report.py (output)."""
+"""`bertembed bench`: candidates.py (the cases and what runs them), measure.py (timing, guards, the report)."""

@@ -1,17 +1,16 @@
-"""How `bertembed bench` measures: every candidate of a case in one process, timed in interleaved rounds. glibc's
-allocator settings hold from a process's start: a condition this process is not in runs in a child process."""
+"""How `bertembed bench` measures and reports: in one process, each case's candidates checked against the float32
+reference, then timed in interleaved rounds with `torch.utils.benchmark`; the layer's guards; the markdown report."""
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
-import subprocess
-import sys
-import tempfile
+import platform
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -19,205 +18,132 @@ import torch
 from torch.utils import benchmark
 
 from bertembed.bench import candidates as cands
-from bertembed.bench.candidates import CANDIDATES, DTYPES, Case
 
-STEADY_ENV = {"MALLOC_TRIM_THRESHOLD_": "1099511627776", "MALLOC_MMAP_MAX_": "0"}  # glibc keeps freed memory
-CONDITIONS = {"steady": ("steady",), "default": ("default",), "both": ("steady", "default")}
-DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass
-class Options:
-    """What to run; `cases` (tests, the child process) replaces the planned sweep."""
-
-    quick: bool = False
-    threads: int = 2
-    allocator: str | None = None  # None: "steady" (where the targets are judged) for --quick and CUDA, else "both"
-    device: str = "auto"
-    hiddens: tuple[int, ...] | None = None
-    shapes: tuple[tuple[int, int], ...] | None = None
-    dtypes: tuple[str, ...] | None = None
-    repeat: int = 3  # rounds per case, the candidates' order rotated each round
-    reference: bool = False  # time bertembed's reference layer too
-    candidates: tuple[str, ...] = CANDIDATES
-    cases: list[Case] | None = None
-    min_run_time: float | None = None  # seconds per candidate and round; None: 0.05 quick, 0.3 full
-    bandwidth_bytes: int = 1 << 30
-    vocab: int = cands.VOCAB
-    warmup: int = 3
-
-    def __post_init__(self) -> None:
-        self.allocator = self.allocator or ("steady" if self.quick or self.device == "cuda" else "both")
-        self.min_run_time = self.min_run_time or (0.05 if self.quick else 0.3)
-        checks = [(self.allocator in CONDITIONS,
-                   f"--allocator must be one of {tuple(CONDITIONS)}, got {self.allocator!r}"),
-                  (self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}"),
-                  (self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
-                  (self.repeat >= 1, f"--repeat must be at least 1, got {self.repeat}"),
-                  (not self.hiddens or min(self.hiddens) >= 1, f"--hidden must be positive, got {self.hiddens}"),
-                  (not self.shapes or min(min(s) for s in self.shapes) >= 1,
-                   f"--shape must be positive BxL, got {self.shapes}"),
-                  (not self.shapes or max(n for _, n in self.shapes) <= 512,
-                   f"--shape lengths stop at 512, the rows of BERT's position table; got {self.shapes}"),
-                  (set(self.dtypes or ()) <= set(DTYPES), f"--dtype must be among {tuple(DTYPES)}, got {self.dtypes}"),
-                  (set(self.candidates) <= set(CANDIDATES), f"candidates must be among {CANDIDATES}"),
-                  (self.device != "cuda" or torch.cuda.is_available(),
-                   "--device cuda asked for, but torch sees no CUDA device")]
-        if bad := next((message for ok, message in checks if not ok), None):
-            raise ValueError(bad)
+VERSIONED = ("bertembed", "torch", "transformers", "onnx", "onnxruntime", "numba", "triton", "numpy")
+# The fused layer against transformers' eager one, float32 on the CPU: (guard, case key, least ratio of the medians).
+# "No slower" allows 5%, about what separate runs of the same code differ by on a shared machine.
+GUARDS = (("forward (32, 128), H 768", "cpu H=768 B=32 L=128 fwd float32", 2.0),
+          ("training step (32, 128), H 768, dropout 0.1", "cpu H=768 B=32 L=128 fwdbwd float32", 2.0),
+          ("sentence (1, 11), H 768, no slower", "cpu H=768 B=1 L=11 fwd float32", 0.95))
+COLUMNS = ("case", "candidate", "median ms", "IQR ms", "vs eager", "max abs diff")
 
 
-def current_condition() -> str | None:
-    """The allocator condition this process started in, from its environment; None for another glibc setting."""
-    if all(os.environ.get(k) == v for k, v in STEADY_ENV.items()):
-        return "steady"
-    return None if any(k in os.environ for k in STEADY_ENV) else "default"
-
-
-def run(options: Options) -> dict[str, Any]:
-    """Every condition of `options.allocator`, in this process where it started in it; the report without targets."""
-    from bertembed.bench.report import header
-
-    gpu = ("cuda",) if torch.cuda.is_available() else ()
-    devices = {"cpu": ("cpu",), "cuda": ("cuda",)}.get(options.device, ("cpu", *gpu))
-    cases = options.cases
-    if cases is None:
-        cases = cands.plan(options.quick, options.hiddens, options.shapes, options.dtypes, devices)
-    report = {**header(options), "steady_env": STEADY_ENV, "conditions": {}}
-    for condition in CONDITIONS[options.allocator]:
-        here = current_condition() == condition
-        done = measure_all(options, cases, condition) if here else _child(options, cases, condition)
-        report["conditions"][condition] = {**done, "in_process": here}
-    return report
-
-
-def _child(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in STEADY_ENV} | (STEADY_ENV if condition == "steady" else {})
-    env.update({k: str(options.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parents[2]), env.get("PYTHONPATH"))))
-    with tempfile.TemporaryDirectory(prefix="bertembed-bench-") as folder:
-        out = Path(folder) / "condition.json"
-        spec = json.dumps({**asdict(options), "cases": [c.to_dict() for c in cases], "condition": condition})
-        done = subprocess.run([sys.executable, "-m", "bertembed.bench.measure", spec, str(out)], env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"the {condition} allocator condition's process exited with status {done.returncode}")
-        return json.loads(out.read_text())
-
-
-def measure_all(options: Options, cases: list[Case], condition: str) -> dict[str, Any]:
-    torch.set_num_threads(options.threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(options.threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
-    meta = {"condition": condition, "threads": options.threads, "load_average": os.getloadavg(),
-            "bandwidth_bytes_per_s": {d: copy_bandwidth(d, options.bandwidth_bytes, options.threads,
-                                                        0.2 if options.quick else 1.0)
-                                      for d in sorted({c.device for c in cases})}}
-    results, group, built = [], None, {}
+def run(cases: list[cands.Case], threads: int = 2, repeat: int = 3, quick: bool = False, reference: bool = False,
+        candidates=cands.CANDIDATES, progress: Callable[[str], Any] = lambda line: None) -> dict[str, Any]:
+    """The report of `cases`: how and where the run was made, a record per case and candidate that takes part (the
+    reference only with `reference`), and the guards; `repeat` rounds of 0.3 s (0.05 s `quick`) per candidate."""
+    started, about = time.perf_counter(), header(threads, repeat, quick)
+    torch.set_num_threads(threads)  # (numba's too: bertembed's CPU kernels follow torch's count)
+    results = []
     for i, case in enumerate(cases):
-        print(f"bench ({condition}) {i + 1}/{len(cases)}: {case.key}", file=sys.stderr, flush=True)
-        if group != (case.device, case.hidden, case.dtype, case.member):
-            group, built = (case.device, case.hidden, case.dtype, case.member), {}  # (the last group's tables freed)
-            built = cands.modules(case.hidden, case.device, case.dtype, vocab=options.vocab, member=case.member)
-        results += measure_case(case, built, options, meta["bandwidth_bytes_per_s"][case.device])
-    return {"meta": meta, "results": results}
+        progress(f"bench {i + 1}/{len(cases)}: {case.key}")
+        names = [n for n in candidates if cands.runs(n, case) and (reference or "reference" not in n)]
+        results += measure_case(case, names, threads, repeat, 0.05 if quick else 0.3)
+    return {**about, "wall_seconds": time.perf_counter() - started, "results": results, "guards": guards(results)}
 
 
-def measure_case(case: Case, built: dict[str, Any], options: Options, dram: float) -> list[dict[str, Any]]:
-    """One record per candidate: built, warmed up, checked against the float32 reference (forward), then timed in
-    `options.repeat` rounds of one `blocked_autorange` each, the order rotated by one each round."""
-    names = [n for n in options.candidates if cands.runs(n, case) and (options.reference or "reference" not in n)]
-    ids, types, grad = cands.inputs(case, vocab=options.vocab)
-    records = {n: {"case": case.to_dict(), "key": case.key, "output_bytes": case.output_bytes, "candidate": n}
-               for n in names}
-    if case.mode == "fwd":
-        with torch.no_grad():
-            expected = built["reference32"].eval()(**cands.arguments(built, ids, types)).double()
+def measure_case(case: cands.Case, names: list[str], threads: int, repeat: int, seconds: float) -> list[dict[str, Any]]:
+    """One record per candidate of `names`: built, warmed up, checked against the float32 reference (forward), then
+    timed in `repeat` rounds of one `blocked_autorange` of `seconds` each, the order rotated by one each round."""
+    expected, make = cands.prepare(case)
+    records = {n: {"case": asdict(case), "key": case.key, "candidate": n} for n in names}
     calls = {}
     for name in names:
         try:
-            fn = cands.call(name, built, case, ids, types, grad)
-            for _ in range(options.warmup):
+            fn = make(name)
+            for _ in range(3):  # (warm-up)
                 fn()
-            if case.mode == "fwd":
-                diff = float((torch.as_tensor(fn()).to(expected.device).double() - expected).abs().max())
-                records[name]["max_abs_diff"] = diff
+            if expected is not None:
+                diff = records[name]["max_abs_diff"] = float((torch.as_tensor(fn()).double() - expected).abs().max())
                 if diff > cands.TOLERANCE[case.dtype]:
                     records[name]["note"] = f"OUTPUT DIFFERS from the reference by up to {diff:.2e}"
             calls[name] = fn
-        except cands.NotAvailable as err:
+        except ImportError as err:  # (a package that is not installed, named)
             records[name].update(status="not available", note=str(err))
         except Exception as err:  # noqa: BLE001  (a failing candidate is reported, the run goes on)
             records[name].update(status="error", note=f"{type(err).__name__}: {str(err)[:300]}")
     rounds: dict[str, list[benchmark.Measurement]] = {n: [] for n in calls}
     order = deque(calls)
-    for _ in range(options.repeat):
+    for _ in range(repeat):
         for name in order:
-            timer = benchmark.Timer("fn()", globals={"fn": calls[name]}, num_threads=options.threads)
-            rounds[name].append(timer.blocked_autorange(min_run_time=options.min_run_time))
+            timer = benchmark.Timer("fn()", globals={"fn": calls[name]}, num_threads=threads)
+            rounds[name].append(timer.blocked_autorange(min_run_time=seconds))
             time.sleep(0.01)  # another library's thread pool stops spinning before the next candidate starts
         order.rotate(-1)
-    for name, fn in calls.items():
-        every = benchmark.Measurement.merge(rounds[name])[0]  # every block of every round
+    merged = {name: benchmark.Measurement.merge(measured)[0] for name, measured in rounds.items()}  # every block
+    for name, every in merged.items():
         records[name].update(status="ok", median_s=every.median, iqr_s=every.iqr, runs=len(every.times),
-                             round_medians_s=[m.median for m in rounds[name]])
-        if name != "ort-fused":  # (ORT's buffers are outside torch's allocator)
-            peak = peak_bytes(fn, case.device)
-            if case.mode != "fwd" or peak >= case.output_bytes:
-                records[name]["peak_bytes"] = peak
-            else:  # (an output allocated outside torch's allocator, or missed by the profiler)
-                note = f"peak memory not measured: torch's allocator saw {peak} bytes, less than the output"
-                records[name]["note"] = "; ".join(filter(None, (records[name].get("note"), note)))
-    eager = records.get("hf-eager", {}).get("median_s")
-    traffic = cands.bound_bytes(case)
-    copy = copy_bandwidth(case.device, max(traffic // 2, 4096), options.threads, 0.05) if case.mode == "fwd" else 0
-    for record in (r for r in records.values() if r.get("status") == "ok"):
-        record["vs_eager"] = eager / record["median_s"] if eager else None
-        if case.mode == "fwd":
-            record.update(bound_s=traffic / copy, bound_dram_s=traffic / dram, copy_bytes_per_s=copy,
-                          achieved_bytes_per_s=traffic / record["median_s"])
+                             round_medians_s=[m.median for m in rounds[name]],
+                             vs_eager=merged["hf-eager"].median / every.median if "hf-eager" in merged else None)
     return list(records.values())
 
 
-def peak_bytes(fn, device: str) -> int:
-    """Peak bytes torch's allocator held during one call of `fn` above the level before it (CPU: from the profiler)."""
-    if device != "cpu":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read at its first use: below 6 it prints 2 USDT lines a call)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
-
-
-def copy_bandwidth(device: str, nbytes: int, threads: int, min_run_time: float) -> float:
-    """Bytes/s of `dst.copy_(src)`, read + write, in its best block."""
-    src = torch.ones(nbytes // 4, device=device)
-    timer = benchmark.Timer("dst.copy_(src)", globals={"dst": torch.empty_like(src), "src": src}, num_threads=threads)
-    return 2 * src.nbytes / min(timer.blocked_autorange(min_run_time=min_run_time).times)
+def header(threads: int, repeat: int, quick: bool) -> dict[str, Any]:
+    """When, where and with what a run was made."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor() or "unknown")
+    machine = {"cpu": cpu, "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "os": platform.platform(), "python": platform.python_version()}
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
+            "load_average": os.getloadavg(), "versions": versions, "quick": quick, "threads": threads, "repeat": repeat,
+            "timer": f"torch.utils.benchmark.Timer.blocked_autorange, min_run_time {0.05 if quick else 0.3} s for each "
+            f"candidate a round, rounds: {repeat}, the order rotated each round; median and IQR over every block"}
 
 
-def disturbances(threads: int, load: float, cpus: int) -> list[str]:
-    """Why a run's timings would not be the machine's own: more threads than CPUs, or other processes running."""
-    found = [f"--threads {threads} is more than the {cpus} CPUs this process may use"] if threads > cpus else []
-    if load > 0.3:
-        found.append(f"load average {load:.2f} before starting: other processes are running, so the timings will "
-                     f"be disturbed")
-    return found
+def guards(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each guard's target, measured ratio (the fused layer's `vs_eager`) and "pass" or "fail"; or "not measured"."""
+    ratios = {r["key"]: r["vs_eager"] for r in results if r["candidate"] == "bertembed-fused" and r["status"] == "ok"}
+    rows = []
+    for name, key, target in GUARDS:
+        ratio = ratios.get(key)
+        row = {"guard": name, "case": key, "target": target, "measured": ratio, "result": "not measured"}
+        if ratio is not None:
+            passed = ratio >= target
+            shown = next((f"{ratio:.{d}f}" for d in range(2, 7) if (float(f"{ratio:.{d}f}") >= target) == passed),
+                         f"{ratio:.6f}")  # as many digits as the verdict needs: 1.997 is no 2.00
+            row.update(shown=f"{shown}x", result="pass" if passed else "fail")
+        rows.append(row)
+    return rows
 
 
-if __name__ == "__main__":  # the child of `_child`: SPEC_JSON OUT
-    spec = json.loads(sys.argv[1])
-    condition, spec["cases"] = spec.pop("condition"), [Case(**c) for c in spec["cases"]]
-    Path(sys.argv[2]).write_text(json.dumps(measure_all(Options(**spec), spec["cases"], condition)))
+def _cells(r: dict[str, Any]) -> list[str]:
+    if r["status"] != "ok":
+        return [r["key"], r["candidate"], r["status"], "", "", ""]
+    diff = "" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.1e}"
+    vs_eager = "" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
+    return [r["key"], r["candidate"], f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}", vs_eager, diff]
+
+
+def _table(head: tuple[str, ...], rows: list[list[str]], align: str) -> list[str]:
+    """A markdown table whose columns line up as plain text too; `align`: "l" or "r" per column."""
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    rule = ["-" * w if a == "l" else "-" * (w - 1) + ":" for a, w in zip(align, widths, strict=True)]
+    padded = ([c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align, strict=True)]
+              for row in (head, rule, *rows))
+    return ["| " + " | ".join(cells) + " |" for cells in padded]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The whole report: the run, the guards, every result, then the notes."""
+    m, load = report["machine"], report["load_average"]
+    guard_rows = [[g["guard"], f">= {g['target']:g}x", g.get("shown", ""), g["result"]] for g in report["guards"]]
+    lines = ["### bertembed bench", "",
+             f"- run: started {report['started']}, {report['wall_seconds']:.0f} s",
+             f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
+             f"{report['threads']} threads; {m['os']}; Python {m['python']}" + (f"; GPU {m['gpu']}" if m["gpu"] else "")
+             + f"; load average (1/5/15 min) at the start {'/'.join(f'{x:.2f}' for x in load)}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+             f"- mode: {'--quick' if report['quick'] else 'full'}; timer: {report['timer']}; all candidates in one "
+             "process; vs eager = transformers eager's median / this median, both from this run", "",
+             *_table(("guard: bertembed-fused vs hf-eager", "target", "measured", "result"), guard_rows, "lrrl"), "",
+             *_table(COLUMNS, [_cells(r) for r in report["results"]], "llrrrr")]
+    notes = [f"- {r['candidate']} on {r['key']}: {r['note']}" for r in report["results"] if r.get("note")]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
