@@ -90,6 +90,12 @@ class IdsOutsideTables(RuntimeError):
     """A kernel found ids outside their tables and skipped those tokens, reading nothing for them."""
 
 
+class RowsOverflowed(ArithmeticError):
+    """A kernel met tokens (how many: the argument) whose float32 moments are not finite: a NaN or inf in their rows, or
+    a variance past float32's range. torch's own arithmetic decides their output there (a NaN row, or LayerNorm's bias,
+    by the column), so the caller computes the reference instead."""
+
+
 def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
     """The error of a kernel that found `count` ids outside their tables and skipped those tokens."""
     return IdsOutsideTables(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for "

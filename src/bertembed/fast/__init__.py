@@ -24,6 +24,7 @@ from bertembed.config import EmbeddingConfig
 from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
 from bertembed.validation import (
     IdsOutsideTables,
+    RowsOverflowed,
     check_dropout,
     check_id_ranges,
     check_inputs,
@@ -159,6 +160,10 @@ def _mixed(tables, ids) -> str | None:
     return None
 
 
+_OVERFLOWED = "a token's rows hold a NaN, an inf or values whose variance overflows float32, where torch's own " \
+              "arithmetic decides the output (a NaN row, or LayerNorm's bias)"
+
+
 def _fall_back(reason: str) -> None:
     if reason not in _told:  # once per reason, not once per call
         _told.add(reason)
@@ -205,6 +210,9 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     except IdsOutsideTables:
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
         raise
+    except RowsOverflowed:
+        _fall_back(_OVERFLOWED)
+        return None
 
 
 def gathered_rows(word: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
@@ -337,8 +345,11 @@ def fused_embeddings(
     if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
         chosen, reason = "reference", mixed
     if chosen != "reference":
-        return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, (padding_idx, None),
-                      deterministic, out)
+        try:
+            return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, (padding_idx, None),
+                          deterministic, out)
+        except RowsOverflowed:
+            reason = _OVERFLOWED
     if reason:
         _fall_back(reason)
     import torch.nn.functional as F

@@ -33,7 +33,7 @@ from bertembed.fast.cpu_ops import (  # noqa: F401  (cpu.round_like, cpu.keep, .
     widen,
     write_row,
 )
-from bertembed.validation import skipped_ids_error
+from bertembed.validation import RowsOverflowed, skipped_ids_error
 
 # Start numba's thread pool now, keeping torch's thread count: numba's OpenMP layer sets the count torch reads.
 _wanted = torch.get_num_threads()
@@ -49,6 +49,7 @@ if numba.threading_layer() == "omp":
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
 _STREAM_FROM = 12 << 20  # float32 output bytes from which rows go out by non-temporal stores (docs/memory.md)
 _SHIFT_FROM = 64  # the moments are summed around the mean of the row's first this-many entries
+_ODD = 1 << 32  # a chunk returns (bad ids) + _ODD x (tokens whose moments are not finite)
 
 
 # `reassoc` lets the float32 sums vectorise; the tests hold `add_rounded` to the reference's roundings.
@@ -102,7 +103,8 @@ def _moments(x, shift, total, wide):
 def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd,
                    wide, stream):
     """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
-    dropout into x, then x into out[i]. Inlined: as a call it passed ten arrays by value per token."""
+    dropout into x, then x into out[i]; returns whether the moments are not finite (a NaN or inf in the rows, or a
+    variance past float32's range). Inlined: as a call it passed ten arrays by value per token."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
@@ -118,6 +120,7 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
         stream_row(x, out, i)
     else:
         write_row(x, out, i)
+    return not (abs(m) < np.inf and var < np.inf)  # (NaN too)
 
 
 _AHEAD = 2  # the token whose word row is prefetched: this many ahead
@@ -126,26 +129,27 @@ _AHEAD = 2  # the token whose word row is prefetched: this many ahead
 @njit(cache=True, fastmath={"contract"})
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd,
                    wide, stream):
-    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read)."""
+    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read), plus _ODD times how
+    many had moments that are not finite."""
     has_pos = pos.shape[0] > 0
     scratch = np.empty(out.shape[1], np.float32)
     x = borrowed(scratch)
     word, seg, pos, gamma, beta = borrowed(word), borrowed(seg), borrowed(pos), borrowed(gamma), borrowed(beta)
     out, mean, rstd = borrowed(out), borrowed(mean), borrowed(rstd)
-    bad = 0
+    bad, odd = 0, 0
     for i in range(lo, hi):
         if i + _AHEAD < hi and 0 <= ids[i + _AHEAD] < word.shape[0]:
             prefetch_row(word, ids[i + _AHEAD])
         w, s, q = ids[i], tts[i], pids[i]
         if ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
-            _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean,
-                           rstd, wide, stream)
+            odd += _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out,
+                                  mean, rstd, wide, stream)
         else:
             bad += 1
     hold(scratch)
     if stream:
         store_fence()
-    return bad
+    return bad + odd * _ODD
 
 
 @njit(parallel=True, cache=True)
@@ -154,7 +158,7 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
     ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens, a few per thread. stream: float32 rows go out by non-temporal stores.
+    tokens, a few per thread. stream: float32 rows go out by non-temporal stores. Returns as `_forward_chunk`.
     """
     n = out.shape[0]
     bad = 0
@@ -319,10 +323,10 @@ _NO_DROPOUT = (dropout_threshold(0.0), dropout_scale(0.0), np.uint64(0))  # (thr
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
-                stats: bool = True, shape=None):
+                stats: bool = True, shape=None, strict: bool = False):
     """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may
     be None. Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or
-    None and None with `stats=False`)."""
+    None and None with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
     mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
@@ -333,10 +337,13 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     sizes = (n, h, word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0])
     chunks = max(1, min(n, 4 * _threads())) if n * h >= _PARALLEL_FROM and not _forked else 0
     dropout = (dropout_threshold(p), dropout_scale(p), np.uint64(seed)) if p else _NO_DROPOUT
-    bad = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), *dropout, chunks,
-                      chunks > 0 and out.nbytes >= _STREAM_FROM)
+    found = _forward_at(at, sizes, _LIKE[word.dtype], float(eps), *dropout, chunks,
+                        chunks > 0 and out.nbytes >= _STREAM_FROM)
+    bad, odd = found % _ODD, found // _ODD
     if bad:
         raise skipped_ids_error(bad, "bertembed cpu forward")
+    if odd and strict:
+        raise RowsOverflowed(odd)
     return out, mean, rstd
 
 

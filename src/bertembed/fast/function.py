@@ -33,28 +33,30 @@ def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) ->
 
 
 def kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p,
-                   seed, out=None, stats=True):
-    """`backend`'s forward kernel: (out [B, L, H], or the `out` given; mean [N], rstd [N], or None without stats)."""
+                   seed, out=None, stats=True, strict=True):
+    """`backend`'s forward kernel: (out [B, L, H], or the `out` given; mean [N], rstd [N], or None without stats).
+    `strict`: RowsOverflowed where a token's moments are not finite, for the caller to run the reference instead."""
     return backend_module(backend).run_forward(
         *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
         None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=stats,
-        shape=(*input_ids.shape, word.shape[1]))
+        shape=(*input_ids.shape, word.shape[1]), strict=strict)
 
 
 def _forward(
     input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
     position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
-    position_pad: int, backend: str, deterministic: bool,
+    position_pad: int, backend: str, deterministic: bool, strict: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
 
     input_ids [B, L]; segment and position ids of any shape that broadcasts to it; all already validated.
     `padding_idx` and `position_pad` (the word and position tables' padding rows, whose gradients stay zero; -1:
-    none) and `deterministic` are read by the backward.
+    none) and `deterministic` are read by the backward. `strict` (eager mode; a compiled graph cannot run the
+    reference instead): RowsOverflowed where a token's moments are not finite, else the kernel's answer stays.
     """
     # out in its own shape, not a view of [N, H]: a view made in an autograd Function may not be changed in place
     out, mean, rstd = kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight,
-                                     bias, eps, p, seed)
+                                     bias, eps, p, seed, strict=strict)
     return out, mean.view(input_ids.shape), rstd.view(input_ids.shape)
 
 
@@ -63,7 +65,7 @@ embeddings_op = torch.library.custom_op("bertembed::embeddings", _forward, mutat
 
 @embeddings_op.register_fake
 def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, padding_idx,
-      position_pad, backend, deterministic):
+      position_pad, backend, deterministic, strict=False):
     batch, length = input_ids.shape
     stats = word.new_empty((batch, length), dtype=torch.float32)
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
@@ -112,7 +114,7 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 def _setup_context(ctx, inputs, output) -> None:
     (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
-     position_pad, backend, deterministic) = inputs
+     position_pad, backend, deterministic, *_strict) = inputs
     _out, mean, rstd = output
     ctx.set_materialize_grads(False)  # (no zero gradients made for mean and rstd, which backward never reads)
     # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows.
@@ -177,7 +179,7 @@ class EagerEmbeddings(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature
-        output = _forward(*inputs)
+        output = _forward(*inputs, strict=True)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(*output[1:])
         return output

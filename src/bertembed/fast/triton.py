@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bertembed.validation import skipped_ids_error
+from bertembed.validation import RowsOverflowed, skipped_ids_error
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when @triton.jit decorates, as Triton itself reads it
 
@@ -72,7 +72,8 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
                     HAS_POS: tl.constexpr, ROUND: tl.constexpr,
                     DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, EVICT: tl.constexpr,
                     R: tl.constexpr, BLOCK: tl.constexpr):
-    """R token rows. COUNT adds each token with a bad id to `bad` (read back on CPU tensors, in the interpreter). STATS
+    """R token rows. COUNT adds each token with a bad id to bad[0], and each whose moments are not finite (a NaN or
+    inf in its rows, a variance past float32's range) to bad[1] (read back on CPU tensors, in the interpreter). STATS
     stores the rows' mean and 1/std (training)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     live = rows < N
@@ -100,6 +101,8 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
         tl.store(rstd + rows, r, mask=live)
     if COUNT:
         tl.atomic_add(bad + rows * 0, 1, mask=live & (ok == 0))
+        finite = (tl.abs(mu) < float("inf")) & (r > 0)  # (NaN compares false; r is 0 where the variance is inf)
+        tl.atomic_add(bad + 1 + rows * 0, 1, mask=live & ok & (finite == 0))
 
 
 @triton.jit
@@ -174,17 +177,19 @@ def _warps(elements: int, itemsize: int) -> int:
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
-                stats: bool = True, num_warps: int | None = None, rows: int = 1, evict_first: bool = True, shape=None):
-    """As `bertembed.fast.cpu.run_forward`. Tuning (docs/gpu-kernels.md): `rows` token rows per program (a power of 2)
-    and `num_warps`, defaults the fastest on an H100; `evict_first` marks the word rows read and the output written
-    as the first to leave the L2 cache, so the few shared rows stay."""
+                stats: bool = True, num_warps: int | None = None, rows: int = 1, evict_first: bool = True, shape=None,
+                strict: bool = False):
+    """As `bertembed.fast.cpu.run_forward`, but `strict` holds on CPU tensors only (a GPU read-back would wait for the
+    device): on a GPU a token whose moments are not finite keeps the kernel's answer. Tuning (docs/gpu-kernels.md):
+    `rows` token rows per program (a power of 2) and `num_warps`, defaults the fastest on an H100; `evict_first` marks
+    the word rows read and the output written as the first to leave the L2 cache, so the few shared rows stay."""
     n, h = ids.numel(), word.shape[1]
     dev = word.device
     if out is None:  # (any contiguous shape: the kernel reads its address)
         out = torch.empty(shape or (n, h), dtype=word.dtype, device=dev)
     # without stats `out` stands in for mean and rstd, as a pointer never written through
     mean, rstd = (torch.empty(n, device=dev), torch.empty(n, device=dev)) if stats else (out, out)
-    bad = torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cpu" else None  # (a GPU read-back would sync)
+    bad = torch.zeros(2, dtype=torch.int32, device=dev) if dev.type == "cpu" else None  # (a GPU read-back would sync)
     if n:
         block = triton.next_power_of_2(h)
         _forward_kernel[(triton.cdiv(n, rows),)](
@@ -193,8 +198,11 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
             seed, HAS_POS=pos is not None, ROUND=word.dtype != torch.float32, DROPOUT=p > 0, STATS=stats,
             COUNT=bad is not None, EVICT=evict_first, R=rows, BLOCK=block,
             num_warps=num_warps or _warps(rows * block, word.element_size()))
-    if bad is not None and int(bad):
-        raise skipped_ids_error(int(bad), "bertembed triton forward")
+    bad, odd = (0, 0) if bad is None else bad.tolist()
+    if bad:
+        raise skipped_ids_error(bad, "bertembed triton forward")
+    if odd and strict:
+        raise RowsOverflowed(odd)
     return (out, mean, rstd) if stats else (out, None, None)
 
 
