@@ -1,8 +1,9 @@
-"""Dropout probabilities that torch refuses or treats specially, on every backend as on the reference: p outside
-[0, 1] (set on the layer's dropout module after construction, or given to `fused_embeddings`) raises torch's
-ValueError, in training and in eval mode alike, as `nn.Dropout` and `F.dropout` raise it; p == 1 gives torch's
-zeros and zero gradients. The Triton kernels run in Triton's interpreter without a GPU (TRITON_INTERPRET=1, set while
-they are imported and during these tests only, as in tests/test_kernels_triton.py)."""
+"""Values checked alike on every backend, and when they are set: dropout probabilities that torch refuses or treats
+specially (p outside [0, 1], set on the layer's dropout module after construction or given to `fused_embeddings`,
+raises one ValueError naming it, in training and in eval mode alike; p == 1 gives torch's zeros and zero gradients),
+a backend set on a layer, `fused_embeddings`' padding_idx. The Triton kernels run in Triton's interpreter without a
+GPU (TRITON_INTERPRET=1, set while they are imported and during these tests only, as in
+tests/test_kernels_triton.py)."""
 
 from __future__ import annotations
 
@@ -65,22 +66,52 @@ def test_torch_refuses_these_probabilities():
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("p", BAD, ids=str)
-@pytest.mark.parametrize("backend", ["cpu", TRITON])
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
 def test_a_dropout_probability_set_outside_0_1_is_refused(backend, p, mode, grad):
-    """`layer.dropout.p = 1.5` after construction (nn.Dropout checks p only when built): the reference layer's
-    nn.Dropout raises as it runs, and the fused layer raised nothing (1.5 dropped every element with scale -2, -0.1
-    and NaN failed deep in the glue with an OverflowError or a float conversion error, and eval mode ran)."""
-    ref, fused = twins(24, backend, vocab=100)
+    """`layer.dropout.p = p` after construction (nn.Dropout checks p only when built) raises the same ValueError on
+    every backend, naming the value. The reference layer left it to nn.Dropout as it ran: torch's RuntimeError for
+    NaN, a ValueError without the name for the others."""
+    _, layer = twins(24, backend, vocab=100)
     device = _device(backend)
     ids = awkward_ids(2, 5, 100).to(device)
-    for layer in (ref.to(device), fused.to(device)):
-        layer.train(mode == "train")
-        layer.dropout.p = p
-    with torch.set_grad_enabled(grad):
-        with pytest.raises((ValueError, RuntimeError), match=MESSAGE):  # (torch's C++ check raises for NaN)
-            ref(ids)
-        with pytest.raises(ValueError, match=MESSAGE):
-            fused(ids)
+    layer.to(device).train(mode == "train")
+    layer.dropout.p = p
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=f"{MESSAGE}, but got layer.dropout.p={p};"):
+        layer(ids)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
+def test_a_bad_backend_is_refused_when_it_is_set(backend):
+    """`layer.backend = "bogus"` raises the ValueError of the constructor there, naming the value, and the layer keeps
+    its backend; it raised a KeyError only at the next call."""
+    _, layer = twins(24, backend, vocab=100)
+    for bad in ("bogus", None):
+        with pytest.raises(ValueError, match=rf"backend={bad!r} is not one of \('auto', 'reference', 'cpu', "):
+            layer.backend = bad
+    assert layer.backend == backend
+    layer(awkward_ids(2, 5, 100).to(_device(backend)))
+    layer.backend = "reference"
+    assert layer.backend == "reference"
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
+def test_the_functional_form_checks_padding_idx_alike(backend):
+    """`fused_embeddings(padding_idx=...)` outside the word table's rows raises one ValueError on every backend,
+    naming the value (the reference raised torch's bare AssertionError, the CPU kernel accepted it); -1 is the last
+    row there, as in F.embedding (the CPU kernel took it as no padding row, and gave that row a gradient)."""
+    device = _device(backend)
+    ids = awkward_ids(2, 5, 100, pad=99).to(device)
+    for bad in (100, -101, 2**40, 1.0, True):
+        with pytest.raises(ValueError, match=rf"padding_idx={bad!r} is outside the table's rows \[-100, 100\)"):
+            fused_embeddings(ids, *_tables(device), padding_idx=bad, backend=backend)
+    tables = _tables(device, grad=True)
+    upstream = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(2)).to(device)
+    (fused_embeddings(ids, *tables, padding_idx=-1, backend=backend) * upstream).sum().backward()
+    expected = [t.detach().cpu().requires_grad_() for t in _tables(device)]
+    (fused_embeddings(ids.cpu(), *expected, padding_idx=99, backend="reference") * upstream.cpu()).sum().backward()
+    assert tables[0].grad[99].count_nonzero() == 0
+    for got, want in zip(tables, expected, strict=True):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("training", [True, False])

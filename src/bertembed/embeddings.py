@@ -21,6 +21,7 @@ from torch import nn
 from bertembed.checkpoint import Pretrained
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
+    check_dropout,
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
@@ -110,7 +111,7 @@ class BertEmbeddings(Pretrained, nn.Module):
     def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
         super().__init__()
         self.config = c = config or EmbeddingConfig()
-        self.backend = checked_backend(backend)
+        self.backend = backend
         width = c.table_width
         self.word_embeddings = nn.Embedding(c.vocab_size, width, padding_idx=c.pad_token_id)
         self.position_embeddings: nn.Module | None = {
@@ -159,6 +160,15 @@ class BertEmbeddings(Pretrained, nn.Module):
             if isinstance(self.position_embeddings, SinusoidalPositions):
                 table = self.position_embeddings.weight
                 table.copy_(sinusoidal_table(*table.shape))
+
+    @property
+    def backend(self) -> str:
+        """Who computes forward (`checked_backend`); checked when set, so a bad name fails there, on every backend."""
+        return self.__dict__["backend"]
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.__dict__["backend"] = checked_backend(name)
 
     _stored_as: dict[str, str] = {}  # BERT's name -> the one a submodule is stored under, where they differ
 
@@ -305,6 +315,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         input_ids, inputs_embeds, token_type_ids, position_ids, mask = self._checked_ids(
             input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length, mask,
             attention_mask, cu_seqlens)
+        check_dropout(getattr(self.dropout, "p", 0.0), "layer.dropout.p")  # (every backend alike, as nn.Dropout runs)
         out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             from bertembed.fast import run

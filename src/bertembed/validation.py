@@ -43,6 +43,18 @@ def check_dropout(p: float, name: str) -> float:
     return float(p)
 
 
+def check_padding_idx(padding_idx, rows: int) -> int | None:
+    """`padding_idx` as a row of a table of `rows` rows, in [0, rows) (a negative one counts from the end, as
+    `F.embedding` takes it), or None; a ValueError for anything else on every backend (F.embedding asserts)."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not hasattr(type(padding_idx), "__index__") \
+            or not -rows <= operator.index(padding_idx) < rows:
+        raise ValueError(f"padding_idx={padding_idx!r} is outside the table's rows [{-rows}, {rows}) (negative: from "
+                         f"the end): pass one of them, or None for no padding row")
+    return operator.index(padding_idx) % rows
+
+
 def in_torch_func() -> bool:
     """Whether a torch.func transform (`grad`, `vmap`, ...) is running: its wrapped tensors cannot be read directly."""
     return torch._C._functorch.peek_interpreter_stack() is not None

@@ -29,6 +29,7 @@ from bertembed.validation import (
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
+    check_padding_idx,
     check_table_shapes,
     in_torch_func,
     offset,
@@ -192,7 +193,8 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
     if reason:
         _fall_back(reason)
         return None
-    padding = (None if gathered else word.padding_idx, getattr(positions, "padding_idx", None))
+    padding = (None if gathered else check_padding_idx(word.padding_idx, len(tables[0])),  # (-1: the last row)
+               check_padding_idx(getattr(positions, "padding_idx", None), 0 if positions is None else len(tables[2])))
     if gathered:
         rows, input_ids = gathered_rows(word, input_ids, token_type_ids, position_ids, inputs_embeds, tables)
         if rows.dtype != tables[0].dtype or rows.device != tables[0].device:  # a wrapper that cast them: no kernel
@@ -201,7 +203,7 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
             return modules["dropout"](layer._normalised(*layer._rows(None, token_type_ids, position_ids, rows))[1])
         tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
     dropout = modules["dropout"]
-    p = check_dropout(dropout.p, "layer.dropout.p")  # (in eval mode too, as nn.Dropout checks it as it runs)
+    p = float(dropout.p)  # (checked by the layer, on every backend)
     if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
     try:
@@ -311,7 +313,7 @@ def fused_embeddings(
             the tables, differentiable (autograd-aware custom op).
         eps: LayerNorm's epsilon (BERT's 1e-12). dropout_p, training: dropout after LayerNorm when training (p in
             [0, 1], checked even when not training, as F.dropout checks it; p == 1 gives zeros).
-        padding_idx: the word row whose gradient stays zero, as nn.Embedding's (None: none).
+        padding_idx: the word row whose gradient stays zero, as nn.Embedding's (negative: from the end; None: none).
         backend: "auto", "cpu", "triton" or "reference" (the plain PyTorch ops, for comparison).
         deterministic: bitwise-reproducible gradients on GPU (the CPU backward always is).
         id_checks: "host" (ids checked before any kernel) or "device" (GPU only: no wait for the device; a token with
@@ -331,6 +333,7 @@ def fused_embeddings(
                      0 if token_type_embeddings is None else token_type_embeddings.shape[0], float(eps))
     device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
     check_table_shapes(tables)
+    padding_idx = check_padding_idx(padding_idx, word_embeddings.shape[0])
     batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past,
                                  check_ranges=not device_checks, rows=table_rows(tables))
     past = offset(past)  # (a numpy integer or 0-d tensor: a Python int now)
