@@ -216,26 +216,33 @@ def test_copies_and_pickles_compute_from_their_own_tables():
 
 
 _FORKED = '''
-import logging, os, sys, torch
+import logging, os, signal, sys, torch
 from bertembed import BertEmbeddings, EmbeddingConfig
+pool = sys.argv[2] == "pool"
 torch.manual_seed(0)
 config = EmbeddingConfig(vocab_size=500, hidden_size=384, hidden_dropout_prob=0.0)
 fused = BertEmbeddings(config, backend="cpu").eval()
 ids = torch.randint(0, 500, (16, 128))
+upstream = torch.linspace(-1, 1, 384).repeat(16, 128, 1)  # (the sum of squares of a LayerNorm is constant)
 with torch.no_grad():
     fused(ids)  # a batch on numba's pool: the parent's GNU OpenMP is in use
+if pool:  # and torch's own
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).add_(1)
 torch.save(fused.state_dict(), sys.argv[1] + ".weights")
 pid = os.fork()
 if pid == 0:
     status = 1
     try:
+        signal.alarm(120)  # a hang ends the child, and fails the test
         logging.basicConfig(level=logging.INFO)
-        torch.set_num_threads(1)  # what DataLoader workers do: torch's own OpenMP cannot run in a forked child either
+        if not pool:  # what DataLoader workers do: torch's own OpenMP cannot run in a forked child either
+            torch.set_num_threads(1)
         with torch.no_grad():
             out = fused(ids)
         fused.train()
-        (fused(ids) * torch.linspace(-1, 1, 384)).sum().backward()  # (the sum of squares of a LayerNorm is constant)
-        torch.save({"ids": ids, "out": out, "grad": fused.word_embeddings.weight.grad}, sys.argv[1])
+        grad, = torch.autograd.grad(fused(ids), fused.word_embeddings.weight, upstream)  # (no torch op of its own)
+        torch.save({"ids": ids, "out": out, "grad": grad}, sys.argv[1])
         status = 0
     finally:
         os._exit(status)
@@ -243,13 +250,16 @@ print(os.waitpid(pid, 0)[1])
 '''
 
 
-def test_a_forked_child_runs_where_numbas_pool_cannot(tmp_path):
+@pytest.mark.parametrize("pool", ["threads set to 1", "pool"])
+def test_a_forked_child_runs_where_numbas_pool_cannot(tmp_path, pool):
     """numba's GNU OpenMP pool cannot run in a process forked after it started: numba ends the child ("fork() called
     from a process already using GNU OpenMP"), as multiprocessing's default 'fork' start and DataLoader workers would
-    meet. In the child, inference and training take the serial kernels, and give the reference's numbers. In a fresh
-    process, with a timeout: a child could hang, not fail."""
+    meet. In the child, inference and training take the serial kernels, and give the reference's numbers; "pool": also
+    where the parent had used torch's own pool and the child did not set torch's threads to 1 (the backward's zeros
+    were torch's, which never returned there). In a fresh process, with timeouts: a child could hang, not fail."""
     saved = tmp_path / "child.pt"
-    done = subprocess.run([sys.executable, "-c", _FORKED, str(saved)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _FORKED, str(saved), pool], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0 and done.stdout.split() == ["0"], done.stdout + done.stderr
     child = torch.load(saved)
     ref = BertEmbeddings(EmbeddingConfig(vocab_size=500, hidden_size=384, hidden_dropout_prob=0.0)).eval()

@@ -361,38 +361,43 @@ def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
     return np.maximum.accumulate(bounds)
 
 
+def _zeros(*shape: int) -> torch.Tensor:
+    """float32 zeros by numpy's calloc: fresh pages need no writing, and torch's thread pool does not run (in a child
+    forked after that pool ran, it never returns)."""
+    return torch.from_numpy(np.zeros(shape, np.float32))
+
+
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
                  need_word: bool = True, need_pos: bool = True):
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
-    dtypes, from grad [N, H]. Deterministic: see `backward`."""
+    dtypes, from grad [N, H]. Deterministic: see `backward`. One chunk (a small batch, a forked child) runs on this
+    thread alone, with no torch op on [N, H] or [V, H] but a bfloat16 table's casts."""
     n, h = grad.shape
     ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     chunks = max(1, min(_threads(), n)) if n * h >= _PARALLEL_FROM and not _forked else 1
-    ids_np = _np(ids)
+    ids_np, pids_np = _np(ids), _np(pids)
     order = np.argsort(ids_np, kind="stable")
     bounds = chunk_bounds(ids_np[order], chunks, pad)
-    # numpy's zeros, not torch's: calloc's fresh pages need no writing; only the rows of the batch's ids are touched.
-    dword = torch.from_numpy(np.zeros((word.shape[0] if need_word else 0, h), np.float32))
+    dword = _zeros(word.shape[0] if need_word else 0, h)  # (only the rows of the batch's ids are touched)
     want_pos = need_pos and pos is not None
-    lo, hi = (int(pids.min()), int(pids.max())) if want_pos and n else (0, -1)
+    lo, hi = (int(pids_np.min()), int(pids_np.max())) if want_pos and n else (0, -1)
     if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
         lo, hi = 0, pos.shape[0] - 1
-    dseg, dpos = torch.zeros(chunks, seg.shape[0], h), torch.zeros(chunks, hi - lo + 1, h)
-    dgamma, dbeta = torch.zeros(chunks, h), torch.zeros(chunks, h)
-    args = (order, bounds, ids_np, _np(tts), _np(pids), lo, _np(word), _np(seg), _np(word[:0] if pos is None else pos),
-            _np(gamma.float()), _np(mean), _np(rstd), _np(grad.contiguous()), dropout_threshold(p), dropout_scale(p),
-            np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    dseg, dpos, dgamma, dbeta = _zeros(chunks, seg.shape[0], h), _zeros(chunks, hi - lo + 1, h), _zeros(chunks, h), \
+        _zeros(chunks, h)
+    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(word[:0] if pos is None else pos),
+            _np(gamma.float()), _np(mean), _np(rstd), np.ascontiguousarray(_np(grad)), dropout_threshold(p),
+            dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
     bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
     if bad:
         raise skipped_ids_error(bad, "bertembed cpu backward")
     if chunks == 1:  # one chunk's partials are the sums
         dseg, dgamma, dbeta = dseg[0], dgamma[0], dbeta[0]
-        full_pos = dpos[0] if hi >= lo else torch.zeros(pos.shape[0] if want_pos else 0, h)
+        full_pos = dpos[0] if hi >= lo else _zeros(pos.shape[0] if want_pos else 0, h)
     else:
         dseg, dgamma, dbeta = dseg.sum(0), dgamma.double().sum(0), dbeta.double().sum(0)
-        full_pos = torch.zeros(pos.shape[0] if want_pos else 0, h)
+        full_pos = _zeros(pos.shape[0] if want_pos else 0, h)
         if hi >= lo:
             full_pos[lo:hi + 1] = dpos.sum(0)
     dtype = word.dtype
     return dword.to(dtype), dseg.to(dtype), full_pos.to(dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)
-
