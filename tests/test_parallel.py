@@ -7,6 +7,7 @@ single-process model, built from the same seed:
 - tensor parallel (`shard_vocab`) on bertembed's layer (reference and fused CPU backends), on a patched transformers
   model and on a plain one: outputs and whole gradients;
 - a bad id: the same ValueError on every rank, and a collective after it still pairs up (no rank waits in a lookup);
+  one on one rank alone: a ValueError on every rank too;
 - FSDP2 (`fully_shard`) on a patched model, the batch split over the ranks: outputs and gradients;
 - torch.distributed.checkpoint: a sharded model saved, then loaded into one of other weights: equal;
 - `from_pretrained(device_mesh=...)`: each rank's rows are torch's own split of the table, read while reading the
@@ -134,9 +135,16 @@ def bad_ids(mesh) -> dict:
             messages.append(None)
         except ValueError as err:
             messages.append(str(err))
+    net, ids = shard_vocab(layer("cpu"), mesh), batch()[0]
+    ids[1, 2] = VOCAB if torch.distributed.get_rank() == 0 else ids[1, 2]  # rank 0's ids alone
+    try:
+        net(ids)
+        alone = None
+    except ValueError as err:
+        alone = str(err)
     count = torch.ones(1)
     torch.distributed.all_reduce(count)  # every rank gets here: none waits in a lookup's all-reduce
-    return {"messages": messages, "ranks": count.item()}
+    return {"messages": messages, "ranks": count.item(), "rank 0 alone": alone}
 
 
 def fsdp2(rank: int, world: int) -> dict:
@@ -254,6 +262,15 @@ def test_a_bad_id_raises_on_every_rank(ranks):
         assert str(VOCAB) in messages[0] and "-1" in messages[1] and str(VOCAB + 5) in messages[3]
         assert seen["bad id"]["ranks"] == len(ranks)
     assert len({tuple(seen["bad id"]["messages"]) for seen in ranks}) == 1  # the same words everywhere
+
+
+def test_a_bad_id_on_one_rank_raises_on_every_rank(ranks):
+    """Rank 0's ids alone hold a bad one: rank 0's error names it, every other rank's says another rank has one, and
+    a collective after it pairs up. The other ranks waited in the lookup's all-reduce (until gloo's timeout)."""
+    assert ranks[0]["bad id"]["rank 0 alone"].startswith(f"input_ids holds {VOCAB} at index (1, 2)")
+    for seen in ranks[1:]:
+        assert seen["bad id"]["rank 0 alone"].startswith(f"input_ids of another rank hold an id outside the word "
+                                                         f"table's {VOCAB} rows")
 
 
 def test_fsdp2_equals_one_process(ranks):

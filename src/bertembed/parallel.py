@@ -39,9 +39,10 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     `module`: a bertembed layer, a transformers model of BERT's family (patched or not), or an `nn.Embedding`. Each
     table becomes a DTensor (`Shard(0)`: rank r holds torch's r-th chunk of ceil(V / world) rows); every rank passes
     the same ids [B, L] and gets the same rows [B, L, E]. Before each lookup the ids are checked against all V rows,
-    with the same ValueError on every rank (a sharded lookup would give a bad id zeros). A table may be on the meta
-    device. A word table tied to another module of `module` (a masked-LM head's decoder) is refused: sharding would
-    untie them (use FSDP2's `fully_shard`). Pass the whole model, not its base, so that every tie is seen.
+    with a ValueError on every rank where any rank has a bad id (a sharded lookup would give a bad id zeros). A table
+    may be on the meta device. A word table tied to another module of `module` (a masked-LM head's decoder) is
+    refused: sharding would untie them (use FSDP2's `fully_shard`). Pass the whole model, not its base, so that every
+    tie is seen.
     """
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
@@ -61,6 +62,10 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
                              f"instead, or untie the weights (config.tie_word_embeddings=False) first")
         parallelize_module(table, device_mesh, RowwiseParallel(input_layouts=Replicate()))
         table.register_forward_pre_hook(_before_lookup, prepend=True)  # (before torch's hook makes ids a DTensor)
+        if "." in name or name in WORD_NAMES:  # (the layer that holds the table, which checks ids before its lookup)
+            layer = module.get_submodule(name.rpartition(".")[0])
+            layer.register_forward_pre_hook(_before_layer)
+            layer.register_forward_hook(_after_layer, always_call=True)
     log.info("bertembed.shard_vocab: %s sharded by rows over %d ranks", ", ".join(tables), device_mesh.size())
     return module
 
@@ -88,16 +93,55 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
-    """Forward pre-hook: a ValueError naming the first id outside all V rows, before the sharded lookup; and the
-    table's gradient kept sharded (`_resharded`, hooked on the parameter of the moment: `.to()` may replace it)."""
+    """Forward pre-hook: a ValueError naming the first id outside all V rows, before the sharded lookup, on every rank
+    where any rank has one (`_any_rank`: a rank left alone would wait in the lookup's all-reduce until the job is
+    killed); and the table's gradient kept sharded (`_resharded`, hooked on the parameter of the moment: `.to()` may
+    replace it)."""
     ids = args[0]
     if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
         ids = ids.to_local()
-    check_id_ranges(ids, None, None, (table.num_embeddings, None, None))
+    try:
+        check_id_ranges(ids, None, None, (table.num_embeddings, None, None))
+    except ValueError:
+        _any_rank(table, True)
+        raise
+    if _any_rank(table, False):
+        raise ValueError(f"input_ids of another rank hold an id outside the word table's {table.num_embeddings} rows "
+                         f"(that rank's error names it): every rank raises; fix the ids on that rank")
     weight = table.weight
     if isinstance(weight, DTensor) and not getattr(weight, "_bertembed_resharded", False):
         weight.register_post_accumulate_grad_hook(_resharded)
         weight._bertembed_resharded = True
+
+
+def _any_rank(table: nn.Embedding, failed: bool) -> bool:
+    """Whether any rank of the table's mesh `failed` before its lookup: one all-reduce of a flag (under 1% of the
+    sharded lookup of a (32, 128) batch of BERT-base, gloo, 2 ranks: docs/distributed.md), which every rank makes
+    once per forward of the layer, in the table's pre-hook or, where the layer raised before its lookup, in
+    `_after_layer`."""
+    table._bertembed_flagged = True
+    weight = table.weight
+    if not isinstance(weight, DTensor) or torch.compiler.is_compiling():
+        return failed
+    flag = torch.tensor([failed], dtype=torch.int32, device=weight.device_mesh.device_type)
+    torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=weight.device_mesh.get_group())
+    return bool(flag.item())
+
+
+def _before_layer(layer: nn.Module, args: tuple) -> None:
+    layer._modules[_word_name(layer)]._bertembed_flagged = False
+
+
+def _after_layer(layer: nn.Module, args: tuple, output) -> None:
+    """Forward hook, called even where the layer raised: a layer that raised before its lookup (its own id checks)
+    still sends its flag, so that the other ranks raise too rather than wait in the lookup's all-reduce."""
+    table = layer._modules[_word_name(layer)]
+    if output is None and not table._bertembed_flagged:
+        _any_rank(table, True)
+
+
+def _word_name(layer: nn.Module) -> str:
+    return next(n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module))
 
 
 def _resharded(weight: DTensor) -> None:
