@@ -140,3 +140,20 @@ def test_the_functional_form_gives_the_references_output(backend):
         tables = [t.detach().to(device) for t in layer.tables()]
         got = fused_embeddings(IDS.to(device), *tables, token_type_ids=SEGMENTS.to(device), backend=backend)
         _assert_values(got, _reference(layer))
+
+
+@pytest.mark.parametrize("hidden", [97, 768])
+@pytest.mark.parametrize("value", [0.3, 123.456, 1e19, 1e20, -3e38], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_constant_row_gives_the_references_output(backend, value, hidden):
+    """A row whose entries are all equal: LayerNorm's bias where its mean comes out exact, as torch's running mean
+    does (a Triton mean off by one rounding, times 1 / sqrt(eps) = 1e6, gave up to 1.5 off), and torch's NaN row
+    (hidden 768) or bias (97) where the square of the mean overflows (1e20: the CPU kernel gave the bias at 768)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.full((4, hidden), value), torch.zeros(2, hidden), torch.zeros(8, hidden),
+              torch.rand(hidden, generator=gen) + 0.5, torch.rand(hidden, generator=gen) - 0.5]
+    ids = torch.tensor([[1, 2, 3]])
+    want = fused_embeddings(ids, *tables, padding_idx=None, backend="reference")
+    got = fused_embeddings(ids.to(device), *(t.to(device) for t in tables), padding_idx=None, backend=backend)
+    _assert_values(got, want)

@@ -104,7 +104,7 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
                    wide, stream):
     """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
     dropout into x, then x into out[i]; returns whether the moments are not finite (a NaN or inf in the rows, or a
-    variance past float32's range). Inlined: as a call it passed ten arrays by value per token."""
+    variance, or a mean's square, past float32's range). Inlined: as a call it passed ten arrays by value per token."""
     h = x.size
     m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x, wide)
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
@@ -120,7 +120,7 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
         stream_row(x, out, i)
     else:
         write_row(x, out, i)
-    return not (abs(m) < np.inf and var < np.inf)  # (NaN too)
+    return not (m * m < np.inf and var < np.inf)  # (NaN too; torch's vectorised moments square the mean)
 
 
 _AHEAD = 2  # the token whose word row is prefetched: this many ahead

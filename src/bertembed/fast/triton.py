@@ -73,15 +73,16 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
                     DROPOUT: tl.constexpr, STATS: tl.constexpr, COUNT: tl.constexpr, EVICT: tl.constexpr,
                     R: tl.constexpr, BLOCK: tl.constexpr):
     """R token rows. COUNT adds each token with a bad id to bad[0], and each whose moments are not finite (a NaN or
-    inf in its rows, a variance past float32's range) to bad[1] (read back on CPU tensors, in the interpreter). STATS
-    stores the rows' mean and 1/std (training)."""
+    inf in its rows, a variance or a mean's square past float32's range) to bad[1] (read back on CPU tensors, in the
+    interpreter). STATS stores the rows' mean and 1/std (training)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     live = rows < N
     rows = tl.minimum(rows, N - 1)  # the last program's spare rows recompute row N - 1 and store nothing
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
     x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS, ROUND, EVICT)
-    mu = tl.sum(x, axis=1) / H
+    shift = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)  # (x[:, 0]: a constant row's mean comes out exact)
+    mu = shift + tl.sum(tl.where(cmask[None, :], x - shift[:, None], 0.0), axis=1) / H
     d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
     r = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / H + eps)
     g = tl.load(gamma + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -101,7 +102,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, gamma, beta, out, mean, rstd
         tl.store(rstd + rows, r, mask=live)
     if COUNT:
         tl.atomic_add(bad + rows * 0, 1, mask=live & (ok == 0))
-        finite = (tl.abs(mu) < float("inf")) & (r > 0)  # (NaN compares false; r is 0 where the variance is inf)
+        finite = (mu * mu < float("inf")) & (r > 0)  # (NaN compares false; r is 0 where the variance is inf)
         tl.atomic_add(bad + 1 + rows * 0, 1, mask=live & ok & (finite == 0))
 
 
