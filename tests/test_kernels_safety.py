@@ -80,6 +80,17 @@ def test_a_dropout_probability_set_outside_0_1_is_refused(backend, p, mode, grad
         layer(ids)
 
 
+@pytest.mark.parametrize("bad", [20, -21, 2**63, 1.5, True], ids=str)
+@pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
+def test_a_padding_idx_set_outside_the_table_is_refused_alike(backend, bad):
+    """`layer.word_embeddings.padding_idx = bad` after construction (nn.Embedding checks it only when built) raises
+    the same ValueError on every backend, naming the value: the reference gave torch's AssertionError or TypeError."""
+    _, layer = twins(24, backend, vocab=20)
+    layer.to(_device(backend)).word_embeddings.padding_idx = bad
+    with pytest.raises(ValueError, match=rf"padding_idx={bad!r} is outside the table's rows \[-20, 20\)"):
+        layer(awkward_ids(2, 5, 20).to(_device(backend)))
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
 def test_a_bad_backend_is_refused_when_it_is_set(backend):
     """`layer.backend = "bogus"` raises the ValueError of the constructor there, naming the value, and the layer keeps

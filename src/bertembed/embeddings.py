@@ -25,6 +25,7 @@ from bertembed.validation import (
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
+    check_padding_idx,
     check_table_shapes,
     offset,
     offset_given,
@@ -201,6 +202,9 @@ class BertEmbeddings(Pretrained, nn.Module):
         past_key_values_length = offset_given(past_key_values_length, cache_length)
         tables = self.tables()
         check_table_shapes(tables, self.config.output_width)
+        for table, weight in ((self.word_embeddings, tables[0]), (self.position_embeddings, tables[2])):
+            if weight is not None:  # (set after construction: F.embedding only asserts, the kernels would read it)
+                check_padding_idx(getattr(table, "padding_idx", None), weight.shape[0])
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
                                                                   past_key_values_length)
