@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bertembed import BertEmbeddings, EmbeddingConfig
-from bertembed.family import layout
+from bertembed.config import check_config_family
+from bertembed.family import MEMBERS, check_key_family, layout, module_names
 from conftest import FAMILY
 
 
@@ -535,3 +536,38 @@ def test_patch_counts_roberta_positions_from_the_layers_own_padding_id(member_ch
         assert patched.embeddings.config.pad_token_id == 1
         torch.testing.assert_close(patched(input_ids=ids).last_hidden_state, expected, rtol=0, atol=0)
 
+
+
+# tiny sizes under every member's key names (DistilBERT's dim, n_layers, ...)
+_TINY = {"hidden_size": 16, "dim": 16, "num_hidden_layers": 1, "n_layers": 1, "num_attention_heads": 2, "n_heads": 2,
+         "intermediate_size": 8, "hidden_dim": 8}
+
+
+@pytest.mark.parametrize("model_type", [t for t, member in MEMBERS.items() if member.hf_layer is not None])
+def test_each_row_of_the_family_table_matches_transformers(model_type):
+    """From its row alone (bertembed.family.MEMBERS): the member's transformers layer class, its config class's
+    defaults, its model prefix and class names, and where its model keeps each submodule and tensor of the layer
+    (E != H where the member has a projection). A wrong row fails here."""
+    import importlib
+
+    import transformers
+
+    member = MEMBERS[model_type]
+    package, name = member.hf_layer.split(".")
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    factorised = member.factorised is not None or "embedding_size" in member.defaults
+    hf_config = transformers.AutoConfig.for_model(model_type, **_TINY, **({"embedding_size": 8} if factorised else {}))
+    defaults = type(hf_config)()
+    assert {key: getattr(defaults, key) for key in member.defaults} == member.defaults
+    model = transformers.AutoModel.from_config(hf_config)
+    assert type(model.embeddings) is getattr(modeling, name)
+    assert model.base_model_prefix + "." in member.prefixes
+    check_config_family({"model_type": model_type, "architectures": [type(model).__name__]}, "its config")
+    for ours, theirs in module_names(model_type).items():
+        assert isinstance(getattr(model.embeddings, theirs), torch.nn.Module), ours
+    theirs = model.state_dict()
+    check_key_family(theirs, "its model", model_type)
+    layer = BertEmbeddings(EmbeddingConfig.from_hf_config(hf_config.to_dict()))
+    assert (layer.projection is not None) == factorised
+    for key, value in layer.state_dict().items():
+        assert theirs[layout(model_type)[key]].shape == value.shape, key

@@ -322,7 +322,7 @@ class Pretrained:
         cls, name_or_path: str | Path | None = None, *, revision: str | None = None, local_files_only: bool = False,
         backend: str = "reference", dtype: torch.dtype | None = None, device_mesh: DeviceMesh | None = None,
     ) -> Pretrained:
-        """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.config.MEMBERS`).
+        """Load the embedding tables of a checkpoint of BERT or its family (`bertembed.family.MEMBERS`).
 
         `name_or_path`: a hub id ("bert-base-uncased"), a local folder, a single weights file, or None for the
         bundled default (`bertembed.DEFAULT_MODEL`). `backend`: as in `BertEmbeddings(config, backend=...)`.

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from bertembed.family import BERT_DEFAULTS, MEMBERS, SUPPORTED
+
 log = logging.getLogger(__name__)
 
 PositionType = Literal["absolute", "sinusoidal", "none"]
@@ -20,55 +22,21 @@ POSITION_TYPES: tuple[str, ...] = get_args(PositionType)
 _CHOICES = {"position_embedding_type": POSITION_TYPES, "projection": ("none", "output", "before_norm"),
             "sum_order": ("type_first", "position_first")}
 
-# The family, read from transformers' own modeling and configuration files (../shared/FAMILY.md): for each
-# `model_type`, the class defaults of the keys this layer reads (what a config.json that omits one means), the keys
-# it names differently, and the facts every checkpoint of it shares. Facts that depend on a checkpoint's keys
-# (a projection only where E != H, DeBERTa's optional position table) are settled in `from_hf_config`.
-_BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
-                  "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
-_ROBERTA = ({**_BERT_DEFAULTS, "pad_token_id": 1}, {}, {"positions_from_padding": True})
-_DEBERTA = ({**_BERT_DEFAULTS, "vocab_size": 50265, "type_vocab_size": 0, "layer_norm_eps": 1e-7,
-             "position_biased_input": True}, {}, {"sum_order": "position_first", "mask_output": True})
-MEMBERS: dict[str, tuple[dict, dict, dict]] = {
-    "bert": (_BERT_DEFAULTS, {}, {}),
-    "roberta": ({**_ROBERTA[0], "vocab_size": 50265}, {}, _ROBERTA[2]), "xlm-roberta": _ROBERTA, "camembert": _ROBERTA,
-    "distilbert": ({**_BERT_DEFAULTS, "dim": 768, "dropout": 0.1}, {"dim": "hidden_size", "dropout":
-                   "hidden_dropout_prob"}, {"type_vocab_size": 0, "layer_norm_eps": 1e-12}),  # eps fixed in its code
-    "albert": ({**_BERT_DEFAULTS, "vocab_size": 30000, "hidden_size": 4096, "embedding_size": 128,
-                "hidden_dropout_prob": 0.0}, {}, {"projection": "output"}),
-    "electra": ({**_BERT_DEFAULTS, "hidden_size": 256, "embedding_size": 128}, {}, {}),
-    "deberta": (_DEBERTA[0], {}, {**_DEBERTA[2], "norm_in_float32": True}),
-    "deberta-v2": ({**_DEBERTA[0], "vocab_size": 128100, "hidden_size": 1536}, {}, _DEBERTA[2]),
-    "mpnet": ({**_BERT_DEFAULTS, "vocab_size": 30527, "layer_norm_eps": 1e-12}, {},
-              {"positions_from_padding": True, "pad_token_id": 1, "type_vocab_size": 0}),  # padding index fixed at 1
-    "modernbert": ({**_BERT_DEFAULTS, "vocab_size": 50368, "max_position_embeddings": 8192, "norm_eps": 1e-5,
-                    "norm_bias": False, "embedding_dropout": 0.0, "pad_token_id": 50283},
-                   {"norm_eps": "layer_norm_eps", "embedding_dropout": "hidden_dropout_prob"},
-                   {"position_embedding_type": "none", "type_vocab_size": 0}),
-    "nomic_bert": ({**_BERT_DEFAULTS, "vocab_size": 50257, "n_embd": 768, "n_positions": 1024,
-                    "layer_norm_epsilon": 1e-5, "embd_pdrop": 0.1},
-                   {"n_embd": "hidden_size", "n_positions": "max_position_embeddings",
-                    "layer_norm_epsilon": "layer_norm_eps", "embd_pdrop": "hidden_dropout_prob"},
-                   {"position_embedding_type": "none"}),  # rotary positions, in attention
-}
-SUPPORTED = "supported: " + ", ".join(MEMBERS)
-# the facts a member implies (the field's default, BERT's, unless MEMBERS says otherwise): never written to
+# the facts a member implies (the field's default, BERT's, unless its row says otherwise): never written to
 # config.json, and never contradicted, so that a saved config means to transformers what it means here
 _FACTS = ("positions_from_padding", "sum_order", "norm_bias", "norm_in_float32", "projection", "mask_output")
 
 
 def implied_facts(model_type: str, embedding_size: int | None, position_embedding_type: str) -> dict[str, Any]:
-    """What `model_type` fixes, given the keys its facts depend on: its entry in MEMBERS over BERT's values, a
-    projection only where E != H (ELECTRA, DeBERTa; ALBERT always has one), no position counting without a table
-    (transformers 4's relative types), and ModernBERT's `norm_bias` left to its config key."""
-    facts = {**{name: getattr(EmbeddingConfig, name) for name in _FACTS}, **MEMBERS[model_type][2]}
-    if model_type in ("electra", "deberta", "deberta-v2"):
-        facts["projection"] = "none" if embedding_size is None else (
-            "output" if model_type == "electra" else "before_norm")
-    if position_embedding_type == "none" and "position_embedding_type" not in MEMBERS[model_type][2]:
+    """What `model_type` fixes, given the keys its facts depend on: its row's `facts` over BERT's values (those its
+    config.json holds, as ModernBERT's `norm_bias`, left to it), a `factorised` projection only where E != H (ELECTRA,
+    DeBERTa), and no position counting without a table (transformers 4's relative types)."""
+    member = MEMBERS[model_type]
+    facts = {**{name: getattr(EmbeddingConfig, name) for name in _FACTS if name not in member.defaults}, **member.facts}
+    if member.factorised is not None:
+        facts["projection"] = "none" if embedding_size is None else member.factorised
+    if position_embedding_type == "none" and "position_embedding_type" not in member.facts:
         facts["positions_from_padding"] = False
-    if model_type == "modernbert":
-        del facts["norm_bias"]
     return facts
 
 
@@ -200,23 +168,23 @@ class EmbeddingConfig:
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
             source, where = read_json(path, "an object of config keys"), str(path)
-        member = check_config_family(source, where)
-        defaults, renames, _ = MEMBERS[member]
-        given = {**defaults, **{k: v for k, v in source.items() if v is not None}}
+        model_type = check_config_family(source, where)
+        member = MEMBERS[model_type]
+        given = {**BERT_DEFAULTS, **member.defaults, **{k: v for k, v in source.items() if v is not None}}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {renames.get(k, k): v for k, v in given.items() if renames.get(k, k) in names}
-        kwargs["model_type"] = member
-        kwargs["extra"] = {k: v for k, v in source.items() if k not in names and k not in renames}
+        kwargs = {member.renames.get(k, k): v for k, v in given.items() if member.renames.get(k, k) in names}
+        kwargs["model_type"] = model_type
+        kwargs["extra"] = {k: v for k, v in source.items() if k not in names and k not in member.renames}
         kind = kwargs.get("position_embedding_type", "absolute")
         if isinstance(kind, str) and kind not in POSITION_TYPES:
             log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'", kind)
             kwargs["position_embedding_type"] = "none"
-        if member.startswith("deberta") and given.get("position_biased_input") is False:
+        if member.position_switch is not None and given.get(member.position_switch) is False:
             kwargs["position_embedding_type"] = "none"
         try:
             if kwargs.get("embedding_size") == kwargs.get("hidden_size"):
                 kwargs["embedding_size"] = None
-            kwargs.update(implied_facts(member, kwargs.get("embedding_size"),
+            kwargs.update(implied_facts(model_type, kwargs.get("embedding_size"),
                                         kwargs.get("position_embedding_type", "absolute")))
             return cls(**kwargs)
         except ValueError as err:
@@ -224,16 +192,16 @@ class EmbeddingConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers' config class of the member reads back, and `from_hf_config` too."""
-        defaults, renames, _ = MEMBERS[self.model_type]
-        back = {v: k for k, v in renames.items()}
+        member = MEMBERS[self.model_type]
+        back = {v: k for k, v in member.renames.items()}
         implied = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
         ours = {back.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("extra", "model_type", *implied)}
-        ours["embedding_size"] = self.table_width if "embedding_size" in defaults else ours["embedding_size"]
+        ours["embedding_size"] = self.table_width if "embedding_size" in member.defaults else ours["embedding_size"]
         if ours["embedding_size"] is None:
             del ours["embedding_size"]
-        if self.model_type.startswith("deberta"):
-            ours["position_biased_input"] = self.position_embedding_type != "none"
+        if member.position_switch is not None:
+            ours[member.position_switch] = self.position_embedding_type != "none"
         return {"model_type": self.model_type, **self.extra, **ours}
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
@@ -278,7 +246,7 @@ def check_config_family(config: dict[str, Any], where: str) -> str:
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
                          f"fix the file")
-    stem = "(Jina)?Bert" if model_type == "bert" else re.sub("[-_]", "", model_type)  # (XLMRoberta, DebertaV2, ...)
+    stem = MEMBERS[model_type].architectures
     foreign = [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}\w*", a, re.IGNORECASE)]
     if foreign:
         raise ValueError(f"{where} says model_type {model_type!r} but names architecture {foreign[0]!r}, not one of "

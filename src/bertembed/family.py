@@ -1,70 +1,133 @@
-"""Where each member of BERT's family keeps its embedding tensors (the layer's names are BERT's; a checkpoint's are
-its member's, after a model prefix such as "bert."), and which tensors betray another member (docs/family.md).
-Nothing here imports torch.
-"""
+"""BERT's family in one table, `MEMBERS` (docs/family.md): adding a member is adding a row. The layer's tensor names
+are BERT's; a checkpoint's are its member's, after a model prefix such as "bert.". No torch here: the cold start reads
+it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-from bertembed.config import SUPPORTED
+from dataclasses import dataclass, field
+from typing import Any
 
 NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
          "LayerNorm.weight", "LayerNorm.bias", "projection.weight", "projection.bias")
 LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}  # TF-era checkpoints
-_BERT = {name: "embeddings." + name for name in NAMES[:5]}
-_PROJECTIONS = {"albert": "encoder.embedding_hidden_mapping_in", "electra": "embeddings_project",
-                "deberta": "embeddings.embed_proj", "deberta-v2": "embeddings.embed_proj"}
-_RENAMED = {
-    "modernbert": {"word_embeddings.weight": "embeddings.tok_embeddings.weight",
-                   "LayerNorm.weight": "embeddings.norm.weight", "LayerNorm.bias": "embeddings.norm.bias"},
-    "nomic_bert": {"LayerNorm.weight": "emb_ln.weight", "LayerNorm.bias": "emb_ln.bias"},
-}
-# the model prefixes of heads (BertForMaskedLM: "bert."), most specific first; "" is a base model's
-PREFIXES = {"xlm-roberta": ("roberta.", "xlm_roberta."), "camembert": ("roberta.", "camembert."),
-            "deberta-v2": ("deberta.",), "modernbert": ("model.",)}
+# BertConfig's defaults of the keys the layer reads
+BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
+                 "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
 
-# parts of tensor names, and the members whose checkpoints use them
-NAME_PARTS = {
-    "roberta": ("roberta", "xlm-roberta", "camembert"), "xlm_roberta": ("xlm-roberta",), "camembert": ("camembert",),
-    "distilbert": ("distilbert",), "q_lin": ("distilbert",), "albert": ("albert",),
-    "embedding_hidden_mapping_in": ("albert",), "electra": ("electra",), "embeddings_project": ("electra",),
-    "deberta": ("deberta", "deberta-v2"), "rel_embeddings": ("deberta", "deberta-v2"),
-    "embed_proj": ("deberta", "deberta-v2"), "mpnet": ("mpnet",), "relative_attention_bias": ("mpnet",),
-    "tok_embeddings": ("modernbert",), "emb_ln": ("nomic_bert",),
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """One member, as transformers' modeling and configuration files have it (../shared/FAMILY.md). Submodules are
+    named as bertembed names them (BERT's names); paths and keys are those after the model prefix."""
+
+    architectures: str  # the stem of its transformers class names, a regex (BertModel, BertForMaskedLM, ...)
+    hf_layer: str | None  # transformers' embeddings class: "<package under transformers.models>.<class>"
+    prefixes: tuple[str, ...]  # the model prefixes of its heads' keys (BertForMaskedLM: "bert."), most specific first
+    defaults: dict[str, Any] = field(default_factory=dict)  # its config class's defaults that differ from BERT's
+    renames: dict[str, str] = field(default_factory=dict)  # its config.json keys -> EmbeddingConfig's names
+    facts: dict[str, Any] = field(default_factory=dict)  # EmbeddingConfig's fields that all its checkpoints share
+    factorised: str | None = None  # where E != H, its projection E -> H: "output" (after the layer) or "before_norm"
+    position_switch: str | None = None  # a config.json key whose False means no position table
+    modules: dict[str, str] = field(default_factory=dict)  # submodule -> its path, where not "embeddings.<name>"
+    marks: tuple[str, ...] = ()  # parts of tensor names that only its checkpoints (and its relatives') hold
+    token_types_input: bool = True  # optimum's ONNX config gives it a `token_type_ids` input
+    bench: dict[str, Any] | None = None  # the config keys of `bertembed bench`'s case of it (None: no case)
+
+
+MEMBERS: dict[str, Member] = {
+    "bert": Member(architectures="(Jina)?Bert", hf_layer="bert.BertEmbeddings", prefixes=("bert.",)),
+    "roberta": Member(
+        architectures="Roberta", hf_layer="roberta.RobertaEmbeddings", prefixes=("roberta.",), marks=("roberta",),
+        defaults={"vocab_size": 50265, "pad_token_id": 1}, facts={"positions_from_padding": True},
+        token_types_input=False, bench={"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5}),
+    "xlm-roberta": Member(
+        architectures="XLMRoberta", hf_layer="xlm_roberta.XLMRobertaEmbeddings", prefixes=("roberta.", "xlm_roberta."),
+        marks=("roberta", "xlm_roberta"), defaults={"pad_token_id": 1}, facts={"positions_from_padding": True},
+        token_types_input=False),
+    "camembert": Member(
+        architectures="Camembert", hf_layer="camembert.CamembertEmbeddings", prefixes=("roberta.", "camembert."),
+        marks=("roberta", "camembert"), defaults={"pad_token_id": 1}, facts={"positions_from_padding": True},
+        token_types_input=False),
+    "distilbert": Member(
+        architectures="DistilBert", hf_layer="distilbert.Embeddings", prefixes=("distilbert.",),
+        marks=("distilbert", "q_lin"), defaults={"dim": 768, "dropout": 0.1},
+        renames={"dim": "hidden_size", "dropout": "hidden_dropout_prob"},
+        facts={"type_vocab_size": 0, "layer_norm_eps": 1e-12},  # eps fixed in its code
+        token_types_input=False, bench={}),
+    "albert": Member(
+        architectures="Albert", hf_layer="albert.AlbertEmbeddings", prefixes=("albert.",),
+        marks=("albert", "embedding_hidden_mapping_in"), modules={"projection": "encoder.embedding_hidden_mapping_in"},
+        defaults={"vocab_size": 30000, "hidden_size": 4096, "embedding_size": 128, "hidden_dropout_prob": 0.0},
+        facts={"projection": "output"}),  # (always: its encoder maps E -> H even where E = H)
+    "electra": Member(
+        architectures="Electra", hf_layer="electra.ElectraEmbeddings", prefixes=("electra.",),
+        marks=("electra", "embeddings_project"), modules={"projection": "embeddings_project"},
+        defaults={"hidden_size": 256, "embedding_size": 128}, factorised="output"),
+    "deberta": Member(
+        architectures="Deberta", hf_layer="deberta.DebertaEmbeddings", prefixes=("deberta.",),
+        marks=("deberta", "rel_embeddings", "embed_proj"), modules={"projection": "embeddings.embed_proj"},
+        defaults={"vocab_size": 50265, "type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": True},
+        facts={"sum_order": "position_first", "mask_output": True, "norm_in_float32": True},
+        factorised="before_norm", position_switch="position_biased_input"),
+    "deberta-v2": Member(
+        architectures="DebertaV2", hf_layer="deberta_v2.DebertaV2Embeddings", prefixes=("deberta.",),
+        marks=("deberta", "rel_embeddings", "embed_proj"), modules={"projection": "embeddings.embed_proj"},
+        defaults={"vocab_size": 128100, "hidden_size": 1536, "type_vocab_size": 0, "layer_norm_eps": 1e-7,
+                  "position_biased_input": True}, facts={"sum_order": "position_first", "mask_output": True},
+        factorised="before_norm", position_switch="position_biased_input"),
+    "mpnet": Member(
+        architectures="MPNet", hf_layer="mpnet.MPNetEmbeddings", prefixes=("mpnet.",),
+        marks=("mpnet", "relative_attention_bias"), defaults={"vocab_size": 30527}, token_types_input=False,
+        facts={"positions_from_padding": True, "pad_token_id": 1, "type_vocab_size": 0}),  # padding index fixed at 1
+    "modernbert": Member(
+        architectures="ModernBert", hf_layer="modernbert.ModernBertEmbeddings", prefixes=("model.",),
+        marks=("tok_embeddings",), modules={"word_embeddings": "embeddings.tok_embeddings",
+                                            "LayerNorm": "embeddings.norm", "dropout": "embeddings.drop"},
+        defaults={"vocab_size": 50368, "max_position_embeddings": 8192, "norm_eps": 1e-5, "norm_bias": False,
+                  "embedding_dropout": 0.0, "pad_token_id": 50283},
+        renames={"norm_eps": "layer_norm_eps", "embedding_dropout": "hidden_dropout_prob"},
+        facts={"position_embedding_type": "none", "type_vocab_size": 0},  # rotary positions, in attention
+        token_types_input=False, bench={"pad_token_id": 0}),  # (its own pad id, 50283, lies past the bench's vocab)
+    "nomic_bert": Member(  # (remote code: no transformers class)
+        architectures="NomicBert", hf_layer=None, prefixes=("nomic_bert.",), marks=("emb_ln",),
+        modules={"LayerNorm": "emb_ln"}, facts={"position_embedding_type": "none"},  # rotary positions, in attention
+        defaults={"vocab_size": 50257, "n_embd": 768, "n_positions": 1024, "layer_norm_epsilon": 1e-5,
+                  "embd_pdrop": 0.1},
+        renames={"n_embd": "hidden_size", "n_positions": "max_position_embeddings",
+                 "layer_norm_epsilon": "layer_norm_eps", "embd_pdrop": "hidden_dropout_prob"}),
 }
+SUPPORTED = "supported: " + ", ".join(MEMBERS)
 
 
 def layout(model_type: str) -> dict[str, str]:
     """The layer's state-dict name -> the key (after the model prefix) of a `model_type` checkpoint."""
-    keys = {**_BERT, **_RENAMED.get(model_type, {})}
-    if model_type in _PROJECTIONS:
-        keys.update({f"projection.{p}": f"{_PROJECTIONS[model_type]}.{p}" for p in ("weight", "bias")})
+    modules, keys = MEMBERS[model_type].modules, {}
+    for name in NAMES:
+        module, param = name.split(".")
+        if module != "projection" or module in modules:
+            keys[name] = f"{modules.get(module, 'embeddings.' + module)}.{param}"
     return keys
 
 
 def module_names(model_type: str) -> dict[str, str]:
     """The submodules of the member's transformers embeddings module that it names otherwise than BERT: bertembed's
     name -> transformers' (ModernBERT's `tok_embeddings`, `norm`, `drop`; DeBERTa's `embed_proj`)."""
-    names = {"dropout": "drop"} if model_type == "modernbert" else {}
-    for ours, key in layout(model_type).items():
-        if key.startswith("embeddings.") and key.count(".") == 2 and ours.split(".")[0] != key.split(".")[1]:
-            names[ours.split(".")[0]] = key.split(".")[1]
-    return names
+    return {ours: path.removeprefix("embeddings.") for ours, path in MEMBERS[model_type].modules.items()
+            if path.startswith("embeddings.") and path.count(".") == 1}
 
 
 def prefixes(model_type: str) -> tuple[str, ...]:
-    """Model prefixes to try, in order: the member's heads', BERT's for sentence-transformers folders, none."""
-    stem = model_type.replace("-", "_")
-    return (*PREFIXES.get(model_type, (stem + ".",)), "")
+    """Model prefixes to try, in order: the member's heads', then none (a base model)."""
+    return (*MEMBERS[model_type].prefixes, "")
 
 
 def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") -> None:
-    """ValueError if a tensor name belongs to other members' layouts only (`NAME_PARTS`), not `model_type`'s."""
+    """ValueError if a tensor name belongs to other members' layouts only (their `marks`), not `model_type`'s."""
     for key in keys:
         for part in key.split("."):
-            members = NAME_PARTS.get(part)
-            if members is not None and model_type not in members:
+            members = [name for name, member in MEMBERS.items() if part in member.marks]
+            if members and model_type not in members:
                 raise ValueError(f"{where} holds {key!r}, a tensor of {'/'.join(members)} checkpoints, but its "
                                  f"config says {model_type!r} (or there is no config.json, and the tensors alone "
                                  f"read as BERT's): give the folder with the checkpoint's own config.json; {SUPPORTED}")
