@@ -18,22 +18,15 @@ from torch import nn
 
 from bertembed.config import EmbeddingConfig, implied_facts
 from bertembed.embeddings import SUBMODULES, BertEmbeddings, checked_backend
-from bertembed.family import module_names
+from bertembed.family import MEMBERS, module_names
 
 log = logging.getLogger(__name__)
 
 # The layer's own hooks move with it, as the dicts themselves: their handles still remove them.
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
-# transformers' embeddings class of each member: (package under transformers.models, class) -> model_type
-_HF_LAYERS = {
-    ("bert", "BertEmbeddings"): "bert", ("roberta", "RobertaEmbeddings"): "roberta",
-    ("xlm_roberta", "XLMRobertaEmbeddings"): "xlm-roberta", ("camembert", "CamembertEmbeddings"): "camembert",
-    ("distilbert", "Embeddings"): "distilbert", ("albert", "AlbertEmbeddings"): "albert",
-    ("electra", "ElectraEmbeddings"): "electra", ("deberta", "DebertaEmbeddings"): "deberta",
-    ("deberta_v2", "DebertaV2Embeddings"): "deberta-v2", ("mpnet", "MPNetEmbeddings"): "mpnet",
-    ("modernbert", "ModernBertEmbeddings"): "modernbert",
-}
+# transformers' embeddings class of each member ("<package under transformers.models>.<class>") -> model_type
+_HF_LAYERS = {member.hf_layer: model_type for model_type, member in MEMBERS.items() if member.hf_layer is not None}
 
 
 def _member(module: nn.Module) -> str | None:
@@ -41,7 +34,7 @@ def _member(module: nn.Module) -> str | None:
     kind = type(module)
     if not kind.__module__.startswith("transformers.models."):
         return None
-    return _HF_LAYERS.get((kind.__module__.split(".")[2], kind.__name__))
+    return _HF_LAYERS.get(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
 
 
 def _hf_name(member: str, name: str) -> str:
@@ -74,8 +67,8 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
         "layer_norm_eps": getattr(norm, "eps", getattr(norm, "variance_epsilon", None)),
         "hidden_dropout_prob": getattr(dropout, "p", getattr(dropout, "drop_prob", 0.0)),
         "pad_token_id": word.padding_idx or 0 if pad is None else pad, "position_embedding_type": kind,
-        **implied_facts(member, None if width == hidden else width, kind),
-        **({"norm_bias": norm.bias is not None} if member == "modernbert" else {})})
+        "norm_bias": getattr(norm, "bias", None) is not None,  # (ModernBERT's own; the facts fix the others')
+        **implied_facts(member, None if width == hidden else width, kind)})
 
 
 # The keywords of the transformers layer that bertembed's forward understands (the cache offset under 4's and 5's names)
