@@ -11,6 +11,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bertembed.family import MEMBERS
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
     from bertembed.embeddings import BertEmbeddings
 
 OUTPUT = "embeddings"
-# optimum's ONNX configs give these members no `token_type_ids` input
-NO_SEGMENT_INPUT = ("roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert")
 AXES = {0: "batch_size", 1: "sequence_length"}
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
 NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
@@ -31,7 +31,7 @@ NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain oper
 
 def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
     """optimum's input names for `config`'s member: `token_type_ids` only where it takes segment ids."""
-    segments = config.type_vocab_size > 0 and config.model_type not in NO_SEGMENT_INPUT
+    segments = config.type_vocab_size > 0 and MEMBERS[config.model_type].token_types_input
     return ("input_ids", "attention_mask", "token_type_ids") if segments else ("input_ids", "attention_mask")
 
 

@@ -23,8 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from bertembed.config import MEMBERS
-from bertembed.family import module_names
+from bertembed.family import MEMBERS, module_names
 from bertembed.validation import check_id_ranges
 
 log = logging.getLogger(__name__)

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
+from bertembed.family import MEMBERS as FAMILY
+
 HIDDENS = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
 QUICK_HIDDENS, QUICK_SHAPES = (768,), ((1, 11), (32, 128))
 # members whose forward is measured beside BERT's, with their checkpoints' keys that the class defaults do not give
-MEMBERS = {"roberta": {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5},
-           "distilbert": {}, "modernbert": {"pad_token_id": 0}}  # (its own pad id, 50283, lies past VOCAB)
+MEMBERS = {model_type: member.bench for model_type, member in FAMILY.items() if member.bench is not None}
 MODES = ("fwd", "fwdbwd")  # forward in eval mode under no_grad; a training step (train mode, dropout, backward)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused")
