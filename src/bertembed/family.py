@@ -1,6 +1,5 @@
 """BERT's family in one table, `MEMBERS` (docs/family.md): adding a member is adding a row. The layer's tensor names
-are BERT's; a checkpoint's are its member's, after a model prefix such as "bert.". No torch here: the cold start reads
-it."""
+are BERT's, a checkpoint's its member's after a model prefix ("bert."). No torch: the cold start reads this."""
 
 from __future__ import annotations
 
