@@ -230,3 +230,10 @@ def test_a_resolved_source_is_reused_as_it_is(tmp_path, hf_checkpoint):
     folder, _ = hf_checkpoint("tiny-odd")
     layer = BertEmbeddings.from_pretrained(folder)
     assert BertEmbeddings.from_pretrained(layer.source).source == layer.source
+
+
+def test_the_removed_kernels_alias_names_its_replacement():
+    """`bertembed.kernels`, the old alias of `bertembed.fast`, is gone: importing it says where the kernels are."""
+    sys.modules.pop("bertembed.kernels", None)
+    with pytest.raises(ImportError, match=r"import bertembed\.fast instead"):
+        import bertembed.kernels  # noqa: F401

@@ -1,5 +1,3 @@
-"""An alias of `bertembed.fast`: `from bertembed.kernels import fused_embeddings` works as before."""
+"""Removed: the alias of `bertembed.fast` (the fused kernels)."""
 
-from bertembed.fast import BACKENDS, check_backend, fused_embeddings, select_backend
-
-__all__ = ["BACKENDS", "check_backend", "fused_embeddings", "select_backend"]
+raise ImportError("bertembed.kernels was removed: import bertembed.fast instead (fused_embeddings, BACKENDS, ...)")
