@@ -18,7 +18,7 @@ from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.family import LEGACY, SUPPORTED, check_key_family, layout, padding_row, prefixes
 from bertembed.sources import Source, resolve
-from bertembed.tensor_files import open_weights, read_tensor, tensor_problem
+from bertembed.tensor_files import open_weights, read_tensor, tensor_problem, unshared
 
 if TYPE_CHECKING:
     import torch
@@ -53,30 +53,28 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
     """
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
-    error = None
-    for _ in range(5):
-        source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
+    source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
+    # A save may switch a new version in between config.json and the weights, which would load one version's config
+    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again.
+    for attempt in range(5):
         with _pinned(source) as unchanged:
             try:
                 checkpoint = _read(source, framework, word_reader)
-            except (OSError, ValueError) as err:
-                if unchanged():
+            except (OSError, ValueError):
+                if unchanged() or attempt == 4:  # (else the failure may come from a mix of two versions)
                     raise
-                error = err  # the folder was replaced while being read: the failure may come from a mix of two
                 continue
             if unchanged():
                 return checkpoint
-    if error is not None:
-        raise error
     raise ValueError(f"{name_or_path} was replaced while being read, five times in a row; is something saving to it "
                      f"in a loop? Read it when the saves are done")
 
 
 @contextlib.contextmanager
 def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
-    """Yield a test of whether a local checkpoint folder is still the one that was there at the start: a save swaps
-    in a new folder (a new inode), and the old one, held open here, keeps its inode number from being reused. The hub's
-    cache and the bundled default are never replaced, and Windows cannot open a folder: both always pass."""
+    """Yield a test of whether a local folder is still the one that was there at the start: a save switches in a new
+    folder (a new inode), and the old one, held open here, keeps its inode number from being reused. The hub's cache
+    and the bundled default are never replaced, and Windows cannot open a folder: both always pass."""
     if source.kind not in ("folder", "file") or os.name != "posix":
         yield lambda: True
         return
@@ -104,7 +102,7 @@ def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
     # the config first: an unsupported member is refused before any weights are read (or downloaded)
     config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
     member = "bert" if config is None else config.model_type
-    files, index = _weight_files(source, member)
+    files, index = weight_files(source, member)
     tensors = _select(files, index, framework, member, word_reader)
     if config is None:
         config = _infer_config(tensors, files[0])
@@ -127,8 +125,9 @@ def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
     return Checkpoint(source, config, tensors)
 
 
-def _weight_files(source: Source, member: str) -> tuple[list[Path], dict[str, Path]]:
-    """The weight files to read and, for a sharded checkpoint, which shard holds each embedding key."""
+def weight_files(source: Source, member: str | None = None) -> tuple[list[Path], dict[str, Path]]:
+    """The weight files to read and, for a sharded checkpoint, which shard holds each key: every key, or with
+    `member`, its embedding keys alone (so that only their shards are read, or downloaded)."""
     if source.kind == "file":
         return [source.weights_file], {}
     index = next((path for name in WEIGHT_FILES if (path := source.file(name)) is not None), None)
@@ -140,14 +139,15 @@ def _weight_files(source: Source, member: str) -> tuple[list[Path], dict[str, Pa
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
-    check_key_family(weight_map, str(index), member)
-    wanted = {k: weight_map[k] for k in embedding_keys(list(weight_map), member, index) if k in weight_map}
-    bad = next((k for k, v in wanted.items() if not isinstance(v, str)), None)
+    if member is not None:
+        check_key_family(weight_map, str(index), member)
+        weight_map = {k: weight_map[k] for k in embedding_keys(list(weight_map), member, index) if k in weight_map}
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
     if bad is not None:
-        raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(wanted[bad]).__name__}, not a shard's file name; "
-                         f"the index is corrupt: re-download the checkpoint")
-    shards = {name: _shard(source, index, name) for name in sorted(set(wanted.values()))}
-    return list(shards.values()), {k: shards[v] for k, v in wanted.items()}
+        raise ValueError(f"{index}: weight_map[{bad!r}] is a {type(weight_map[bad]).__name__}, not a shard's file "
+                         f"name; the index is corrupt: re-download the checkpoint")
+    shards = {name: _shard(source, index, name) for name in sorted(set(weight_map.values()))}
+    return list(shards.values()), {k: shards[v] for k, v in weight_map.items()}
 
 
 def _shard(source: Source, index: Path, name: str) -> Path:
@@ -296,13 +296,8 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
                          f"fix layer.config.extra") from err
-    tensors, storages = {}, set()  # under the member's base model keys (`embeddings.*`), on the CPU
-    for key, value in state.items():
-        value = value.detach().cpu().contiguous()
-        if value.untyped_storage().data_ptr() in storages:
-            value = value.clone()  # safetensors refuses tensors that share memory (a table assigned twice)
-        storages.add(value.untyped_storage().data_ptr())
-        tensors[layout(config.model_type)[key]] = value
+    # under the member's base model keys (`embeddings.*`), on the CPU
+    tensors = unshared({layout(config.model_type)[k]: v.detach().cpu().contiguous() for k, v in state.items()})
 
     def write(staging: Path) -> None:  # (`atomic_folder` names `folder` in an OSError)
         try:

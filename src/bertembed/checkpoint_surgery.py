@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from bertembed.atomic import atomic_folder
-from bertembed.checkpoint import WEIGHT_FILES, _shard, embedding_keys
+from bertembed.checkpoint import WEIGHT_FILES, embedding_keys, weight_files
 from bertembed.config import read_json
 from bertembed.embeddings import BertEmbeddings
-from bertembed.sources import present, resolve
-from bertembed.tensor_files import open_weights
+from bertembed.sources import Source, present, resolve
+from bertembed.tensor_files import open_weights, unshared
 
 # copies of the model in other formats would keep the old tables: left out of DST (and not downloaded)
 STALE = ("*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.mlpackage", "onnx",
@@ -87,24 +87,12 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")
     with torch.random.fork_rng(devices=[]):  # (building the layer draws; a seed set before the surgery is for it)
         layer = BertEmbeddings.from_pretrained(folder)
-    files = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()][:1]
-    if not files:  # (the layer was just read from this folder, so one is there unless it went meanwhile)
-        raise FileNotFoundError(f"{folder} has none of {', '.join(WEIGHT_FILES)}; surgery needs the weights")
-    if files[0].name.endswith(".index.json"):  # every shard the index names
-        weight_map = read_json(files[0]).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{files[0]} has no valid 'weight_map'; the sharded checkpoint's index is corrupt")
-        files = [_shard(source, files[0], shard) for shard in sorted(set(weight_map.values()))]
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
+    files, _ = weight_files(Source("folder", str(folder), folder))  # (every shard; a hub id's from its snapshot)
+    tensors = {}
     for path in files:
         handle = open_weights(path, "pt")
-        for key in handle.keys():
-            tensor = handle.get_tensor(key)
-            if tensor.untyped_storage().data_ptr() in storages:  # a tied head in a .bin: its own copy, or the save
-                tensor = tensor.clone()  # would keep one of the names (maybe the head's) and drop the other
-            storages.add(tensor.untyped_storage().data_ptr())
-            tensors[key] = tensor
+        tensors |= {key: handle.get_tensor(key) for key in handle.keys()}
+    tensors = unshared(tensors)  # (a tied head in a .bin: written as two tensors, both names kept)
     wanted = embedding_keys(list(tensors), layer.config.model_type, files[0])
     keys = {name: key for key, name in wanted.items() if key in tensors}
     names = {p.name for p in files} | {n for n in WEIGHT_FILES if (folder / n).is_file()}

@@ -58,6 +58,18 @@ def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
     return None if str(value.dtype).removeprefix("torch.") in FLOAT_DTYPES else f"of dtype {value.dtype}"
 
 
+def unshared(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` (torch), each one that shares memory with an earlier one cloned: safetensors refuses shared tensors,
+    and huggingface_hub's save keeps one name of a tied pair (maybe a head's) and drops the other."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in tensors.items():
+        storage = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if storage in seen else value
+        seen.add(storage)
+    return out
+
+
 class _StateDictHandle(dict):
     """A loaded `.bin` state dict with the get_dtype()/get_tensor() of `_SafetensorsHandle`."""
 
