@@ -1,6 +1,6 @@
-"""The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter) or ONNX Runtime's fused
-EmbedLayerNormalization (`fused_graph`); docs/onnx.md says what each graph holds. Whole models: `bertembed.onnx_whole`.
-Dimension letters: B batch, L length, E table width.
+"""The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter), optionally rewritten to ONNX
+Runtime's fused EmbedLayerNormalization (`fuse_embeddings`, which whole models take too: `bertembed.onnx_whole`);
+docs/onnx.md says what each graph holds. Dimension letters: B batch, L length, E table width.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bertembed.family import MEMBERS
+from bertembed.family import MEMBERS, layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    import numpy as np
     import onnx
 
     from bertembed.config import EmbeddingConfig
@@ -55,9 +54,9 @@ def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
-    """Write `layer` in eval mode as an ONNX model to `path`, atomically; returns the path. `fused=False`: plain
-    operators, torch's export of a reference copy (the fused kernels refuse tracing). `fused=True`: `fused_graph` of
-    the layer's tables; ValueError where the op cannot compute it. `attention_mask` is read by DeBERTa's only."""
+    """Write `layer` in eval mode as an ONNX model to `path`, atomically; returns the path. Plain operators: torch's
+    export of a reference copy (the fused kernels refuse tracing); `fused=True` then rewrites its embedding subgraph
+    (`fuse_embeddings`); ValueError where the op cannot compute the layer. Only DeBERTa's reads `attention_mask`."""
     from bertembed.atomic import check_output
     from bertembed.embeddings import BertEmbeddings
 
@@ -65,24 +64,16 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
                         f"transformers model use bertembed.onnx_whole.export_whole")
     target, opset, config = check_output(path), check_opset(opset), layer.config
-    if fused:
-        word, segment, position, weight, bias = layer.tables()
-        refuse_unfusable(config, word.dtype)
-        tables = {"word_embeddings.weight": word, "position_embeddings.weight": position,
-                  "token_type_embeddings.weight": segment, "LayerNorm.weight": weight,
-                  "LayerNorm.bias": 0 * weight if bias is None else bias}  # (the graph's initializers, in this order)
-        model = fused_graph({k: v.detach().float().cpu().numpy() for k, v in tables.items() if v is not None},
-                            config.layer_norm_eps, inputs=input_names(config),
-                            pad=config.pad_token_id if config.positions_from_padding else None, opset=opset)
-    else:
-        reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
-        reference.backend = "reference"
+    if fused:  # (refused before the export's seconds are spent)
+        refuse_unfusable(config, layer.tables()[0].dtype)
+    reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
+    reference.backend = "reference"
 
-        def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
-            return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
+    def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
+        return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
 
-        model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
-    return write_model(model, target)
+    model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
+    return write_model(fuse_embeddings(model, config) if fused else model, target)
 
 
 def check_opset(opset: Any) -> int:
@@ -145,52 +136,6 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
     return program.model_proto
 
 
-def fused_graph(tables: dict[str, np.ndarray], eps: float, *, inputs: tuple[str, ...] = ("input_ids", "token_type_ids"),
-                pad: int | None = None, int32_inputs: bool = False, opset: int = 18) -> onnx.ModelProto:
-    """One EmbedLayerNormalization node over float32 `tables` (state-dict names; the segment table optional), with
-    `eps`, giving `embeddings` [B, L, E]. `inputs`: the [B, L] id inputs, int64 cast to int32 inside (int32 with
-    `int32_inputs`); without `token_type_ids`, segment 0 for every token. `pad`: positions counted from the padding
-    id, as RoBERTa's; None: 0, 1, 2, ... An `attention_mask` input is taken, as optimum's graphs take it, and only
-    checked."""
-    require_onnx()
-    from onnx import TensorProto, checker, helper, numpy_helper
-
-    ids = {name: name if int32_inputs else f"{name}_i32" for name in inputs}
-    nodes = [] if int32_inputs else [helper.make_node("Cast", [n], [ids[n]], to=TensorProto.INT32) for n in inputs]
-    segment = "token_type_embeddings.weight" in tables
-    if segment and "token_type_ids" not in ids:
-        ids["token_type_ids"] = "token_type_ids_i32"
-        nodes.append(helper.make_node("Shape", [ids["input_ids"]], ["ids_shape"]))
-        nodes.append(helper.make_node("ConstantOfShape", ["ids_shape"], [ids["token_type_ids"]],
-                                      value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])))
-    if pad is not None:  # cumsum(ids != pad) * (ids != pad) + pad
-        nodes += [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, TensorProto.INT32, [], [v]))
-                  for k, v in (("pad_id", pad), ("length_axis", 1))]
-        nodes += [helper.make_node("Equal", [ids["input_ids"], "pad_id"], ["is_pad"]),
-                  helper.make_node("Not", ["is_pad"], ["is_token"]),
-                  helper.make_node("Cast", ["is_token"], ["token_mask"], to=TensorProto.INT32),
-                  helper.make_node("CumSum", ["token_mask", "length_axis"], ["token_count"]),
-                  helper.make_node("Mul", ["token_count", "token_mask"], ["token_positions"]),
-                  helper.make_node("Add", ["token_positions", "pad_id"], ["position_ids"])]
-    operands = [ids["input_ids"], ids["token_type_ids"] if segment else "", "word_embeddings.weight",
-                "position_embeddings.weight", "token_type_embeddings.weight" if segment else "", "LayerNorm.weight",
-                "LayerNorm.bias", ids.get("attention_mask", ""), "position_ids" if pad is not None else ""]
-    nodes.append(helper.make_node("EmbedLayerNormalization", operands, [OUTPUT, "mask_index"],
-                                  domain="com.microsoft", epsilon=float(eps)))
-    width = tables["word_embeddings.weight"].shape[1]
-    id_type = TensorProto.INT32 if int32_inputs else TensorProto.INT64
-    graph = helper.make_graph(
-        nodes, "bert_embeddings", [helper.make_tensor_value_info(n, id_type, list(AXES.values())) for n in inputs],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [*AXES.values(), width])],
-        [numpy_helper.from_array(v, k) for k, v in tables.items() if k in operands])
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
-    # the oldest IR the opsets allow (9 for opset 18): newer onnx writes its newest, which older ORT cannot read
-    model = helper.make_model(graph, opset_imports=opsets,
-                              ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
-    checker.check_model(model)
-    return model
-
-
 def require_onnx():
     """The onnx package, or an ImportError that says how to install it."""
     try:
@@ -198,3 +143,86 @@ def require_onnx():
     except ImportError as err:
         raise ImportError(f"ONNX export needs onnx and onnxscript ({err}); pip install 'bertembed[onnx]'") from err
     return onnx
+
+
+def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
+    """A copy of `model` (from `export_model`) whose embedding LayerNormalization and the Gathers and Adds feeding it
+    are one EmbedLayerNormalization; ValueError where the member or the graph cannot be fused."""
+    onnx = require_onnx()
+    from onnx import helper
+    from onnxscript.optimizer import remove_unused_nodes
+
+    refuse_unfusable(config)
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    graph = fused.graph
+    tables = _table_names(graph, config)
+    norm, gathers = _embedding_subgraph(graph, tables)
+    casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
+                                    to=onnx.TensorProto.INT32) for role in gathers}
+    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
+    segment = "token_type_embeddings.weight" in gathers
+    node = helper.make_node(
+        "EmbedLayerNormalization",
+        [casts["word_embeddings.weight"].output[0], casts["token_type_embeddings.weight"].output[0] if segment
+         else "", tables["word_embeddings.weight"], tables["position_embeddings.weight"],
+         tables["token_type_embeddings.weight"] if segment else "", norm.input[1], norm.input[2],
+         "", casts["position_embeddings.weight"].output[0]],
+        [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
+        epsilon=eps)
+    at = list(graph.node).index(norm)
+    nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not any(o.domain == "com.microsoft" for o in fused.opset_import):
+        fused.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    remove_unused_nodes(fused)  # (in place: the Gathers and Adds the fused node replaced, their tables too)
+    onnx.checker.check_model(fused)
+    return fused
+
+
+def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
+    """The layer's table name -> the graph's initializer of that table: named as the member's checkpoint key
+    (`layout`, a whole model's graph) or as the layer's own (the layer's). Only the tables: the exporter merges equal
+    initializers, so a fresh model's LayerNorm weights share one name."""
+    keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
+    names = {}
+    for ours, key in keys.items():
+        for name in (key, ours):
+            found = [i.name for i in graph.initializer if i.name == name or i.name.endswith("." + name)]
+            if found:
+                break
+        if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
+            names[ours] = found[0]
+    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight") if k not in names]
+    if missing:
+        raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
+                         f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
+    return names
+
+
+def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+    """(the embedding LayerNormalization: the first whose input is a sum reading the word table, found by its place
+    in the graph; table name -> the Gather that reads it), checking that the sum is of those Gathers alone and that
+    the norm normalises over the last axis with a scale and a bias."""
+    producer = {out: node for node in graph.node for out in node.output}
+
+    def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
+        node = producer.get(name)
+        return [leaf for i in node.input for leaf in leaves(i)] if node is not None and node.op_type == "Add" \
+            else [node]
+
+    word = tables["word_embeddings.weight"]
+    sums = [(n, leaves(n.input[0])) for n in graph.node if n.op_type == "LayerNormalization"]  # (in graph order)
+    reads_word = [any(x is not None and x.op_type == "Gather" and x.input[0] == word for x in s) for _, s in sums]
+    norm, summed = sums[reads_word.index(True)] if any(reads_word) else (None, [])
+    if norm is None or len(norm.input) < 3 or any(a.name == "axis" and a.i != -1 for a in norm.attribute):
+        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of {word}; "
+                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    by_table = {n.input[0]: n for n in summed if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
+                not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
+    roles = {ours: by_table.get(name) for ours, name in tables.items()}
+    if len(by_table) != len(summed) or None in roles.values() or len(roles) != len(summed):
+        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
+                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    return norm, roles

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import check_output
-from bertembed.family import layout
-from bertembed.onnx_export import NOT_FUSED_FIX, check_opset, refuse_unfusable, require_onnx, torch_export, write_model
+from bertembed.onnx_export import check_opset, fuse_embeddings, refuse_unfusable, torch_export, write_model
 
 if TYPE_CHECKING:
     import onnx
@@ -63,82 +62,3 @@ def export_model(hf, config: EmbeddingConfig, opset: int = 18) -> onnx.ModelProt
     """`torch_export` of transformers model `hf`, its `last_hidden_state` [B, L, H] the one output."""
     return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, OUTPUT, opset,
                         f"the {config.model_type} model")
-
-
-def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
-    """A copy of `model` (from `export_model`) whose embedding LayerNormalization and the Gathers and Adds feeding it
-    are one EmbedLayerNormalization; ValueError where the member or the graph cannot be fused."""
-    onnx = require_onnx()
-    from onnx import helper
-    from onnxscript.optimizer import remove_unused_nodes
-
-    refuse_unfusable(config)
-    fused = onnx.ModelProto()
-    fused.CopyFrom(model)
-    graph = fused.graph
-    tables = _table_names(graph, config)
-    norm, gathers = _embedding_subgraph(graph, tables)
-    casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
-                                    to=onnx.TensorProto.INT32) for role in gathers}
-    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
-    segment = "token_type_embeddings.weight" in gathers
-    node = helper.make_node(
-        "EmbedLayerNormalization",
-        [casts["word_embeddings.weight"].output[0], casts["token_type_embeddings.weight"].output[0] if segment
-         else "", tables["word_embeddings.weight"], tables["position_embeddings.weight"],
-         tables["token_type_embeddings.weight"] if segment else "", norm.input[1], norm.input[2],
-         "", casts["position_embeddings.weight"].output[0]],
-        [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
-        epsilon=eps)
-    at = list(graph.node).index(norm)
-    nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == "com.microsoft" for o in fused.opset_import):
-        fused.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    remove_unused_nodes(fused)  # (in place: the Gathers and Adds the fused node replaced, their tables too)
-    onnx.checker.check_model(fused)
-    return fused
-
-
-def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
-    """The layer's table name -> the graph's initializer of that table (the member's checkpoint key, `layout`). Only
-    the tables: the exporter merges equal initializers, so a fresh model's LayerNorm weights share one name."""
-    keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
-    names = {}
-    for ours, key in keys.items():
-        found = [i.name for i in graph.initializer if i.name == key or i.name.endswith("." + key)]
-        if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
-            names[ours] = found[0]
-    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight") if k not in names]
-    if missing:
-        raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
-                         f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
-    return names
-
-
-def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
-    """(the embedding LayerNormalization: the first whose input is a sum reading the word table, found by its place
-    in the graph; table name -> the Gather that reads it), checking that the sum is of those Gathers alone and that
-    the norm normalises over the last axis with a scale and a bias."""
-    producer = {out: node for node in graph.node for out in node.output}
-
-    def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
-        node = producer.get(name)
-        return [leaf for i in node.input for leaf in leaves(i)] if node is not None and node.op_type == "Add" \
-            else [node]
-
-    word = tables["word_embeddings.weight"]
-    sums = [(n, leaves(n.input[0])) for n in graph.node if n.op_type == "LayerNormalization"]  # (in graph order)
-    reads_word = [any(x is not None and x.op_type == "Gather" and x.input[0] == word for x in s) for _, s in sums]
-    norm, summed = sums[reads_word.index(True)] if any(reads_word) else (None, [])
-    if norm is None or len(norm.input) < 3 or any(a.name == "axis" and a.i != -1 for a in norm.attribute):
-        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of {word}; "
-                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    by_table = {n.input[0]: n for n in summed if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
-                not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
-    roles = {ours: by_table.get(name) for ours, name in tables.items()}
-    if len(by_table) != len(summed) or None in roles.values() or len(roles) != len(summed):
-        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
-                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    return norm, roles
