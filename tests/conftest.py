@@ -217,3 +217,20 @@ def hub_cache(root: Path, repo: str, source: Path) -> Path:
     (repo_dir / "refs" / "main").write_text(commit)
     shutil.copytree(source, repo_dir / "snapshots" / commit)
     return repo_dir
+
+
+@pytest.fixture
+def hub_home(monkeypatch):
+    """Point huggingface_hub, in this process, at the cache under a folder (as HF_HOME=folder would) and offline (as
+    HF_HUB_OFFLINE=1), or with `endpoint` online against that server (as HF_ENDPOINT): it reads these at import."""
+    from huggingface_hub import constants
+
+    def point(home: Path, endpoint: str | None = None) -> None:
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", endpoint is None)
+        if endpoint is not None:
+            monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+            monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/"
+                                "{filename}")
+
+    return point

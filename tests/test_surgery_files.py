@@ -305,17 +305,12 @@ def test_a_read_only_parent_is_refused_before_any_work(tmp_path):
     assert result.exit_code == 2 and "is not writable" in result.output
 
 
-def test_a_hub_id_from_the_cache_offline(tmp_path, bundled_path):
-    """SRC as a hub id: its whole snapshot is read from huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE honoured)."""
-    import subprocess
-    import sys
-
+def test_a_hub_id_from_the_cache_offline(tmp_path, bundled_path, hub_home):
+    """SRC as a hub id: its whole snapshot is read from huggingface_hub's cache, offline."""
     hub_cache(tmp_path / "home", "acme/mini-bert", bundled_path)
-    env = {"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    command = ["surgery", "extend-positions", "acme/mini-bert", str(tmp_path / "long"), "--to", "1024"]
-    done = subprocess.run([sys.executable, "-m", "bertembed", *command], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    hub_home(tmp_path / "home")
+    result = _run("extend-positions", "acme/mini-bert", tmp_path / "long", "--to", "1024")
+    assert result.exit_code == 0, result.output
     assert sorted(os.listdir(tmp_path / "long")) == sorted(os.listdir(bundled_path))
     assert _loaded(tmp_path / "long").config.max_position_embeddings == 1024
 
