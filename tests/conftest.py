@@ -223,14 +223,16 @@ def hub_cache(root: Path, repo: str, source: Path) -> Path:
 def hub_home(monkeypatch):
     """Point huggingface_hub, in this process, at the cache under a folder (as HF_HOME=folder would) and offline (as
     HF_HUB_OFFLINE=1), or with `endpoint` online against that server (as HF_ENDPOINT): it reads these at import."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, file_download
 
     def point(home: Path, endpoint: str | None = None) -> None:
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", endpoint is None)
         if endpoint is not None:
+            template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
             monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-            monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/"
-                                "{filename}")
+            monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+            # (huggingface_hub 0.26, the oldest supported, reads its own copy of the template)
+            monkeypatch.setattr(file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template, raising=False)
 
     return point
