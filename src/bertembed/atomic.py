@@ -28,7 +28,7 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"cannot save to {target}: it is a file, not a folder; pass a folder path")
     made = [p for p in target.parents if not os.path.lexists(p)]  # parents this save makes: removed if it fails
-    staging = _sibling(target, "tmp")
+    staging = target.parent / f".{target.name}.tmp-{os.urandom(4).hex()}"  # (same file system: renames switch it)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # (by mkdir, so that the umask applies)
@@ -85,11 +85,6 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
     return new
 
 
-def _sibling(target: Path, kind: str) -> Path:
-    """`.NAME.{kind}-RANDOM` beside `target`: on the same file system, so that a rename can switch it in."""
-    return target.parent / f".{target.name}.{kind}-{os.urandom(4).hex()}"
-
-
 def _remove(folder: Path) -> None:
     """Delete a temporary folder, read-only folders in it included (a save gives the new folder the old one's mode,
     so after the switch the old one may be 0555): never left behind for the next save to trip on."""
@@ -131,7 +126,7 @@ def _fsync_tree(folder: Path, files: bool) -> None:
             _fsync(root)
 
 
-def _fsync(path: str | Path) -> None:
+def _fsync(path: str | Path) -> None:  # (a folder too: its entries)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -140,11 +135,12 @@ def _fsync(path: str | Path) -> None:
 
 
 def _switch(staging: Path, target: Path) -> None:
-    """Make `staging` the folder at `target`; afterwards `staging` holds the old files (or nothing)."""
+    """Make `staging` the folder at `target`; afterwards `staging` holds the old files (or nothing). Where the exchange
+    is missing, two renames: a save killed between them leaves no `target`, the old folder whole at `old`."""
     if not target.exists():
         os.rename(staging, target)  # (replaces an empty folder made meanwhile; fails if one with files appeared)
-    elif not _exchange(staging, target):  # a save killed between these two renames leaves no `target`, and the old
-        old = _sibling(target, "old")  # folder whole at `old` (docs/checkpoints.md says how to put it back)
+    elif not _exchange(staging, target):
+        old = target.with_name(f".{target.name}.old-{os.urandom(4).hex()}")
         os.rename(target, old)
         try:
             os.rename(staging, target)
