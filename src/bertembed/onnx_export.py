@@ -54,16 +54,23 @@ def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
-    """Write `layer` in eval mode as an ONNX model to `path`, atomically; returns the path. Plain operators: torch's
-    export of a reference copy (the fused kernels refuse tracing); `fused=True` then rewrites its embedding subgraph
-    (`fuse_embeddings`); ValueError where the op cannot compute the layer. Only DeBERTa's reads `attention_mask`."""
+    """Write `layer` in eval mode as an ONNX model to `path`, atomically (`layer_graph`); returns the path."""
     from bertembed.atomic import check_output
+
+    target = check_output(path)
+    return write_model(layer_graph(layer, fused=fused, opset=opset), target)
+
+
+def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) -> onnx.ModelProto:
+    """`layer` in eval mode as an ONNX graph. Plain operators: torch's export of a reference copy (the fused kernels
+    refuse tracing); `fused=True` then rewrites its embedding subgraph (`fuse_embeddings`); ValueError where the op
+    cannot compute the layer. Only DeBERTa's reads `attention_mask`."""
     from bertembed.embeddings import BertEmbeddings
 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
                         f"transformers model use bertembed.onnx_whole.export_whole")
-    target, opset, config = check_output(path), check_opset(opset), layer.config
+    opset, config = check_opset(opset), layer.config
     if fused:  # (refused before the export's seconds are spent)
         refuse_unfusable(config, layer.tables()[0].dtype)
     reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
@@ -73,7 +80,7 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
         return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
 
     model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
-    return write_model(fuse_embeddings(model, config) if fused else model, target)
+    return fuse_embeddings(model, config) if fused else model
 
 
 def check_opset(opset: Any) -> int:
