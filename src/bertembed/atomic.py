@@ -1,5 +1,5 @@
 """Replacing a folder as a whole: a reader finds the whole old folder or the whole new one, even if the writer is
-killed at any moment. How, and why not a symlink: docs/checkpoints.md, "Saving".
+killed at any moment (on Linux: elsewhere see `_switch`). How, and why not a symlink: docs/checkpoints.md, "Saving".
 """
 
 from __future__ import annotations
