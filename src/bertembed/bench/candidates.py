@@ -95,7 +95,7 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
 
     def make(name: str) -> Callable[[], Any]:
         if name == "ort-fused":
-            return _ort(state, config.layer_norm_eps, ids, types)
+            return _ort(reference, ids, types)
         if name.startswith("hf-"):
             module = _transformers_layer(config, state)
         else:  # (a fused backend that is not installed: an ImportError naming it)
@@ -133,19 +133,20 @@ def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Modu
     return layer
 
 
-def _ort(state: dict[str, torch.Tensor], eps: float, ids: torch.Tensor, types: torch.Tensor) -> Callable[[], Any]:
-    """ONNX Runtime's fused EmbedLayerNormalization, one node: int32 ids, the five tables as initializers."""
+def _ort(layer, ids: torch.Tensor, types: torch.Tensor) -> Callable[[], Any]:
+    """ONNX Runtime running `bertembed export onnx --fused`'s graph of `layer` (EmbedLayerNormalization)."""
     try:
         import onnxruntime as ort
 
-        from bertembed.onnx_export import fused_graph
+        from bertembed.onnx_export import layer_graph
 
-        model = fused_graph({k: v.float().numpy() for k, v in state.items()}, eps, int32_inputs=True, opset=17)
+        model = layer_graph(layer, fused=True, opset=17)
     except ImportError as err:
         raise ImportError(f'{err}: pip install -e ".[bench]"') from err
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {"input_ids": ids.int().numpy(), "token_type_ids": types.int().numpy()}
+    given = {"input_ids": ids, "token_type_ids": types, "attention_mask": torch.ones_like(ids)}
+    feed = {i.name: given[i.name].long().numpy() for i in session.get_inputs()}
     return lambda: session.run(["embeddings"], feed)[0]
