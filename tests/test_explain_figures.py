@@ -1,4 +1,5 @@
-"""Figures and notebook views: every plot draws from real results without show(), captions state the numbers."""
+"""Figures and notebook views: every result draws its own figures from real results without show(), and their
+captions state the numbers."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import matplotlib
 import pytest
 
 import conftest_explain as helpers
-from bertembed.explain import figures
 from bertembed.explain.report import run_analyses
 
 tiny = helpers.tiny  # shared fixture
 
 matplotlib.use("Agg")
+
+# every figure, by the name of its PNG (--plots DIR, docs/figures/), in the order the report shows them
+FIGURES = ["decomposition_norms", "variance_shares", "position_similarity", "position_norms", "position_spectrum",
+           "position_pca", "segments", "segment_effect", "token_norms", "neighbours", "onehot", "finetune_rows",
+           "finetune_positions", "drift"]
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +31,26 @@ def test_every_figure_draws_with_a_numeric_caption(results, monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.setattr(plt, "show", lambda *a, **k: pytest.fail("plots must not call show()"))
-    drawn = set()
+    drawn = []
     for result in results:
-        for spec in figures.specs_for(result):
-            fig = spec.draw(result)
+        for figure in result.figures():
+            fig = figure.draw()
             assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
-            assert all(ax.get_ylabel() for ax in fig.axes), spec.name  # every axis says what it measures
-            assert fig.axes[0].get_title() or fig.get_suptitle(), spec.name
-            caption = spec.caption(result)
-            assert any(ch.isdigit() for ch in caption) and len(caption) > 80
-            drawn.add(spec.name)
+            assert all(ax.get_ylabel() for ax in fig.axes), figure.name  # every axis says what it measures
+            assert fig.axes[0].get_title() or fig.get_suptitle(), figure.name
+            assert any(ch.isdigit() for ch in figure.caption) and len(figure.caption) > 80
+            drawn.append(figure.name)
             plt.close(fig)
-    assert drawn == {s.name for s in figures.FIGURES}
+    assert drawn == FIGURES
 
 
 def test_single_panel_plots_draw_into_a_given_ax(results):
     import matplotlib.pyplot as plt
 
+    from bertembed.explain.decompose import plot_decomposition_norms
+
     fig, ax = plt.subplots()
-    assert figures.plot_decomposition_norms(results[0], ax=ax) is fig
+    assert plot_decomposition_norms(results[0], ax=ax) is fig
     assert len(ax.patches) >= 3 * len(results[0].tokens)  # three bars per token
     plt.close(fig)
 
@@ -52,13 +58,13 @@ def test_single_panel_plots_draw_into_a_given_ax(results):
 def test_results_render_in_notebooks(results):
     for result in results:
         page = result._repr_html_()
-        assert "<table>" in page and page.count("<img") == len(figures.specs_for(result))
+        assert "<table>" in page and page.count("<img") == len(result.figures())
 
 
 def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
     """The shaded band is frequencies 1..k, the band whose share the caption and the summary quote."""
     from bertembed.explain import analyze_positions
-    from bertembed.explain.figures import plot_position_spectrum
+    from bertembed.explain.positions import plot_position_spectrum
 
     report = analyze_positions()
     ax = plot_position_spectrum(report).axes[0]
@@ -70,8 +76,7 @@ def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
 
 
 def test_the_rows_moved_figure_draws_no_bar_for_zero_on_its_log_axis(results):
-    from bertembed.explain.figures import plot_finetune_rows
-    from bertembed.explain.finetune import FinetuneReport
+    from bertembed.explain.finetune import FinetuneReport, plot_finetune_rows
 
     report = next(r for r in results if isinstance(r, FinetuneReport))
     frozen = [t for run in report.runs for t in run.tables if t.moved == 0]

@@ -7,11 +7,14 @@ import json
 import shutil
 
 import pytest
+from typer.testing import CliRunner
 
 from bertembed import BertEmbeddings
+from bertembed.cli import app
 from bertembed.explain.walkthrough import check_walkthrough, walkthrough
 from conftest import FAMILY, write_member_tokenizer
-from test_cli import run
+
+runner = CliRunner()
 
 
 def test_every_step_on_the_bundled_model_matches_the_layer_where_it_should():
@@ -43,15 +46,15 @@ def test_the_walkthrough_follows_each_members_recipe(member_checkpoint, name, tm
 
 
 def test_the_command_prints_each_step_and_its_check():
-    done = run("walkthrough", "The quick brown fox")
-    assert done.returncode == 0, done.stderr
+    done = runner.invoke(app, ["walkthrough", "The quick brown fox"])
+    assert done.exit_code == 0, done.output
     for title in ("1. The ids and the tokens", "4. Their sum", "7. The layer's own output"):
-        assert title in done.stdout
-    assert done.stdout.count("bit for bit") >= 5 and "to float32 rounding" in done.stdout
-    as_json = json.loads(run("walkthrough", "The quick brown fox", "--json").stdout)
+        assert title in done.output
+    assert done.output.count("bit for bit") >= 5 and "to float32 rounding" in done.output
+    as_json = json.loads(runner.invoke(app, ["walkthrough", "The quick brown fox", "--json"]).output)
     assert len(as_json["steps"]) == 8 and as_json["member"] == "bert"
-    bad = run("walkthrough", "   ")
-    assert bad.returncode == 2 and "empty" in bad.stderr
+    bad = runner.invoke(app, ["walkthrough", "   "])
+    assert bad.exit_code == 2 and "empty" in bad.output
 
 
 def test_the_notebook_runs_top_to_bottom_in_a_jupyter_kernel(tmp_path):
@@ -60,8 +63,8 @@ def test_the_notebook_runs_top_to_bottom_in_a_jupyter_kernel(tmp_path):
     nbclient = pytest.importorskip("nbclient", reason=why)
     pytest.importorskip("ipykernel", reason=why)
     path = tmp_path / "walkthrough.ipynb"
-    done = run("notebook", str(path), "--text", "Who wrote it?")
-    assert done.returncode == 0, done.stderr
+    done = runner.invoke(app, ["notebook", str(path), "--text", "Who wrote it?"])
+    assert done.exit_code == 0, done.output
     book = nbformat.read(path, as_version=4)
     assert sum(c.cell_type == "code" and "assert " in c.source for c in book.cells) >= 6
     nbclient.NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -26,7 +26,7 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
         if as_json:
             print_json(result.summary())
         else:
-            say_model(model)
+            say_model(result.source)
             _show(result)
         failed = check_walkthrough(result)
         if failed:
@@ -78,28 +78,33 @@ def explain(
 ) -> None:
     """Show how the embedding layer builds each token's vector: the rows of its word, position and segment tables
     (those the member has) summed, then LayerNorm."""
-    with user_errors(report, needs=("matplotlib",) if report is not None or plots is not None else ()):
+    figures = report is not None or plots is not None
+    with user_errors(report, needs=("matplotlib",) if figures else ()):
+        from bertembed.atomic import write_atomic
         from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
 
         if plots is not None:
             reporting.check_folder(plots)
-        dec = explain_text(text, text_b, model, engine="torch" if use_torch else "numpy")
-        if finetune and report is None and plots is None:
+        if finetune and not figures:
             raise ValueError("--finetune adds the fine-tune demo to --report or --plots; give one of them (or run "
                              "bertembed finetune-demo)")
-        if report is not None or plots is not None:  # every analysis, then the figures and/or the report written
+        engine = "torch" if use_torch else "numpy"
+        if not figures:
+            dec = explain_text(text, text_b, model, engine=engine)
+        else:  # every analysis, on the checkpoint read once (the torch engine reads its own tables)
             bar, progress = rich_progress()
             with bar:
                 results = reporting.run_analyses(text, text_b, model, finetune=finetune,
                                                  progress=None if as_json else progress)
-            pngs = reporting.render_all(results)
+            dec = explain_text(text, text_b, results[0].source, engine=engine) if use_torch else results[0]
+            drawn = [reporting.render_figures(r) for r in results]
             if plots is not None:
-                written = reporting.write_plots(results, plots, pngs)
+                written = reporting.write_plots(drawn, plots)
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")
             if report is not None:
-                reporting.write_report(reporting.build_report(results, pngs=pngs), report)
+                write_atomic(report, reporting.report_html(results, drawn).encode("utf-8"))
                 if not as_json:
                     console.print(f"report written to {report}")
     rows = dec.rows()

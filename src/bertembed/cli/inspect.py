@@ -15,13 +15,11 @@ inspect_app = typer.Typer(help="Measure one part of the embedding layer: positio
 app.add_typer(inspect_app, name="inspect")
 
 
-def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None,
-         title: str = "", models: tuple = (None,)) -> None:
-    """Print which checkpoint(s) were measured (`models`, as the command got them), then a result's summary (and rows,
-    under `title`) as rich tables or JSON; write its figures to `plot`."""
+def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None, title: str = "",
+         sources: tuple = ()) -> None:
+    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and rows,
+    under `title`) as rich tables or JSON, and write its figures to `plot`."""
     from bertembed.explain._common import label
-    from bertembed.explain.figures import specs_for
-    from bertembed.explain.report import INTROS
 
     summary = result.summary()
     if plot is not None:
@@ -32,20 +30,20 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
     if as_json:
         print_json({"summary": summary, "rows": extra_rows or []})
         return
-    for model in models:
-        say_model(model)
+    for source in sources or (result.source,):
+        say_model(source)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
     rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
             for k, v in summary.items()]
-    console.print(rows_table(INTROS[type(result).__name__][0], rows))  # (the question the table answers)
+    console.print(rows_table(result.question, rows))
     if extra_rows:
         console.print(rows_table(title, extra_rows))
     if verdict:
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     if warning:
         console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
-    for spec in specs_for(result):
-        console.print(f"[dim]{spec.title}: {escape(spec.caption(result))}[/dim]")
+    for figure in result.figures():
+        console.print(f"[dim]{figure.title}: {escape(figure.caption)}[/dim]")
     if plot is not None:
         console.print(f"figures written to {plot}")
 
@@ -77,7 +75,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
     with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 
-        emit(analyze_positions(model, k=k), as_json, plot, models=(model,))
+        emit(analyze_positions(model, k=k), as_json, plot)
 
 
 @inspect_app.command()
@@ -93,7 +91,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         result = analyze_segments(text, text_b, model)
         rows = [{"row": "AB"[i], **{f"[{j}]": v for j, v in enumerate(values)}}
                 for i, values in enumerate(result.first_values)]
-        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)", models=(model,))
+        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)")
         if result.pair_tokens and not as_json:
             console.print("the pair, one sequence (segment of each token): " + " ".join(
                 escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)),
@@ -109,8 +107,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
         from bertembed.explain.tokens import analyze_tokens
 
         result = analyze_tokens(token, model, k=k)
-        emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {result.token!r} by cosine",
-             models=(model,))
+        emit(result, as_json, plot, result.neighbours, f"nearest neighbours of {result.token!r} by cosine")
         if not as_json:
             console.print(escape("special rows: " + ", ".join(f"{s['token']} (id {s['id']}) norm {s['norm']:.3f}"
                                                               for s in result.special)))
@@ -123,7 +120,7 @@ def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embe
     with plotting(plot):
         from bertembed.explain.onehot import analyze_onehot
 
-        emit(analyze_onehot(text, model), as_json, plot, models=(model,))
+        emit(analyze_onehot(text, model), as_json, plot)
 
 
 @app.command("drift")
@@ -139,8 +136,8 @@ def drift_command(
 
         result = drift(model_a, model_b, top=top)
         rows = result.rows()  # (the table without the long lists of rows, which follow it one tensor a line)
-        emit(result, as_json, plot, rows if as_json else [{k: v for k, v in r.items() if k != "most_changed"}
-                                                          for r in rows], "drift per tensor", models=(model_a, model_b))
+        shown = rows if as_json else [{k: v for k, v in r.items() if k != "most_changed"} for r in rows]
+        emit(result, as_json, plot, shown, "drift per tensor", (result.source_a, result.source_b))
         for row in [] if as_json else rows:
             if row["most_changed"]:
                 console.print(f"{escape(row['table'])}, most changed rows: {escape(row['most_changed'])}")
@@ -177,6 +174,6 @@ def finetune_demo(
         bar, progress = rich_progress()
         with bar:
             result = finetune.finetune_demo(model, steps=steps, progress=None if as_json else progress, save=save)
-        emit(result, as_json, plot, result.rows(), "rows moved per run and table", models=(model,))
+        emit(result, as_json, plot, result.rows(), "rows moved per run and table")
         if save and not as_json:
             console.print(f"fine-tuned layer saved to {save}; try: bertembed drift {result.model} {save}")

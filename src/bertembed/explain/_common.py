@@ -1,15 +1,15 @@
-"""Shared plumbing of the analyses: loading the tables once, JSON-ready summaries, and notebook HTML.
-
-Nothing here imports torch or matplotlib at import time.
-"""
+"""What the analyses share: the checkpoint read once and handed on, a table as they measure it, the base of their
+results (summary, figures, notebook HTML), and JSON. Nothing here imports torch or matplotlib at import time."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import html
 import io
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
@@ -17,21 +17,46 @@ import numpy as np
 
 from bertembed.config import NotInThisMember
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
+from bertembed.sources import DEFAULT_MODEL, resolve
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
+STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
 
 
-def load_layer(model: ModelArg = None) -> NumpyEmbeddings:
-    """The five tables as float32 numpy arrays; pass a loaded `NumpyEmbeddings` to reuse it."""
-    return model if isinstance(model, NumpyEmbeddings) else NumpyEmbeddings.from_pretrained(model)
+class Tables(NumpyEmbeddings):
+    """A checkpoint read once for the analyses, which hand it on: its tables as float32 numpy arrays and, read on
+    first use, its tokenizer."""
+
+    @functools.cached_property
+    def tokenizer(self):
+        from bertembed.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(self.source)
 
 
-def tokenize_whole(source, text: str, text_b: str | None = None, names: tuple[str, str] = ("the text", "text_b")):
-    """(the checkpoint's tokenizer, `text` and `text_b` encoded whole). ValueError for a text that gives no tokens, or
-    one longer than the position table (saying how to shorten or window it)."""
+def load_layer(model: ModelArg = None) -> Tables:
+    """`model` read: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`."""
+    if isinstance(model, Tables):
+        return model
+    if isinstance(model, NumpyEmbeddings):
+        return Tables(model.config, model.tensors, model.source)
+    return Tables.from_pretrained(model)
+
+
+def source_and_tokenizer(model: ModelArg):
+    """(`Source`, tokenizer) of `model` as `load_layer` takes it, its tables left unread: for the torch analyses."""
+    if isinstance(model, NumpyEmbeddings):
+        tables = load_layer(model)
+        return tables.source, tables.tokenizer
     from bertembed.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_pretrained(source)
+    source = resolve(model)
+    return source, Tokenizer.from_pretrained(source)
+
+
+def tokenize_whole(tokenizer, text: str, text_b: str | None = None, names: tuple[str, str] = ("the text", "text_b")):
+    """`text` and `text_b` encoded whole. ValueError for a text that gives no tokens, or one longer than the position
+    table (saying how to shorten or window it)."""
     tokenizer.require_tokens(text, names[0], text_b, names[1])
     enc = tokenizer(text, text_b, truncation=False, padding=False)
     count, limit = len(enc.input_ids), tokenizer.max_length
@@ -43,27 +68,12 @@ def tokenize_whole(source, text: str, text_b: str | None = None, names: tuple[st
                          f"return_overflowing_tokens=True, stride={stride}) gives {len(windows)} windows of at most "
                          f"{limit} tokens, each with its own specials, neighbours sharing {stride}; or extend the "
                          f"positions (layer.extend_positions)")
-    return tokenizer, enc
-
-
-@dataclasses.dataclass
-class NotMeasured:
-    """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
-
-    title: str
-    reason: str
-
-    def summary(self) -> dict:
-        return {"verdict": self.reason}
-
-    def rows(self) -> list[dict]:
-        return [{"measure": self.title, "value": "not measured"}]
+    return enc
 
 
 def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
-    """One table ("word", "position", "segment") as [rows, E] float64, for analysis: the rows tokens use (a
-    RoBERTa-style position table's reserved rows are skipped; a sinusoidal one is computed). NotInThisMember where the
-    member has no such table."""
+    """One table ("word", "position", "segment") as [rows, E] float64: the rows tokens use (a RoBERTa-style position
+    table's reserved rows skipped; a sinusoidal one computed). NotInThisMember where the member has no such table."""
     cfg, member = layer.config, f"{layer.source.name} ({layer.config.model_type})"
     if name == "position":
         if cfg.position_embedding_type == "none":
@@ -78,6 +88,17 @@ def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
         raise NotInThisMember(f"{member} has {what}")
     key = {"word": "word_embeddings.weight", "segment": "token_type_embeddings.weight"}[name]
     return layer.tensors[key].astype(np.float64)
+
+
+def row_norms(matrix: np.ndarray) -> np.ndarray:
+    """Euclidean norm of each row: [N, H] -> [N]."""
+    return np.linalg.norm(matrix, axis=-1)
+
+
+def cosine_matrix(a: np.ndarray) -> np.ndarray:
+    """Cosine similarity of every row of `a` [N, H] with every other: [N, N]."""
+    unit = a / np.maximum(row_norms(a), 1e-30)[:, None]
+    return unit @ unit.T
 
 
 LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 principal components",
@@ -100,22 +121,9 @@ def summary_rows(summary: dict) -> list[dict]:
     return [{"measure": label(k), "value": v} for k, v in summary.items() if not isinstance(v, (list, dict))]
 
 
-def row_norms(matrix: np.ndarray) -> np.ndarray:
-    """Euclidean norm of each row: [N, H] -> [N]."""
-    return np.linalg.norm(matrix, axis=-1)
-
-
-def cosine_matrix(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """Cosine similarity of every row of `a` [N, H] with every row of `b` [M, H] (default `a`): [N, M]."""
-    b = a if b is None else b
-    an = a / np.maximum(row_norms(a), 1e-30)[:, None]
-    bn = b / np.maximum(row_norms(b), 1e-30)[:, None]
-    return an @ bn.T
-
-
 def to_jsonable(value: Any) -> Any:
     """Plain Python for json.dumps(..., allow_nan=False): arrays become lists, numpy scalars numbers, paths strings,
-    and NaN or inf null (JSON has no such numbers; Python's NaN output is not JSON, and strict parsers reject it)."""
+    and NaN or inf null (JSON has no such numbers, and strict parsers reject Python's NaN)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
@@ -128,9 +136,7 @@ def to_jsonable(value: Any) -> Any:
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(value, Path):
-        return str(value)
-    return value
+    return str(value) if isinstance(value, Path) else value
 
 
 def html_table(rows: list[dict], caption: str = "") -> str:
@@ -145,9 +151,7 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, (float, np.floating)):
-        return f"{value:.4g}"
-    return str(value)
+    return f"{value:.4g}" if isinstance(value, (float, np.floating)) else str(value)
 
 
 def figure_png(fig) -> bytes:
@@ -160,33 +164,69 @@ def figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
-def img_tag(png: bytes, alt: str) -> str:
-    """An <img> holding the PNG inline (base64 data URI), so the page needs no other file."""
+def figure_html(title: str, png: bytes, caption: str) -> str:
+    """A figure: its PNG inline (a base64 data URI, so the page needs no other file), then its caption."""
     data = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return (f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}"><figcaption><b>'
+            f"{html.escape(title)}.</b> {html.escape(caption)}</figcaption></figure>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One figure of a result: its name (the PNG's, for --plots DIR), its title, its caption (the measured numbers in
+    words) and `draw()`, which returns a new matplotlib Figure."""
+
+    name: str
+    title: str
+    caption: str
+    draw: Callable[[], Any]
 
 
 class Result:
-    """An analysis's result: `summary()` (and `rows()` where `rows_title` names them) as notebook HTML."""
+    """What every analysis returns: its data, a `summary()` for JSON and tables, and its own figures; it renders in
+    notebooks."""
 
-    rows_title = ""  # the caption of the `rows()` table under the summary; "" for no such table
+    question = ""  # the question it answers: the title of its table and of its report section
+    answer = ""  # the report section's one-line answer; "" for the summary's verdict
+    tag = MEASURED  # whether the answer holds for every BERT checkpoint or was measured on this one
+    rows_title = ""  # the caption of the `rows()` table shown under the summary in notebooks; "" for none
+
+    @property
+    def model(self) -> str:
+        """The name of the checkpoint measured (its `source`'s)."""
+        return self.source.name
+
+    def figures(self) -> list[Figure]:
+        return []
 
     def _repr_html_(self) -> str:
-        """Its summary as a table, then its figures when matplotlib is installed (then its rows)."""
-        from bertembed.explain.figures import specs_for
-        from bertembed.sources import DEFAULT_MODEL
-
+        """Its summary as a table, its figures when matplotlib is installed, then its rows."""
         summary = self.summary()
-        parts = [f"<h4>{html.escape(type(self).__name__)}</h4>"]
+        parts = [f"<h4>{html.escape(self.question)}</h4>"]
         if DEFAULT_MODEL in (summary.get("model"), summary.get("model_a"), summary.get("model_b")):
             parts.append("<p>measured on the bundled all-MiniLM-L6-v2 (BERT's architecture, fine-tuned for sentence "
                          "embeddings), not bert-base-uncased</p>")
         parts.append(html_table(summary_rows(summary)))
         try:
-            for spec in specs_for(self):
-                parts.append(img_tag(figure_png(spec.draw(self)), spec.title))
-                parts.append(f"<p>{html.escape(spec.caption(self))}</p>")
+            parts += [figure_html(f.title, figure_png(f.draw()), f.caption) for f in self.figures()]
         except ImportError:
             parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
-        page = "\n".join(parts)
-        return page + html_table(self.rows(), self.rows_title) if self.rows_title else page
+        if self.rows_title:
+            parts.append(html_table(self.rows(), self.rows_title))
+        return "\n".join(parts)
+
+
+@dataclasses.dataclass
+class NotMeasured(Result):
+    """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
+
+    question = "Not measured in this member"
+
+    title: str
+    reason: str
+
+    def summary(self) -> dict:
+        return {"verdict": self.reason}
+
+    def rows(self) -> list[dict]:
+        return [{"measure": self.title, "value": "not measured"}]

@@ -4,12 +4,13 @@ output, and LayerNorm(word + position + segment) recomputed by hand in float64. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Result, tokenize_whole
-from bertembed.sources import Source, resolve
+from bertembed.explain._common import Figure, Result, load_layer, source_and_tokenizer, tokenize_whole
+from bertembed.explain.figures import PART_COLOURS, axes, token_axis
+from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
 
@@ -18,6 +19,9 @@ PARTS = ("word", "position", "segment")
 class TextDecomposition(Result):
     """The parts of one sequence. Vectors are [L, H] float32 arrays; statistics are [L]."""
 
+    question = "What does the layer add to each token?"
+    answer = ("Each token's vector is the sum of its rows (word, and position and segment where the member has those "
+              "tables), then LayerNorm. The table gives each part's norm and its share of the variance LayerNorm sees.")
     rows_title = "one row per token"
 
     source: Source
@@ -64,11 +68,8 @@ class TextDecomposition(Result):
         return {name: getattr(self, name).astype(np.float64) * centred for name in self.parts}, centred ** 2
 
     def variance_shares(self) -> dict[str, np.ndarray]:
-        """Each part's share of the variance (over H) of the sum that LayerNorm divides by: [L] arrays.
-
-        Var(w + p + s) = Cov(w, sum) + Cov(p, sum) + Cov(s, sum) over the member's parts, so share_c = Cov_H(c, sum) /
-        Var_H(sum) and the shares add up to 1 for every token (a share can be negative when a part cancels the others).
-        """
+        """Each part's share Cov_H(part, sum) / Var_H(sum) of the variance LayerNorm divides by: [L] arrays adding up
+        to 1 per token (a part that cancels the others has a negative share)."""
         cov, var = self._covariances()
         return {name: c.mean(-1) / var.mean(-1) for name, c in cov.items()}
 
@@ -95,6 +96,66 @@ class TextDecomposition(Result):
         out["max_abs_diff"] = self.max_abs_diff
         return out
 
+    def figures(self) -> list[Figure]:
+        return [Figure("decomposition_norms", "Norms per token", caption_norms(self),
+                       partial(plot_decomposition_norms, self)),
+                Figure("variance_shares", "Variance shares", caption_variance_shares(self),
+                       partial(plot_variance_shares, self))]
+
+
+def caption_norms(dec: TextDecomposition) -> str:
+    n = dec.norms()
+    means = ", ".join(f"{part} {n[part].mean():.3f}" for part in dec.parts)
+    return (f"{len(dec.tokens)} tokens ({sum(dec.segments)} in segment B, shaded). Mean norms: {means}; their sum "
+            f"{n['sum'].mean():.3f}. After LayerNorm the output norm is {n['output'].mean():.2f} on average: "
+            f"LayerNorm rescales every token to unit variance, then applies its learned gain and bias.")
+
+
+def caption_variance_shares(dec: TextDecomposition) -> str:
+    s = dec.overall_shares()
+    return (f"Share of the variance over the hidden dimensions of {' + '.join(dec.parts)} that comes from each part "
+            f"(Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
+            f"{', '.join(f'{part} {s[part]:.0%}' for part in dec.parts)}. "
+            f"{dec.recipe} recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
+
+
+def _shade_segment_b(ax, segments) -> None:
+    b = [i for i, s in enumerate(segments) if s == 1]
+    if b:
+        ax.axvspan(b[0] - 0.5, b[-1] + 0.5, color="#f3e6c4", zorder=0, label="segment B (shaded)")
+
+
+def plot_decomposition_norms(dec: TextDecomposition, ax=None):
+    """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
+    fig, ax = axes(ax)
+    norms, x = dec.norms(), np.arange(len(dec.tokens))
+    _shade_segment_b(ax, dec.segments)
+    width = 0.8 / len(dec.parts)
+    for j, name in enumerate(dec.parts):
+        ax.bar(x + (j - (len(dec.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
+               label=f"{name} vector")
+    token_axis(ax, dec.tokens)
+    ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
+    ax.legend(fontsize=8, ncols=4, loc="upper right")
+    return fig
+
+
+def plot_variance_shares(dec: TextDecomposition, ax=None):
+    """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
+    fig, ax = axes(ax)
+    shares, x = dec.variance_shares(), np.arange(len(dec.tokens))
+    _shade_segment_b(ax, dec.segments)
+    pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
+    for name in dec.parts:
+        value = shares[name]
+        ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
+        pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    token_axis(ax, dec.tokens)
+    ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
+    ax.legend(fontsize=8, ncols=4, loc="lower right")
+    return fig
+
 
 def recipe(config) -> tuple[tuple[str, ...], str]:
     """The parts a member's layer adds (of PARTS) and its recipe in words, in the member's own order of the sum:
@@ -110,22 +171,21 @@ def recipe(config) -> tuple[tuple[str, ...], str]:
 def explain_text(text: str, text_b: str | None = None, model=None, *,
                  engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with the checkpoint's tokenizer and decompose its embedding.
-    `model`: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
-    ValueError for a text that gives no tokens, or one longer than the position table (never truncated)."""
+    `model`: as `load_layer` takes it. ValueError for a text that gives no tokens, or one longer than the position
+    table (never truncated)."""
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
-    layer = model if engine == "numpy" and not isinstance(model, (str, Path, type(None))) else None
-    # resolve once: the tokenizer and the layer read the same checkpoint (a loaded layer brings its own source)
-    model = layer.source if layer is not None else resolve(model)
-    enc = tokenize_whole(model, text, text_b, ("TEXT", "TEXT_B"))[1]
+    if engine == "numpy":
+        layer = load_layer(model)
+        tokenizer = layer.tokenizer
+    else:
+        source, tokenizer = source_and_tokenizer(model)
+    enc = tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
-        from bertembed.numpy_layer import NumpyEmbeddings
-
-        layer = layer or NumpyEmbeddings.from_pretrained(model)
         parts, source, config = layer.decompose(ids, types), layer.source, layer.config
         gamma = layer.tensors["LayerNorm.weight"]
         beta = layer.tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
@@ -134,11 +194,10 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
 
         from bertembed.embeddings import BertEmbeddings
 
-        module = BertEmbeddings.from_pretrained(model).eval()
+        module = BertEmbeddings.from_pretrained(source).eval()
         with torch.no_grad():
             dec = module.decompose(torch.from_numpy(ids), torch.from_numpy(types))
-        parts = {k: v.float().numpy() for k, v in vars(dec).items()}
-        source, config = module.source, module.config
+        parts, config = {k: v.float().numpy() for k, v in vars(dec).items()}, module.config
         gamma = module.LayerNorm.weight.detach().float().numpy()
         beta = np.zeros_like(gamma) if module.LayerNorm.bias is None else module.LayerNorm.bias.detach().float().numpy()
     has, written = recipe(config)

@@ -4,10 +4,13 @@ it moved and which rows moved most. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms
+from bertembed.explain._common import Figure, ModelArg, Result, load_layer, row_norms
+from bertembed.explain.figures import axes
+from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
                 "segment": "token_type_embeddings.weight", "LayerNorm.weight": "LayerNorm.weight",
@@ -30,14 +33,16 @@ class TableDrift:
 
 @dataclass
 class DriftReport(Result):
+    question = "How far did each tensor move between two checkpoints?"
+    answer = "How far each tensor moved from checkpoint A to B."
     rows_title = "drift per table"
 
-    model_a: str
-    model_b: str
+    source_a: Source
+    source_b: Source
     tables: list[TableDrift]
 
     def summary(self) -> dict:
-        out = {"model_a": self.model_a, "model_b": self.model_b}
+        out = {"model_a": self.source_a.name, "model_b": self.source_b.name}
         for t in self.tables:
             out |= {f"{t.table}_{k}": getattr(t, k) for k in ("relative_change", "rows_changed", "median_row_change")}
         if self.warning():
@@ -46,7 +51,7 @@ class DriftReport(Result):
 
     def warning(self) -> str:
         """Which tensor of which checkpoint holds NaN or inf, and where; empty when every tensor is finite."""
-        found = [f"{t.table} of {side} ({self.model_a if side == 'A' else self.model_b}) at row(s) "
+        found = [f"{t.table} of {side} ({(self.source_a if side == 'A' else self.source_b).name}) at row(s) "
                  f"{', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''} of {t.shape[0]}"
                  for t in self.tables for side, rows in t.non_finite.items()]
         if not found:
@@ -61,14 +66,15 @@ class DriftReport(Result):
                  "most_changed": ", ".join(f"{r['label']} ({r['relative']:.2g} of its norm)" for r in t.top[:5])}
                 for t in self.tables]
 
+    def figures(self) -> list[Figure]:
+        return [Figure("drift", "Drift per tensor", caption_drift(self), partial(plot_drift, self))]
+
 
 def _labeller(layer, name: str):
     """Turns a row index into a readable label: the token for the word table, 'pos N', 'segment A/B'."""
     if name == "word":
         try:
-            from bertembed.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_pretrained(layer.source)
+            tokenizer = layer.tokenizer
             return lambda i: f"{tokenizer.backend.id_to_token(i)} ({i})"
         except (FileNotFoundError, ValueError):
             return lambda i: f"id {i}"
@@ -114,4 +120,31 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
                          f"compared: {'; '.join(wrong)}. Compare two checkpoints of the same architecture")
     tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)
               for name, key in DRIFT_TABLES.items() if key in a.tensors]
-    return DriftReport(a.source.name, b.source.name, tables)
+    return DriftReport(a.source, b.source, tables)
+
+
+def caption_drift(r) -> str:
+    parts = [f"{t.table}: {t.rows_changed} of {t.shape[0]} rows moved, a moved row by {t.median_row_change:.2g} of "
+             f"its norm (median), the whole tensor by {t.relative_change:.2g}" for t in r.tables]
+    word = next((t for t in r.tables if t.table == "word" and t.top), None)
+    top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
+        if word else ""
+    head = f"From {r.source_a.name} to {r.source_b.name}, per tensor: "
+    return head + "; ".join(parts) + "." + top
+
+
+def plot_drift(report, ax=None):
+    """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
+    labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
+    fig, ax = axes(ax, size=(6.5, 3.4))
+    values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in report.tables]
+    bars = ax.bar([t.table for t in report.tables], values, color="0.45")
+    ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
+                               else "" for t in report.tables], fontsize=7)
+    ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
+           ylabel="median |Δ row| / |row|, rows that moved",
+           title="Drift per tensor between two checkpoints (label: change, rows moved)")
+    if not any(v == v for v in values):
+        ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
+    ax.tick_params(axis="x", labelsize=8)
+    return fig

@@ -9,11 +9,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import Result
+from bertembed.explain._common import Figure, ModelArg, Result, source_and_tokenizer
+from bertembed.explain.figures import axes
+from bertembed.sources import Source
 
 SENTENCES = (
     ("a wonderful, moving film", 1), ("i loved every minute of it", 1), ("great acting and a clever plot", 1),
@@ -62,9 +65,13 @@ class RunResult:
 class FinetuneReport(Result):
     """Which parameters train by default, which rows occurred, and what each run moved."""
 
+    question = "Does fine-tuning change the tables?"
+    answer = ("Every table is a trainable parameter: which rows move depends on which tokens, positions and segments "
+              "occur, and on the optimiser. The demo's magnitudes are a toy's (its learning rate, its two-class head); "
+              "which rows move is not.")
     rows_title = "rows moved per run and table"
 
-    model: str
+    source: Source
     trainable: list[dict]  # {"name", "shape", "requires_grad"} of BertEmbeddings.named_parameters()
     occurred: dict[str, list[int]]  # rows that received gradient: unpadded token ids (not [PAD]), positions, segments
     runs: list[RunResult]
@@ -87,43 +94,26 @@ class FinetuneReport(Result):
                  "max_abs_change": t.max_abs_change, "median_relative_change": t.median_relative_change}
                 for r in self.runs for t in r.tables]
 
-
-def occurred_rows(enc, pad_id: int) -> dict[str, list[int]]:
-    """Rows that get a non-zero gradient: the ids, positions and segments at unpadded places, [PAD] excluded."""
-    mask = enc.attention_mask.bool()
-    positions = mask.nonzero()[:, 1].unique()
-    return {"word": sorted(set(enc.input_ids[mask].tolist()) - {pad_id}), "position": positions.tolist(),
-            "segment": sorted(set(enc.token_type_ids[mask].tolist()))}
-
-
-def _expected(spec: RunSpec, name: str, occurred: list[int], before) -> int:
-    """Rows the theory says move: Adam leaves a row whose gradient was always zero exactly as it was."""
-    if name in spec.frozen:
-        return 0
-    if spec.weight_decay > 0:  # decay moves every row that is not exactly zero, plus the rows with gradient
-        return int(((before != 0).any(1).numpy() | np.isin(np.arange(before.shape[0]), occurred)).sum())
-    return len(occurred)
-
-
-def _changes(spec, start: dict, layer, occurred) -> tuple[list[TableChange], dict]:
-    out, per_row = [], {}
-    for name, attr in TABLES.items():
-        module = getattr(layer, attr)
-        if module is None or not hasattr(module, "weight") or f"{attr}.weight" not in start:
-            continue
-        before, after = start[f"{attr}.weight"], module.weight.detach()
-        delta = (after - before).double()
-        moved = (after != before).any(1).nonzero()[:, 0]
-        rel = delta.norm(dim=1)[moved] / before.double().norm(dim=1)[moved].clamp_min(1e-30)
-        per_row[name] = delta.norm(dim=1).numpy()
-        out.append(TableChange(name, before.shape[0], len(moved), _expected(spec, name, occurred[name], before),
-                               float(delta.abs().max()), float(rel.median()) if len(moved) else 0.0,
-                               moved.tolist()))
-    return out, per_row
+    def figures(self) -> list[Figure]:
+        occurred = {k: len(v) for k, v in self.occurred.items()}
+        runs = "; ".join(f"{r.spec.name}: {', '.join(f'{t.table} {t.moved}/{t.rows}' for t in r.tables)} (loss "
+                         f"{r.loss_first:.3f} -> {r.loss_last:.3f})" for r in self.runs)
+        rows = (f"{self.steps} steps on {len(self.sentences)} sentences, lr {self.lr:g}. Rows moved per table: {runs}. "
+                f"The sentences use {occurred['word']} distinct tokens, {occurred['position']} positions and "
+                f"{occurred['segment']} segment(s); every row that moved is one of them unless weight decay is on. "
+                f"All {len(self.trainable)} embedding parameters are trainable by default.")
+        positions = (f"Change of each of the first position rows. With Adam and no weight decay, positions "
+                     f"0-{max(self.occurred['position'])} (the longest sentence) move and every later row stays "
+                     f"exactly equal (change 0); AdamW's decay nudges every row; freezing the word table does not "
+                     f"stop the position table from training.")
+        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, partial(plot_finetune_rows, self)),
+                Figure("finetune_positions", "Position rows after fine-tuning", positions,
+                       partial(plot_finetune_positions, self))]
 
 
-def _run(spec: RunSpec, start: dict, config, enc, labels, steps: int, lr: float, seed: int,
-         progress: Callable[[str, int, int], None] | None):
+def _run(spec: RunSpec, start: dict, config, enc, labels, occurred: dict, steps: int, lr: float, seed: int,
+         progress: Callable[[str, int, int], None] | None) -> tuple[RunResult, object]:
+    """One run of the demo: its losses and, per table, the rows it moved against those theory says move."""
     import torch
     from torch import nn
 
@@ -150,10 +140,25 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, steps: int, lr: float,
         losses.append(float(loss.detach()))
         if progress:
             progress(spec.name, step + 1, steps)
-    return layer, losses
+    tables, per_row = [], {}
+    for name, attr in TABLES.items():
+        if f"{attr}.weight" not in start:  # (a table the member lacks)
+            continue
+        before, after = start[f"{attr}.weight"], getattr(layer, attr).weight.detach()
+        delta = (after - before).double()
+        moved = (after != before).any(1).nonzero()[:, 0]
+        relative = delta.norm(dim=1)[moved] / before.double().norm(dim=1)[moved].clamp_min(1e-30)
+        per_row[name] = delta.norm(dim=1).numpy()
+        # theory: Adam leaves a row whose gradient was always zero exactly as it was; weight decay moves every row
+        # that is not exactly zero, and the rows with gradient
+        expected = 0 if name in spec.frozen else len(occurred[name]) if spec.weight_decay == 0 else int(
+            ((before != 0).any(1).numpy() | np.isin(np.arange(before.shape[0]), occurred[name])).sum())
+        tables.append(TableChange(name, before.shape[0], len(moved), expected, float(delta.abs().max()),
+                                  float(relative.median()) if len(moved) else 0.0, moved.tolist()))
+    return RunResult(spec, losses[0], losses[-1], tables, per_row), layer
 
 
-def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 0, runs=DEFAULT_RUNS,
+def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, seed: int = 0, runs=DEFAULT_RUNS,
                   sentences=SENTENCES, progress: Callable[[str, int, int], None] | None = None,
                   save: str | Path | None = None) -> FinetuneReport:
     """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run. `progress(run_name,
@@ -162,7 +167,6 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
     import torch
 
     from bertembed.embeddings import BertEmbeddings
-    from bertembed.tokenizer import Tokenizer
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
@@ -170,24 +174,26 @@ def finetune_demo(model=None, *, steps: int = 12, lr: float = 1e-3, seed: int = 
         raise ValueError(f"lr={lr}: the learning rate must be positive, e.g. 1e-3")
     if save is not None:
         check_save_folder(save)
-    base = BertEmbeddings.from_pretrained(model)
+    source, tokenizer = source_and_tokenizer(model)
+    base = BertEmbeddings.from_pretrained(source)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    tokenizer = Tokenizer.from_pretrained(model)
     for i, (sentence, _) in enumerate(sentences):
         tokenizer.require_tokens(sentence, f"sentence {i}")
     enc = tokenizer([s for s, _ in sentences], return_tensors="pt")  # padded into one batch: [B, L] tensors
     labels = torch.tensor([label for _, label in sentences])
-    occurred = occurred_rows(enc, base.config.pad_token_id)
+    mask = enc.attention_mask.bool()  # the rows with gradient: ids (not [PAD]), positions, segments at unpadded places
+    occurred = {"word": sorted(set(enc.input_ids[mask].tolist()) - {base.config.pad_token_id}),
+                "position": mask.nonzero()[:, 1].unique().tolist(),
+                "segment": sorted(set(enc.token_type_ids[mask].tolist()))}
     trainable = [{"name": n, "shape": list(p.shape), "requires_grad": p.requires_grad}
                  for n, p in base.named_parameters()]
     began, results = time.perf_counter(), []
     for i, spec in enumerate(runs):
-        layer, losses = _run(spec, start, base.config, enc, labels, steps, lr, seed, progress)
-        tables, per_row = _changes(spec, start, layer, occurred)
-        results.append(RunResult(spec, losses[0], losses[-1], tables, per_row))
+        result, layer = _run(spec, start, base.config, enc, labels, occurred, steps, lr, seed, progress)
+        results.append(result)
         if save is not None and i == 0:
-            save_with_tokenizer(layer, base.source, save)
-    return FinetuneReport(model=base.source.name, trainable=trainable, occurred=occurred, runs=results, steps=steps,
+            save_with_tokenizer(layer, source, save)
+    return FinetuneReport(source=source, trainable=trainable, occurred=occurred, runs=results, steps=steps,
                           lr=lr, seconds=time.perf_counter() - began, sentences=tuple(sentences))
 
 
@@ -227,3 +233,39 @@ def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
         why = err.strerror or str(err)
         raise ValueError(why if why.startswith("cannot ") else f"cannot save to {folder}: {why}") from err
     return folder
+
+
+def plot_finetune_rows(report, ax=None):
+    """Rows moved per table in each run (log scale), with the table sizes for reference."""
+    fig, ax = axes(ax)
+    tables = [t.table for t in report.runs[0].tables]
+    width = 0.8 / len(report.runs)
+    for i, run in enumerate(report.runs):
+        offset = (i - (len(report.runs) - 1) / 2) * width
+        x = np.arange(len(tables)) + offset
+        moved = [t.moved for t in run.tables]
+        # a log axis has no 0: a table with no row moved gets no bar, only its "0" label at the axis
+        bars = ax.bar(x, [m if m > 0 else np.nan for m in moved], width, label=run.spec.name)
+        ax.bar_label(bars, labels=[str(m) if m > 0 else "" for m in moved], fontsize=7)
+        for xi, m in zip(x, moved, strict=True):
+            if m == 0:
+                ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in report.runs[0].tables])
+    ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {report.steps} steps: rows moved")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_finetune_positions(report, ax=None, first: int = 24):
+    """|change| of the first position rows in each run: only positions that occurred move under Adam."""
+    fig, ax = axes(ax)
+    for run, style in zip(report.runs, ("-o", "--s", ":^", "-.d"), strict=False):
+        change = run.row_change.get("position")
+        if change is not None:
+            ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
+    ax.axvline(max(report.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
+    ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
+           yscale="symlog", ylim=(0, None))
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.legend(fontsize=8)
+    return fig

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import timeit
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, tokenize_whole
+from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, load_layer, tokenize_whole
+from bertembed.explain.figures import PART_COLOURS, axes
+from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
 # the time (a few seconds) of the demonstration; BERT's own case, 512 positions x 30522 ids, is 60 MiB.
@@ -19,7 +22,14 @@ MAX_ONEHOT_BYTES = 512 * 2**20
 class OneHotReport(Result):
     """Lookup versus one-hot product on one text's ids (numpy, float32, one thread of work each)."""
 
-    model: str
+    question = "Is nn.Embedding a one-hot matrix product?"
+    answer = ("Yes: one_hot(ids) @ W picks the same rows as W[ids], bit for bit; the lookup skips the product. "
+              "Pretrained static vectors (word2vec, GloVe) can be loaded into such a table too; BERT's is trained with "
+              "the model (and tied to its MLM decoder), and Google's original TPU code could do the lookup as this "
+              "product.")
+    tag = STRUCTURAL
+
+    source: Source
     tokens: list[str]
     ids: list[int]
     equal: bool  # the two results are identical, bit for bit
@@ -37,6 +47,9 @@ class OneHotReport(Result):
                 "slowdown": self.onehot_seconds / max(self.lookup_seconds, 1e-12),
                 "lookup_bytes": self.lookup_bytes, "onehot_bytes": self.onehot_bytes,
                 "memory_ratio": self.onehot_bytes / max(self.lookup_bytes, 1)}
+
+    def figures(self) -> list[Figure]:
+        return [Figure("onehot", "One-hot vs lookup", caption_onehot(self), partial(plot_onehot, self))]
 
 
 def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -63,7 +76,7 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
-    enc = tokenize_whole(layer.source, text)[1]
+    enc = tokenize_whole(layer.tokenizer, text)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape
@@ -77,8 +90,30 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
                          f"the tokenizer and the weights come from different models")
     looked_up, product = words[ids], one_hot(ids, vocab) @ words
     return OneHotReport(
-        model=layer.source.name, tokens=list(enc.tokens), ids=ids.tolist(),
+        source=layer.source, tokens=list(enc.tokens), ids=ids.tolist(),
         equal=bool(np.array_equal(looked_up, product)), max_abs_diff=float(np.abs(looked_up - product).max()),
         lookup_seconds=_median_time(lambda: words[ids], repeats),
         onehot_seconds=_median_time(lambda: one_hot(ids, vocab) @ words, repeats),
         lookup_bytes=tokens * hidden * 4, onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden)
+
+
+def caption_onehot(r) -> str:
+    s = r.summary()
+    return (f"one_hot(ids) @ W and W[ids] on {len(r.ids)} tokens: {'identical' if r.equal else 'different'} "
+            f"(max |diff| {r.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
+            f"{r.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x) and "
+            f"touched {r.onehot_bytes / 1e6:.3g} MB, because it reads all {r.vocab_size} rows of the table.")
+
+
+def plot_onehot(report):
+    """Time and memory of the lookup and of the one-hot product (log scale)."""
+    fig, (left, right) = axes(size=(8, 3.2), panels=2)
+    for ax, values, unit, title in ((left, [report.lookup_seconds * 1e6, report.onehot_seconds * 1e6], "microseconds",
+                                     "time (median)"),
+                                    (right, [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3], "kB touched",
+                                     "memory")):
+        bars = ax.bar(["lookup W[ids]", "one_hot(ids) @ W"], values, color=[PART_COLOURS["word"], "0.45"])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set(yscale="log", ylabel=unit, title=title)
+    fig.suptitle(f"Same result ({'identical' if report.equal else 'DIFFERENT'}), {len(report.ids)} tokens")
+    return fig

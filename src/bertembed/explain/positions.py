@@ -5,12 +5,14 @@ H hidden."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, cosine_matrix, load_layer, row_norms, table
-from bertembed.explain.figures import describe_seam
+from bertembed.explain._common import Figure, ModelArg, Result, cosine_matrix, load_layer, row_norms, table
+from bertembed.explain.figures import PART_COLOURS, axes
 from bertembed.numpy_layer import sinusoidal_table_np
+from bertembed.sources import Source
 
 SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) both the dip and the step must pass
 SEAM_WINDOW = 8  # rows on each side whose mean norms make the step
@@ -98,7 +100,9 @@ def _robust_z(x: np.ndarray) -> np.ndarray:
 class PositionReport(Result):
     """The learned position table [P, E] (the rows tokens use) next to a sinusoidal table of the same size."""
 
-    model: str
+    question = "Why don't the learned positions look like sin/cos?"
+
+    source: Source
     similarity: np.ndarray = field(repr=False)  # [P, P] cosine similarity of learned rows
     sinusoid_similarity: np.ndarray = field(repr=False)  # [P, P] the same for the sinusoidal table
     norms: np.ndarray = field(repr=False)  # [P]
@@ -129,6 +133,28 @@ class PositionReport(Result):
                 "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
                 "mean_adjacent_cosine": float(np.diag(self.similarity, 1).mean()),
                 "seams": [s["at"] for s in self.seams], "noise_like": self.noise_like, "verdict": self.verdict}
+
+    def figures(self) -> list[Figure]:
+        return [Figure("position_similarity", "Position similarity", caption_similarity(self),
+                       partial(plot_position_similarity, self)),
+                Figure("position_norms", "Position norms", caption_norms(self), partial(plot_position_norms, self)),
+                Figure("position_spectrum", "Position spectrum", caption_spectrum(self),
+                       partial(plot_position_spectrum, self)),
+                Figure("position_pca", "Positions on two principal components", caption_pca(self),
+                       partial(plot_position_pca, self))]
+
+
+def describe_seam(seam: dict) -> str:
+    """One seam from `find_seams` in words, with what may have left it (said as a hypothesis, with its confounds)."""
+    at = seam["at"]
+    text = (f" A seam at position {at}: the cosine between neighbours dips to {seam['neighbour_cosine']:.2f} "
+            f"(typically {seam['typical_neighbour_cosine']:.2f}) and the mean norm steps from "
+            f"{seam['norm_before']:.3f} to {seam['norm_after']:.3f}. ")
+    if abs(at - 128) <= 2:
+        return text + ("A hypothesis, not a proof: BERT pre-trained 90% of its steps on 128-token sequences; a "
+                       "fine-tune cut at 128 tokens could leave it too (all-MiniLM-L6-v2's own fine-tune was).")
+    return text + (f"A hypothesis: training on sequences of about {at} tokens (pre-training or a fine-tune) leaves "
+                   f"rows past them trained less; the model's training recipe would tell.")
 
 
 def _verdict(r: PositionReport) -> str:
@@ -171,7 +197,7 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     shares, coords = principal_components(learned)
     noise = min(1.0, 2 * k / (count - 1))
     report = PositionReport(
-        model=layer.source.name, similarity=sim, sinusoid_similarity=sin_sim, norms=row_norms(learned),
+        source=layer.source, similarity=sim, sinusoid_similarity=sin_sim, norms=row_norms(learned),
         entrywise_correlation=float(np.corrcoef(learned.ravel(), sinus.ravel())[0, 1]),
         structure_correlation=structure_correlation(sim, sin_sim), pca_share_2=float(shares[:2].sum()),
         pca_share_10=float(shares[:10].sum()), pca_coords=coords, k=k, lowfreq_share=lowfreq_share(learned, k),
@@ -181,3 +207,97 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     report.noise_like = bool(abs(float(np.median(np.diag(sim, 1)))) < 0.2 and report.lowfreq_share < 3 * noise)
     report.verdict = _verdict(report)
     return report
+
+
+def _heatmap(ax, matrix, title):
+    image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set(xlabel="position j", ylabel="position i", title=title)
+    return image
+
+
+def caption_similarity(r) -> str:
+    return (f"Cosine similarity between every pair of the {len(r.norms)} learned position vectors (left) and of a "
+            f"sinusoidal table of the same size (right). The two patterns correlate r = {r.structure_correlation:.2f} "
+            f"(off-diagonal entries). Neighbouring learned positions have cosine "
+            f"{float(np.diag(r.similarity, 1).mean()):.2f} on average: similar near the diagonal, like the sinusoids, "
+            f"but the learned table is not their formula.")
+
+
+def plot_position_similarity(report):
+    """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
+    fig, (left, right) = axes(size=(10, 4.6), panels=2)
+    _heatmap(left, report.similarity, "learned position vectors")
+    image = _heatmap(right, report.sinusoid_similarity, "sinusoidal table, same size")
+    fig.colorbar(image, ax=[left, right], label="cosine similarity", shrink=0.85)
+    fig.suptitle(f"Position-position similarity (structure correlation r = {report.structure_correlation:.2f})")
+    return fig
+
+
+def caption_norms(r) -> str:
+    text = (f"Norm of each position vector: {r.norms.min():.3f} to {r.norms.max():.3f} (position "
+            f"{int(np.argmax(r.norms)) + r.first} is the largest), and the cosine of each with the next.")
+    no_seam = " No seam: no boundary stands out from the rest of the table."
+    return text + ("".join(map(describe_seam, r.seams)) or no_seam)
+
+
+def plot_position_norms(report, ax=None):
+    """Norm of each position vector and the cosine with the next position; a line at each seam found in the table."""
+    fig, ax = axes(ax)
+    count, first = len(report.norms), report.first
+    ax.plot(range(first, first + count), report.norms, color=PART_COLOURS["position"], lw=1.2,
+            label="norm of position vector")
+    ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
+    twin = ax.twinx()
+    twin.plot(range(first, first + count - 1), np.diag(report.similarity, 1), color="0.45", lw=0.8,
+              label="cosine with next position")
+    twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(report.similarity, 1).min())), 1.05))
+    for seam in report.seams:
+        ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
+        ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
+    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
+    return fig
+
+
+def caption_spectrum(r) -> str:
+    return (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{r.k} (the shaded "
+            f"band) hold {r.lowfreq_share:.0%} of the learned table's variance over positions "
+            f"({r.lowfreq_share_sinusoid:.0%} for the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise). "
+            f"Per hidden dimension, the strongest frequency has median {np.median(r.peaks):.0f} cycles over the table "
+            f"(sinusoidal: {np.median(r.sinusoid_peaks):.0f}).")
+
+
+def plot_position_spectrum(report, ax=None):
+    """Share of variance over positions at each frequency, pooled over hidden dims: learned vs sinusoidal; the band
+    shaded is the one `lowfreq_share` sums."""
+    fig, ax = axes(ax)
+    freqs = np.arange(len(report.spectrum))
+    ax.semilogy(freqs[1:], report.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
+    ax.semilogy(freqs[1:], report.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
+    ax.axhline(2 / (2 * len(freqs) - 3), color="0.6", ls=":", label="white noise (flat)")
+    ax.axvspan(0.5, report.k + 0.5, color="#eeeeee", zorder=0,
+               label=f"frequencies 1-{report.k}: {report.lowfreq_share:.0%} of the learned table's variance")
+    ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
+           title="Spectrum over positions, pooled over hidden dimensions", xscale="log")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def caption_pca(r) -> str:
+    return (f"Each position on the table's first two principal components (each hidden dimension centred over "
+            f"positions): they hold {r.pca_share_2:.0%} of the variance, the first ten {r.pca_share_10:.0%}. "
+            f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
+            f"directions of the hidden space, whatever their rotation.")
+
+
+def plot_position_pca(report, ax=None):
+    """The positions on the first two principal components of the table (hidden dimensions centred), coloured by
+    position: a smooth curve is how order is encoded."""
+    fig, ax = axes(ax, size=(6, 5))
+    x, y = report.pca_coords[:, 0], report.pca_coords[:, 1]
+    ax.plot(x, y, color="0.8", lw=0.6, zorder=1)
+    points = ax.scatter(x, y, c=np.arange(report.first, report.first + len(x)), cmap="viridis", s=8, zorder=2)
+    fig.colorbar(points, ax=ax, label="position")
+    ax.set(xlabel="first principal component", ylabel="second principal component",
+           title=f"Positions on two components ({report.pca_share_2:.0%} of the variance)")
+    return fig

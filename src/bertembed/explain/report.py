@@ -1,28 +1,23 @@
-"""The HTML report and the PNG files: every analysis of one text, its figures and their captions.
-
-The report is one self-contained file (inline PNGs and CSS, nothing external), so it opens from disk offline. Every
-file is written atomically: a failure never leaves a half-written report or PNG.
-"""
+"""The HTML report and the PNG files: every analysis of one text, each with its figures and their captions. The
+report is one self-contained page (inline PNGs and CSS, nothing external) that opens from disk offline."""
 
 from __future__ import annotations
 
 import html
 import io
-import os
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bertembed.atomic import write_atomic
 from bertembed.explain._common import (
+    Figure,
     ModelArg,
     NotInThisMember,
     NotMeasured,
+    figure_html,
     figure_png,
     html_table,
-    img_tag,
     load_layer,
     summary_rows,
 )
@@ -35,62 +30,23 @@ text-align:right}th{background:#f4f4f4}caption{text-align:left;font-style:italic
 figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.92em;color:#333}
 .verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}
 .tag{font-size:.75em;color:#555;border:1px solid #bbb;border-radius:3px;padding:0 4px;margin-left:.5em}"""
-
-# Counts the images that decoded (naturalWidth > 0) into a hidden element's attributes, which the browser test reads.
-CHECK_SCRIPT = """<script>window.addEventListener("load",function(){var i=document.images,n=0;
-for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0)n++;}
-var p=document.getElementById("image-check");
-p.setAttribute("data-loaded",n);p.setAttribute("data-total",i.length);});</script>"""
-STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
 INTRO = ("Before any attention layer runs, the model turns text into vectors: each token's id picks a row of the "
          "word table, its position a row of the position table, its segment a row of the segment table; the rows "
          "are summed and LayerNorm normalises the sum. Each section below answers one question people ask about "
          "this layer, by measuring it on the checkpoint named above. Tags say whether a claim holds for every BERT "
          "checkpoint (the structure of the layer) or was measured on this one (its numbers).")
-
-
-@dataclass
-class Section:
-    title: str
-    intro: str  # plain text, escaped when rendered
-    table: str = ""  # ready HTML
-    figures: list[tuple[str, bytes, str]] = field(default_factory=list)  # (title, png, caption)
-    tag: str = MEASURED
-
-
-@dataclass
-class Report:
-    title: str
-    model: str
-    sections: list[Section]
-
-    def to_html(self) -> str:
-        """The whole report as one HTML string."""
-        body = [f"<h1>{html.escape(self.title)}</h1>", f"<p>checkpoint: {html.escape(self.model)}</p>",
-                f"<p>{html.escape(INTRO)}</p><ol>"]
-        body += [f'<li><a href="#s{i}">{html.escape(s.title)}</a></li>' for i, s in enumerate(self.sections)]
-        body.append("</ol>")
-        for i, s in enumerate(self.sections):
-            body += [f'<h2 id="s{i}">{html.escape(s.title)}<span class="tag">{html.escape(s.tag)}</span></h2>',
-                     f'<p class="verdict">{html.escape(s.intro)}</p>', f'<div class="scroll">{s.table}</div>']
-            for title, png, caption in s.figures:
-                body.append(f"<figure>{img_tag(png, title)}<figcaption><b>{html.escape(title)}.</b> "
-                            f"{html.escape(caption)}</figcaption></figure>")
-        body.append('<p id="image-check" hidden></p>')
-        return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
-                f"<style>{CSS}</style></head><body>{''.join(body)}{CHECK_SCRIPT}</body></html>")
-
-    def _repr_html_(self) -> str:
-        return self.to_html()
+Drawn = list[tuple[Figure, bytes]]  # one result's figures with their PNGs
 
 
 def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
                  finetune: bool = False, steps: int = 12,
                  progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
-    """All analyses for one text: decomposition, positions, segments, tokens, one-hot; with `finetune`, the fine-tune
-    demo too (needs torch; seconds)."""
+    """All analyses of one text, on one checkpoint read once: decomposition, positions, segments, tokens, one-hot;
+    with `finetune`, the fine-tune demo too (needs torch; seconds)."""
     from bertembed import explain
+    from bertembed.tokenizer import check_not_blank
 
+    check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
     layer = load_layer(model)
     dec = explain.explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
@@ -98,7 +54,7 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
                _or_why("Segments", explain.analyze_segments, text, text_b, layer),
                explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer)]
     if finetune:
-        results.append(explain.finetune_demo(layer.source.name, steps=steps, progress=progress))
+        results.append(explain.finetune_demo(layer, steps=steps, progress=progress))
     return results
 
 
@@ -116,93 +72,34 @@ def _first_word(tokens: list[str]) -> str:
                 else "[CLS]")
 
 
-# per result type: the question its section answers, a one-line answer (None: the result's verdict), the claim's tag
-INTROS = {
-    "TextDecomposition": ("What does the layer add to each token?", "Each token's vector is the sum of its rows "
-                          "(word, and position and segment where the member has those tables), then LayerNorm. The "
-                          "table gives each part's norm and its share of the variance LayerNorm sees.", MEASURED),
-    "PositionReport": ("Why don't the learned positions look like sin/cos?", None, MEASURED),
-    "SegmentReport": ("What are segment embeddings: zeros and ones?", "No: two learned vectors. Segment A's is added "
-                      "to [CLS], sentence A and its [SEP]; segment B's to sentence B and the last [SEP]. Both "
-                      "sentences are one sequence.", MEASURED),
-    "TokenReport": ("What is in the word table?", "nn.Embedding is a table; a token id picks its row. Rows of related "
-                    "words point the same way.", MEASURED),
-    "OneHotReport": ("Is nn.Embedding a one-hot matrix product?", "Yes: one_hot(ids) @ W picks the same rows as "
-                     "W[ids], bit for bit; the lookup skips the product. Pretrained static vectors (word2vec, GloVe) "
-                     "can be loaded into such a table too; BERT's is trained with the model (and tied to its MLM "
-                     "decoder), and Google's original TPU code could do the lookup as this product.", STRUCTURAL),
-    "FinetuneReport": ("Does fine-tuning change the tables?", "Every table is a trainable parameter: which rows move "
-                       "depends on which tokens, positions and segments occur, and on the optimiser. The demo's "
-                       "magnitudes are a toy's (its learning rate, its two-class head); which rows move is not.",
-                       MEASURED),
-    "DriftReport": ("How far did each tensor move between two checkpoints?", "How far each tensor moved from "
-                    "checkpoint A to B.", MEASURED),
-    "NotMeasured": ("Not measured in this member", None, MEASURED),
-}
+def render_figures(result: Any) -> Drawn:
+    """Every figure of one result, with its PNG."""
+    return [(f, figure_png(f.draw())) for f in result.figures()]
 
 
-def render_figures(result: Any) -> list[tuple[Any, bytes]]:
-    """Every figure of one result as (FigureSpec, PNG bytes)."""
-    from bertembed.explain.figures import specs_for
-
-    return [(s, figure_png(s.draw(result))) for s in specs_for(result)]
-
-
-_rendering: list[Any] = []  # the results a forked worker of `render_all` draws (inherited, never pickled)
-
-
-def _render_one(index: int) -> list[bytes]:
-    return [png for _, png in render_figures(_rendering[index])]
-
-
-def render_all(results: list[Any]) -> list[list[tuple[Any, bytes]]]:
-    """`render_figures` of every result. Matplotlib draws on one thread and the figures are most of a report's
-    time, so on Linux two forked processes draw them at once (about 1 s sooner on two cores); elsewhere, in order."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from bertembed.explain.figures import specs_for
-
-    if sys.platform != "linux" or (os.cpu_count() or 1) < 2 or len(results) < 2:
-        return [render_figures(r) for r in results]
-    _rendering[:] = results
-    try:
-        with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-            drawn = list(pool.map(_render_one, range(len(results))))
-    finally:
-        _rendering.clear()
-    return [list(zip(specs_for(r), pngs, strict=True)) for r, pngs in zip(results, drawn, strict=True)]
-
-
-def section_for(result: Any, pngs: list[tuple[Any, bytes]] | None = None) -> Section:
-    """A report section: title, a one-line answer, a table and the captioned figures of one result."""
-    pngs = render_figures(result) if pngs is None else pngs
-    title, intro, tag = INTROS[type(result).__name__]
-    summary = result.summary()
-    verdict = summary.pop("verdict", "")
-    rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
-    return Section(title, intro or verdict, html_table(rows),
-                   [(s.title, png, s.caption(result)) for s, png in pngs], tag)
-
-
-def build_report(results: list[Any], title: str | None = None,
-                 pngs: list[list[tuple[Any, bytes]]] | None = None) -> Report:
-    """Turn analysis results (see `run_analyses`) into a `Report`; `pngs`: figures already rendered, per result.
-    The title names the checkpoint measured, and says so where the bundled default is not BERT itself."""
+def report_html(results: list[Any], drawn: list[Drawn] | None = None, title: str | None = None) -> str:
+    """The report of `results` (see `run_analyses`) as one HTML page; `drawn`: their `render_figures`, if done. The
+    title names the checkpoint measured, and says so where the bundled default is not BERT itself."""
+    drawn = drawn or [render_figures(r) for r in results]
     source = getattr(results[0], "source", None)
-    pngs = pngs or render_all(results)
     if title is None:
-        name = source.name if source else "the checkpoint"
-        title = f"How {name}'s embedding layer builds these vectors"
+        title = f"How {source.name if source else 'the checkpoint'}'s embedding layer builds these vectors"
         if source is not None and source.kind == "bundled":
             title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
-    sections = [section_for(r, p) for r, p in zip(results, pngs, strict=True)]
-    return Report(title, source.describe() if source else "", sections)
-
-
-def write_report(report: Report, path: str | Path) -> Path:
-    """Write the self-contained HTML report atomically."""
-    return write_atomic(path, report.to_html().encode("utf-8"))
+    body = [f"<h1>{html.escape(title)}</h1>", f"<p>checkpoint: {html.escape(source.describe() if source else '')}</p>",
+            f"<p>{html.escape(INTRO)}</p><ol>"]
+    body += [f'<li><a href="#s{i}">{html.escape(r.question)}</a></li>' for i, r in enumerate(results)]
+    body.append("</ol>")
+    for i, (result, figures) in enumerate(zip(results, drawn, strict=True)):
+        summary = result.summary()
+        verdict = summary.pop("verdict", "")
+        rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
+        body += [f'<h2 id="s{i}">{html.escape(result.question)}<span class="tag">{html.escape(result.tag)}</span></h2>',
+                 f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
+                 f'<div class="scroll">{html_table(rows)}</div>']
+        body += [figure_html(f.title, png, f.caption) for f, png in figures]
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")
 
 
 def check_folder(folder: str | Path) -> Path:
@@ -217,12 +114,10 @@ def check_folder(folder: str | Path) -> Path:
     return folder
 
 
-def write_plots(results: list[Any], folder: str | Path,
-                pngs: list[list[tuple[Any, bytes]]] | None = None) -> list[Path]:
-    """One PNG per figure of every result, named after the figure (e.g. position_similarity.png)."""
+def write_plots(drawn: list[Drawn], folder: str | Path) -> list[Path]:
+    """One PNG per figure, named after it (e.g. position_similarity.png), each written atomically."""
     folder = check_folder(folder)
-    pngs = pngs or render_all(results)
-    return [write_atomic(folder / f"{s.name}.png", png) for per_result in pngs for s, png in per_result]
+    return [write_atomic(folder / f"{figure.name}.png", png) for figures in drawn for figure, png in figures]
 
 
 def combined_png(result: Any) -> bytes:

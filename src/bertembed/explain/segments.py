@@ -4,19 +4,36 @@ vectors and by how the output changes when one text moves from segment A to B. T
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table, tokenize_whole
+from bertembed.explain._common import (
+    Figure,
+    ModelArg,
+    NotInThisMember,
+    Result,
+    load_layer,
+    row_norms,
+    table,
+    tokenize_whole,
+)
+from bertembed.explain.figures import PART_COLOURS, axes, token_axis
+from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
+SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B
 
 
 @dataclass
 class SegmentReport(Result):
     """The segment table [T, H] and the effect of switching one text from segment A to segment B."""
 
-    model: str
+    question = "What are segment embeddings: zeros and ones?"
+    answer = ("No: two learned vectors. Segment A's is added to [CLS], sentence A and its [SEP]; segment B's to "
+              "sentence B and the last [SEP]. Both sentences are one sequence.")
+
+    source: Source
     vectors: np.ndarray = field(repr=False)  # [T, H]
     norms: list[float]  # per segment
     difference_norm: float  # |seg1 - seg0|
@@ -50,6 +67,11 @@ class SegmentReport(Result):
                 "mean_output_cosine": float(self.output_cosine.mean()), "mean_output_norm": self.output_norm,
                 **({"warning": self.warning} if self.warning else {})}
 
+    def figures(self) -> list[Figure]:
+        return [Figure("segments", "Segment vectors", caption_segments(self), partial(plot_segments, self)),
+                Figure("segment_effect", "Segment A vs B", caption_segment_effect(self),
+                       partial(plot_segment_effect, self))]
+
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
     """Measure the segment table and the output of `text` in segment A versus B; with `text_b`, also the pair as
@@ -60,20 +82,23 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = table(layer, "segment")
-    tokenizer, enc = tokenize_whole(layer.source, text)
+    enc = tokenize_whole(layer.tokenizer, text)
     # the pair, one sequence: refused, as the text alone, where it has no tokens or more than the positions
-    pair = tokenize_whole(layer.source, text, text_b)[1] if text_b is not None else None
+    pair = tokenize_whole(layer.tokenizer, text, text_b) if text_b is not None else None
     ids = np.array([enc.input_ids, enc.input_ids])
     parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
+    try:
+        median_position_norm = float(np.median(row_norms(table(layer, "position"))))
+    except NotInThisMember:
+        median_position_norm = float("nan")  # (no position table: nothing to compare the segment rows with)
     return SegmentReport(
-        model=layer.source.name, vectors=seg, norms=[float(n) for n in norms],
+        source=layer.source, vectors=seg, norms=[float(n) for n in norms],
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
         cosine=float(seg[0] @ seg[1] / max(norms[0] * norms[1], 1e-30)),
-        median_word_norm=float(np.median(row_norms(table(layer, "word")))),
-        median_position_norm=_median_position_norm(layer),
+        median_word_norm=float(np.median(row_norms(table(layer, "word")))), median_position_norm=median_position_norm,
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),
@@ -82,7 +107,8 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
         first_values=[[float(v) for v in row[:6]] for row in seg[:2]],
         constant_shift_change=float(np.abs(_normed32(total + np.float32(1)) - _normed32(total)).max()),
         pair_tokens=[] if pair is None else list(pair.tokens),
-        pair_segments=[] if pair is None else list(pair.token_type_ids), warning=_literal_separator(tokenizer, text))
+        pair_segments=[] if pair is None else list(pair.token_type_ids),
+        warning=_literal_separator(layer.tokenizer, text))
 
 
 def _normed32(x: np.ndarray) -> np.ndarray:
@@ -100,8 +126,39 @@ def _literal_separator(tokenizer, text: str) -> str | None:
     return None
 
 
-def _median_position_norm(layer) -> float:
-    try:
-        return float(np.median(row_norms(table(layer, "position"))))
-    except NotInThisMember:
-        return float("nan")  # (no position table: nothing to compare the segment rows with)
+def caption_segments(r: SegmentReport) -> str:
+    verdict = "they ARE zeros and ones" if r.zeros_and_ones else "not zeros and ones"
+    return (f"The segment table has {len(r.norms)} learned rows: |A| = {r.norms[0]:.3f}, |B| = {r.norms[1]:.3f}, "
+            f"cosine(A, B) = {r.cosine:.2f}, |B - A| = {r.difference_norm:.3f}; {verdict}. For scale: the median word "
+            f"vector has norm {r.median_word_norm:.3f}, the median position vector {r.median_position_norm:.3f}.")
+
+
+def plot_segments(report: SegmentReport, ax=None):
+    """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
+    fig, ax = axes(ax, size=(6.5, 3.4))
+    labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
+    values = [*report.norms[:2], report.difference_norm, report.median_word_norm, report.median_position_norm]
+    colours = [*SEGMENT_COLOURS, "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
+    bars = ax.bar(labels, values, color=colours)
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {report.cosine:.2f}")
+    return fig
+
+
+def caption_segment_effect(r: SegmentReport) -> str:
+    return (f"The same text ({len(r.tokens)} tokens) embedded with every token in segment A, then in segment B: the "
+            f"output moves by {r.output_change.mean():.2f} on average (mean output norm {r.output_norm:.2f}), output "
+            f"cosine {r.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] take segment A and B [SEP] take "
+            f"segment B: one sequence, processed in parallel, told apart only by this added vector.")
+
+
+def plot_segment_effect(report: SegmentReport, ax=None):
+    """Per token: how far the output moves when the same text is put in segment B instead of A."""
+    fig, ax = axes(ax)
+    ax.bar(range(len(report.tokens)), report.output_change, color=SEGMENT_COLOURS[1],
+           label="|output(B) - output(A)|")
+    ax.axhline(report.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {report.output_norm:.2f}")
+    token_axis(ax, report.tokens)
+    ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
+    ax.legend(fontsize=8)
+    return fig

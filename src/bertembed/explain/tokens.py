@@ -5,10 +5,13 @@ H hidden."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
+from bertembed.explain._common import Figure, ModelArg, Result, load_layer, row_norms, table
+from bertembed.explain.figures import PART_COLOURS, axes
+from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
@@ -21,7 +24,10 @@ MAX_PIECES = 16
 class TokenReport(Result):
     """A token's row and neighbours, the special rows, and norms against vocabulary order."""
 
-    model: str
+    question = "What is in the word table?"
+    answer = "nn.Embedding is a table; a token id picks its row. Rows of related words point the same way."
+
+    source: Source
     token: str
     token_id: int
     token_norm: float
@@ -46,6 +52,10 @@ class TokenReport(Result):
                 "pad_is_zero": self.pad_is_zero, "median_norm": self.median_norm,
                 "unused_median_norm": self.unused_median_norm, "rank_start": self.rank_start,
                 "rank_norm_correlation": self.rank_norm_correlation}
+
+    def figures(self) -> list[Figure]:
+        return [Figure("token_norms", "Token norms", caption_token_norms(self), partial(plot_token_norms, self)),
+                Figure("neighbours", "Nearest neighbours", caption_neighbours(self), partial(plot_neighbours, self))]
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -91,14 +101,14 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     """Nearest neighbours of `token` (a vocabulary entry such as "king" or "##ing", a word the tokenizer normalises
     to one, "Paris" -> "paris", or a word that splits into pieces, each piece with its neighbours) and the word
     table's norms."""
-    from bertembed.tokenizer import Tokenizer, check_text
+    from bertembed.tokenizer import check_text
 
     if not check_text(token, "the token").strip():
         raise ValueError('the token is empty; give one vocabulary entry, e.g. "king"')
     if k < 1:
         raise ValueError(f"k={k}: ask for at least 1 neighbour")
     layer = load_layer(model)
-    tokenizer = Tokenizer.from_pretrained(layer.source)
+    tokenizer = layer.tokenizer
     words = table(layer, "word")
     entries, note = _entries(tokenizer, token)
     ids = [tokenizer.token_to_id(e) for e in entries]
@@ -118,9 +128,55 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
     pad = layer.config.pad_token_id
     return TokenReport(
-        model=layer.source.name, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
+        source=layer.source, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
         neighbours=pieces[0]["neighbours"], asked=token, pieces=pieces if len(pieces) > 1 else [], note=note,
         special=special, pad_is_zero=bool(np.all(words[pad] == 0)), median_norm=float(np.median(norms)),
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
         rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms)
+
+
+def caption_token_norms(r) -> str:
+    text = (f"Norm of each of the {len(r.norms)} word-table rows against its id: median {r.median_norm:.3f}; "
+            f"[PAD] row {'is all zeros' if r.pad_is_zero else 'is not zero'}.")
+    if r.unused_median_norm is not None:
+        text += f" The never-used [unusedN] rows have median norm {r.unused_median_norm:.3f}."
+    if r.rank_norm_correlation is not None:
+        text += (f" From id {r.rank_start} ('the') on, ids follow frequency roughly; Spearman correlation of id and "
+                 f"norm there: {r.rank_norm_correlation:+.2f}.")
+    return text
+
+
+def plot_token_norms(report, ax=None):
+    """Norm of every word-table row against its id; special tokens marked."""
+    fig, ax = axes(ax)
+    ids = np.arange(len(report.norms))
+    ax.plot(ids, report.norms, ",", alpha=0.3, color=PART_COLOURS["word"], label="one token")  # (pixels: fast)
+    edges = np.unique(np.linspace(0, len(ids), 61).astype(int))
+    spans = list(zip(edges[:-1], edges[1:], strict=True))
+    ax.plot([(a + b) / 2 for a, b in spans], [np.median(report.norms[a:b]) for a, b in spans], color="k",
+            lw=1.2, label="median per bin")
+    for s in report.special:
+        ax.annotate(s["token"], (s["id"], s["norm"]), fontsize=7, color="crimson")
+    if report.rank_start is not None:
+        ax.axvline(report.rank_start, color="crimson", ls=":", lw=0.8, label="frequency-ordered words start")
+    ax.set(xlabel="token id (after the specials: roughly frequency rank)", ylabel="L2 norm of row",
+           title="Word vectors: norm by vocabulary id")
+    ax.legend(fontsize=8, markerscale=6)
+    return fig
+
+
+def caption_neighbours(r) -> str:
+    near = ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in r.neighbours[:5])
+    return (f"{r.token!r} is row {r.token_id} (norm {r.token_norm:.3f}). Its nearest rows by cosine: {near}. The "
+            f"table is a dictionary of learned vectors; neighbours share meaning before any context is added.")
+
+
+def plot_neighbours(report, ax=None):
+    """The token's nearest rows in the word table by cosine."""
+    fig, ax = axes(ax, size=(6, 3.6))
+    names = [n["token"] for n in report.neighbours][::-1]
+    ax.barh(names, [n["cosine"] for n in report.neighbours][::-1], color=PART_COLOURS["word"])
+    ax.set(xlabel="cosine similarity", ylabel="token", xlim=(min(0, *(n["cosine"] for n in report.neighbours)), 1),
+           title=f"Nearest neighbours of {report.token!r} in the word table")
+    return fig

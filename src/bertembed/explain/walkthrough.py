@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg, tokenize_whole
+from bertembed.explain._common import ModelArg, source_and_tokenizer, tokenize_whole
+from bertembed.sources import Source
 
 
 @dataclass
@@ -39,13 +40,13 @@ class StepResult:
 
 @dataclass
 class Walkthrough:
-    model: str
+    source: Source
     member: str
     tokens: list[str]
     steps: list[StepResult]
 
     def summary(self) -> dict:
-        return {"model": self.model, "member": self.member, "tokens": self.tokens,
+        return {"model": self.source.describe(), "member": self.member, "tokens": self.tokens,
                 "steps": [{"title": s.title, "shape": s.shape, "check": s.check, "max_abs_diff": s.max_abs_diff}
                           for s in self.steps]}
 
@@ -111,8 +112,9 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)
-    layer = BertEmbeddings.from_pretrained(model.source if hasattr(model, "source") else model, dtype=torch.float32)
-    tokenizer = tokenize_whole(layer.source, text, text_b)[0]  # (no tokens, or more than the positions: refused)
+    source, tokenizer = source_and_tokenizer(model)
+    tokenize_whole(tokenizer, text, text_b)  # (no tokens, or more than the positions: refused)
+    layer = BertEmbeddings.from_pretrained(source, dtype=torch.float32)
     space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
                              "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
     results = []
@@ -125,7 +127,7 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
         results.append(_result(step, space, values, rows))
     tokens = space["enc"].tokens
     _note_repeats(results[1], tokens, space["ids"][0].tolist())
-    return Walkthrough(layer.source.describe(), layer.config.model_type, tokens, results)
+    return Walkthrough(source, layer.config.model_type, tokens, results)
 
 
 def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
@@ -170,11 +172,8 @@ def check_walkthrough(result: Walkthrough) -> list[str]:
     return [s.title for s in result.steps if s.check.startswith("differs")]
 
 
-def notebook_cells(model: str | None, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
-    """(kind, source) of each cell: "markdown" or "code"."""
-    from bertembed.checkpoint import load_checkpoint
-
-    checkpoint = load_checkpoint(model, framework="np")
+def notebook_cells(model: str | None, checkpoint, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
+    """(kind, source) of each cell, "markdown" or "code", for `model` as the user named it and read (`checkpoint`)."""
     config, where = checkpoint.config, checkpoint.source.describe()
     intro = (f"# The embedding layer, rebuilt by hand\n\nCheckpoint: `{where}` ({config.model_type}). Each step "
              f"below does with plain torch what the layer does, and checks the result against the layer's own "
@@ -209,12 +208,15 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     import nbformat
 
     from bertembed.atomic import check_output, write_atomic
+    from bertembed.checkpoint import load_checkpoint
 
-    tokenize_whole(model, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
+    source, tokenizer = source_and_tokenizer(model)
+    tokenize_whole(tokenizer, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
+    cells = notebook_cells(model, load_checkpoint(source, framework="np"), text, text_b)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
-                  for kind, s in notebook_cells(model, text, text_b)]
+                  for kind, s in cells]
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.validate(book)
     write_atomic(path, nbformat.writes(book).encode("utf-8"))
