@@ -1,5 +1,6 @@
 """What the analyses share: the checkpoint read once and handed on, a table as they measure it, the base of their
-results (summary, figures, notebook HTML), and JSON. Nothing here imports torch or matplotlib at import time."""
+results (summary, figures, notebook HTML), JSON, and what every figure draws with. Nothing here imports torch or
+matplotlib at import time: a figure imports matplotlib when it is drawn (Agg backend), and never calls `show()`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from bertembed.sources import DEFAULT_MODEL, resolve
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
+PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 
 class Tables(NumpyEmbeddings):
@@ -95,12 +97,6 @@ def row_norms(matrix: np.ndarray) -> np.ndarray:
     return np.linalg.norm(matrix, axis=-1)
 
 
-def cosine_matrix(a: np.ndarray) -> np.ndarray:
-    """Cosine similarity of every row of `a` [N, H] with every other: [N, N]."""
-    unit = a / np.maximum(row_norms(a), 1e-30)[:, None]
-    return unit @ unit.T
-
-
 LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 principal components",
           "pca_share_10": "variance on 10 principal components", "lowfreq_share": "variance at frequencies 1..k",
           "lowfreq_share_sinusoid": "the same, sin/cos table", "lowfreq_share_noise": "the same, white noise",
@@ -152,6 +148,21 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (float, np.floating)) else str(value)
+
+
+def axes(ax=None, size=(7.5, 3.6), panels=1):
+    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, panels, figsize=size, layout="constrained") if ax is None else (ax.figure, ax)
+
+
+def token_axis(ax, tokens) -> None:
+    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(tokens) - 0.4)
 
 
 def figure_png(fig) -> bytes:

@@ -8,8 +8,16 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Figure, Result, load_layer, source_and_tokenizer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, axes, token_axis
+from bertembed.explain._common import (
+    PART_COLOURS,
+    Figure,
+    Result,
+    axes,
+    load_layer,
+    source_and_tokenizer,
+    token_axis,
+    tokenize_whole,
+)
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -97,26 +105,17 @@ class TextDecomposition(Result):
         return out
 
     def figures(self) -> list[Figure]:
-        return [Figure("decomposition_norms", "Norms per token", caption_norms(self),
-                       partial(plot_decomposition_norms, self)),
-                Figure("variance_shares", "Variance shares", caption_variance_shares(self),
-                       partial(plot_variance_shares, self))]
-
-
-def caption_norms(dec: TextDecomposition) -> str:
-    n = dec.norms()
-    means = ", ".join(f"{part} {n[part].mean():.3f}" for part in dec.parts)
-    return (f"{len(dec.tokens)} tokens ({sum(dec.segments)} in segment B, shaded). Mean norms: {means}; their sum "
-            f"{n['sum'].mean():.3f}. After LayerNorm the output norm is {n['output'].mean():.2f} on average: "
-            f"LayerNorm rescales every token to unit variance, then applies its learned gain and bias.")
-
-
-def caption_variance_shares(dec: TextDecomposition) -> str:
-    s = dec.overall_shares()
-    return (f"Share of the variance over the hidden dimensions of {' + '.join(dec.parts)} that comes from each part "
-            f"(Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
-            f"{', '.join(f'{part} {s[part]:.0%}' for part in dec.parts)}. "
-            f"{dec.recipe} recomputed by hand equals the layer's output to {dec.max_abs_diff:.1e}.")
+        n, s = self.norms(), self.overall_shares()
+        means = ", ".join(f"{part} {n[part].mean():.3f}" for part in self.parts)
+        norms = (f"{len(self.tokens)} tokens ({sum(self.segments)} in segment B, shaded). Mean norms: {means}; their "
+                 f"sum {n['sum'].mean():.3f}. After LayerNorm the output norm is {n['output'].mean():.2f} on average: "
+                 f"LayerNorm rescales every token to unit variance, then applies its learned gain and bias.")
+        shares = (f"Share of the variance over the hidden dimensions of {' + '.join(self.parts)} that comes from each "
+                  f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
+                  f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "
+                  f"equals the layer's output to {self.max_abs_diff:.1e}.")
+        return [Figure("decomposition_norms", "Norms per token", norms, partial(plot_decomposition_norms, self)),
+                Figure("variance_shares", "Variance shares", shares, partial(plot_variance_shares, self))]
 
 
 def _shade_segment_b(ax, segments) -> None:
@@ -180,26 +179,25 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
     if engine == "numpy":
         layer = load_layer(model)
-        tokenizer = layer.tokenizer
+        source, tokenizer = layer.source, layer.tokenizer
     else:
         source, tokenizer = source_and_tokenizer(model)
     enc = tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
-        parts, source, config = layer.decompose(ids, types), layer.source, layer.config
-        gamma = layer.tensors["LayerNorm.weight"]
-        beta = layer.tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
+        parts, config, tensors = layer.decompose(ids, types), layer.config, layer.tensors
     else:
         import torch
 
         from bertembed.embeddings import BertEmbeddings
 
-        module = BertEmbeddings.from_pretrained(source).eval()
+        module = BertEmbeddings.from_pretrained(source)
         with torch.no_grad():
-            dec = module.decompose(torch.from_numpy(ids), torch.from_numpy(types))
-        parts, config = {k: v.float().numpy() for k, v in vars(dec).items()}, module.config
-        gamma = module.LayerNorm.weight.detach().float().numpy()
-        beta = np.zeros_like(gamma) if module.LayerNorm.bias is None else module.LayerNorm.bias.detach().float().numpy()
+            parts = vars(module.decompose(torch.from_numpy(ids), torch.from_numpy(types)))
+        parts = {k: v.float().numpy() for k, v in parts.items()}
+        config, tensors = module.config, {k: v.float().numpy() for k, v in module.state_dict().items()}
+    gamma = tensors["LayerNorm.weight"]
+    beta = tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
     has, written = recipe(config)
     return TextDecomposition(
         source=source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),

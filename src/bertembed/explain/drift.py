@@ -8,8 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, load_layer, row_norms
-from bertembed.explain.figures import axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
@@ -67,7 +66,13 @@ class DriftReport(Result):
                 for t in self.tables]
 
     def figures(self) -> list[Figure]:
-        return [Figure("drift", "Drift per tensor", caption_drift(self), partial(plot_drift, self))]
+        parts = [f"{t.table}: {t.rows_changed} of {t.shape[0]} rows moved, a moved row by {t.median_row_change:.2g} "
+                 f"of its norm (median), the whole tensor by {t.relative_change:.2g}" for t in self.tables]
+        word = next((t for t in self.tables if t.table == "word" and t.top), None)
+        top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
+            if word else ""
+        caption = f"From {self.source_a.name} to {self.source_b.name}, per tensor: " + "; ".join(parts) + "." + top
+        return [Figure("drift", "Drift per tensor", caption, partial(plot_drift, self))]
 
 
 def _labeller(layer, name: str):
@@ -121,16 +126,6 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
     tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)
               for name, key in DRIFT_TABLES.items() if key in a.tensors]
     return DriftReport(a.source, b.source, tables)
-
-
-def caption_drift(r) -> str:
-    parts = [f"{t.table}: {t.rows_changed} of {t.shape[0]} rows moved, a moved row by {t.median_row_change:.2g} of "
-             f"its norm (median), the whole tensor by {t.relative_change:.2g}" for t in r.tables]
-    word = next((t for t in r.tables if t.table == "word" and t.top), None)
-    top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
-        if word else ""
-    head = f"From {r.source_a.name} to {r.source_b.name}, per tensor: "
-    return head + "; ".join(parts) + "." + top
 
 
 def plot_drift(report, ax=None):

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, source_and_tokenizer
-from bertembed.explain.figures import axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, source_and_tokenizer
 from bertembed.sources import Source
 
 SENTENCES = (

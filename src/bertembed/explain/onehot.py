@@ -9,8 +9,16 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, load_layer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, axes
+from bertembed.explain._common import (
+    PART_COLOURS,
+    STRUCTURAL,
+    Figure,
+    ModelArg,
+    Result,
+    axes,
+    load_layer,
+    tokenize_whole,
+)
 from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
@@ -49,7 +57,13 @@ class OneHotReport(Result):
                 "memory_ratio": self.onehot_bytes / max(self.lookup_bytes, 1)}
 
     def figures(self) -> list[Figure]:
-        return [Figure("onehot", "One-hot vs lookup", caption_onehot(self), partial(plot_onehot, self))]
+        s, same = self.summary(), "identical" if self.equal else "different"
+        caption = (f"one_hot(ids) @ W and W[ids] on {len(self.ids)} tokens: {same}"
+                   f" (max |diff| {self.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
+                   f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x)"
+                   f" and touched {self.onehot_bytes / 1e6:.3g} MB, because it reads all {self.vocab_size} rows of "
+                   f"the table.")
+        return [Figure("onehot", "One-hot vs lookup", caption, partial(plot_onehot, self))]
 
 
 def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -97,21 +111,12 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
         lookup_bytes=tokens * hidden * 4, onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden)
 
 
-def caption_onehot(r) -> str:
-    s = r.summary()
-    return (f"one_hot(ids) @ W and W[ids] on {len(r.ids)} tokens: {'identical' if r.equal else 'different'} "
-            f"(max |diff| {r.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
-            f"{r.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x) and "
-            f"touched {r.onehot_bytes / 1e6:.3g} MB, because it reads all {r.vocab_size} rows of the table.")
-
-
 def plot_onehot(report):
     """Time and memory of the lookup and of the one-hot product (log scale)."""
-    fig, (left, right) = axes(size=(8, 3.2), panels=2)
-    for ax, values, unit, title in ((left, [report.lookup_seconds * 1e6, report.onehot_seconds * 1e6], "microseconds",
-                                     "time (median)"),
-                                    (right, [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3], "kB touched",
-                                     "memory")):
+    fig, panels = axes(size=(8, 3.2), panels=2)
+    for ax, values, unit, title in zip(panels, ([report.lookup_seconds * 1e6, report.onehot_seconds * 1e6],
+                                                [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3]),
+                                       ("microseconds", "kB touched"), ("time (median)", "memory"), strict=True):
         bars = ax.bar(["lookup W[ids]", "one_hot(ids) @ W"], values, color=[PART_COLOURS["word"], "0.45"])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set(yscale="log", ylabel=unit, title=title)

@@ -1,6 +1,5 @@
 """Are learned position embeddings sinusoidal? The position table against a sin/cos table of the same size: entry
-by entry, in structure, in smoothness, and its seams (docs/how-bert-embeddings-work.md, section 3). P positions,
-H hidden."""
+by entry, in structure, in smoothness, and its seams (docs/how-bert-embeddings-work.md, section 3). P positions."""
 
 from __future__ import annotations
 
@@ -9,8 +8,16 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, cosine_matrix, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, axes
+from bertembed.explain._common import (
+    PART_COLOURS,
+    Figure,
+    ModelArg,
+    Result,
+    axes,
+    load_layer,
+    row_norms,
+    table,
+)
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
@@ -18,6 +25,12 @@ SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) both th
 SEAM_WINDOW = 8  # rows on each side whose mean norms make the step
 WANG_AND_CHEN = ("Wang & Chen (2020), \"What Do Position Embeddings Learn? An Empirical Study of Pre-Trained Language "
                  "Model Positional Encoding\", EMNLP")
+
+
+def cosine_matrix(matrix: np.ndarray) -> np.ndarray:
+    """Cosine similarity of every row of [P, H] with every other: [P, P]."""
+    unit = matrix / np.maximum(row_norms(matrix), 1e-30)[:, None]
+    return unit @ unit.T
 
 
 def structure_correlation(sim_a: np.ndarray, sim_b: np.ndarray) -> float:
@@ -53,20 +66,9 @@ def peak_frequencies(matrix: np.ndarray) -> np.ndarray:
     return 1 + np.argmax(_power(matrix)[1:], axis=0)
 
 
-def principal_components(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(share of the variance over positions of each principal component, the positions' coordinates on the first
-    two [P, 2]), each hidden dimension centred over positions."""
-    centred = matrix - matrix.mean(0)
-    u, s, _ = np.linalg.svd(centred, full_matrices=False)
-    variance = s ** 2
-    return variance / max(variance.sum(), 1e-300), u[:, :2] * s[:2]
-
-
 def find_seams(matrix: np.ndarray, first: int = 0) -> list[dict]:
     """Boundaries where the neighbour cosine dips and the mean norm steps, each by more than SEAM_SCORE robust
-    z-scores against every boundary of the table; adjacent boundaries merge into one seam; the two boundaries at each
-    end (the first position, always a [CLS], and the last, rarely reached) are left out. `first`: the table's first
-    row's position, for the numbers reported."""
+    z-scores; adjacent ones merge, the two at each end are left out. `first`: the position of the table's first row."""
     norms = row_norms(matrix)
     count = len(norms)
     if count < 4 * SEAM_WINDOW:
@@ -124,6 +126,11 @@ class PositionReport(Result):
     noise_like: bool = False  # no more structure than a random table: an untrained one?
     verdict: str = ""
 
+    @property
+    def adjacent_cosine(self) -> float:
+        """The mean cosine of neighbouring positions."""
+        return float(np.diag(self.similarity, 1).mean())
+
     def summary(self) -> dict:
         return {"model": self.model, "positions": len(self.norms), "first_position": self.first,
                 "entrywise_correlation": self.entrywise_correlation,
@@ -131,17 +138,34 @@ class PositionReport(Result):
                 "pca_share_10": self.pca_share_10, "k": self.k, "lowfreq_share": self.lowfreq_share,
                 "lowfreq_share_sinusoid": self.lowfreq_share_sinusoid, "lowfreq_share_noise": self.lowfreq_share_noise,
                 "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
-                "mean_adjacent_cosine": float(np.diag(self.similarity, 1).mean()),
+                "mean_adjacent_cosine": self.adjacent_cosine,
                 "seams": [s["at"] for s in self.seams], "noise_like": self.noise_like, "verdict": self.verdict}
 
     def figures(self) -> list[Figure]:
-        return [Figure("position_similarity", "Position similarity", caption_similarity(self),
+        similarity = (f"Cosine similarity between every pair of the {len(self.norms)} learned position vectors (left) "
+                      f"and of a sinusoidal table of the same size (right). The two patterns correlate r = "
+                      f"{self.structure_correlation:.2f} (off-diagonal entries). Neighbouring learned positions have "
+                      f"cosine {self.adjacent_cosine:.2f} on average: similar near the diagonal, like the sinusoids, "
+                      f"but the learned table is not their formula.")
+        norms = (f"Norm of each position vector: {self.norms.min():.3f} to {self.norms.max():.3f} (position "
+                 f"{int(np.argmax(self.norms)) + self.first} is the largest), and the cosine of each with the next."
+                 + ("".join(map(describe_seam, self.seams))
+                    or " No seam: no boundary stands out from the rest of the table."))
+        spectrum = (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{self.k} (the "
+                    f"shaded band) hold {self.lowfreq_share:.0%} of the learned table's variance over positions "
+                    f"({self.lowfreq_share_sinusoid:.0%} for the sinusoidal table, {self.lowfreq_share_noise:.0%} for "
+                    f"white noise). Per hidden dimension, the strongest frequency has median "
+                    f"{np.median(self.peaks):.0f} cycles over the table (sinusoidal: "
+                    f"{np.median(self.sinusoid_peaks):.0f}).")
+        pca = (f"Each position on the table's first two principal components (each hidden dimension centred over "
+               f"positions): they hold {self.pca_share_2:.0%} of the variance, the first ten {self.pca_share_10:.0%}. "
+               f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
+               f"directions of the hidden space, whatever their rotation.")
+        return [Figure("position_similarity", "Position similarity", similarity,
                        partial(plot_position_similarity, self)),
-                Figure("position_norms", "Position norms", caption_norms(self), partial(plot_position_norms, self)),
-                Figure("position_spectrum", "Position spectrum", caption_spectrum(self),
-                       partial(plot_position_spectrum, self)),
-                Figure("position_pca", "Positions on two principal components", caption_pca(self),
-                       partial(plot_position_pca, self))]
+                Figure("position_norms", "Position norms", norms, partial(plot_position_norms, self)),
+                Figure("position_spectrum", "Position spectrum", spectrum, partial(plot_position_spectrum, self)),
+                Figure("position_pca", "Positions on two principal components", pca, partial(plot_position_pca, self))]
 
 
 def describe_seam(seam: dict) -> str:
@@ -163,7 +187,7 @@ def _verdict(r: PositionReport) -> str:
                 f"{r.structure_correlation:.2f}).")
     if r.noise_like:
         return (f"This table is no different from noise: neighbouring positions have cosine "
-                f"{float(np.diag(r.similarity, 1).mean()):.2f}, the first 10 principal components hold "
+                f"{r.adjacent_cosine:.2f}, the first 10 principal components hold "
                 f"{r.pca_share_10:.0%} of its variance and frequencies 1-{r.k} {r.lowfreq_share:.0%} (white noise: "
                 f"{r.lowfreq_share_noise:.0%}). An untrained (random) table looks like this; there is no code of "
                 f"position in it to compare with sin/cos.")
@@ -181,9 +205,8 @@ def _verdict(r: PositionReport) -> str:
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
-    """Measure the position table of `model` (see `PositionReport`): the rows tokens use, reserved ones skipped.
-    NotInThisMember where the member has none; ValueError for k < 1; a k past the table's P // 2 frequencies is
-    lowered to it (the report's `k` says which was used)."""
+    """Measure the position table of `model`: the rows tokens use. NotInThisMember where the member has none;
+    ValueError for k < 1; a k past the table's P // 2 frequencies is lowered to it (the report's `k` is used)."""
     if k < 1:
         raise ValueError(f"k={k}: fit at least 1 low-frequency cosine")
     layer = load_layer(model)
@@ -194,7 +217,8 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     k = min(k, count // 2)
     sinus = sinusoidal_table_np(*learned.shape)
     sim, sin_sim = cosine_matrix(learned), cosine_matrix(sinus)
-    shares, coords = principal_components(learned)
+    u, singular, _ = np.linalg.svd(learned - learned.mean(0), full_matrices=False)  # principal components
+    shares, coords = singular ** 2 / max((singular ** 2).sum(), 1e-300), u[:, :2] * singular[:2]
     noise = min(1.0, 2 * k / (count - 1))
     report = PositionReport(
         source=layer.source, similarity=sim, sinusoid_similarity=sin_sim, norms=row_norms(learned),
@@ -209,35 +233,16 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     return report
 
 
-def _heatmap(ax, matrix, title):
-    image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
-    ax.set(xlabel="position j", ylabel="position i", title=title)
-    return image
-
-
-def caption_similarity(r) -> str:
-    return (f"Cosine similarity between every pair of the {len(r.norms)} learned position vectors (left) and of a "
-            f"sinusoidal table of the same size (right). The two patterns correlate r = {r.structure_correlation:.2f} "
-            f"(off-diagonal entries). Neighbouring learned positions have cosine "
-            f"{float(np.diag(r.similarity, 1).mean()):.2f} on average: similar near the diagonal, like the sinusoids, "
-            f"but the learned table is not their formula.")
-
-
 def plot_position_similarity(report):
     """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
-    fig, (left, right) = axes(size=(10, 4.6), panels=2)
-    _heatmap(left, report.similarity, "learned position vectors")
-    image = _heatmap(right, report.sinusoid_similarity, "sinusoidal table, same size")
-    fig.colorbar(image, ax=[left, right], label="cosine similarity", shrink=0.85)
+    fig, panels = axes(size=(10, 4.6), panels=2)
+    for ax, matrix, title in zip(panels, (report.similarity, report.sinusoid_similarity),
+                                 ("learned position vectors", "sinusoidal table, same size"), strict=True):
+        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set(xlabel="position j", ylabel="position i", title=title)
+    fig.colorbar(image, ax=list(panels), label="cosine similarity", shrink=0.85)
     fig.suptitle(f"Position-position similarity (structure correlation r = {report.structure_correlation:.2f})")
     return fig
-
-
-def caption_norms(r) -> str:
-    text = (f"Norm of each position vector: {r.norms.min():.3f} to {r.norms.max():.3f} (position "
-            f"{int(np.argmax(r.norms)) + r.first} is the largest), and the cosine of each with the next.")
-    no_seam = " No seam: no boundary stands out from the rest of the table."
-    return text + ("".join(map(describe_seam, r.seams)) or no_seam)
 
 
 def plot_position_norms(report, ax=None):
@@ -259,17 +264,8 @@ def plot_position_norms(report, ax=None):
     return fig
 
 
-def caption_spectrum(r) -> str:
-    return (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{r.k} (the shaded "
-            f"band) hold {r.lowfreq_share:.0%} of the learned table's variance over positions "
-            f"({r.lowfreq_share_sinusoid:.0%} for the sinusoidal table, {r.lowfreq_share_noise:.0%} for white noise). "
-            f"Per hidden dimension, the strongest frequency has median {np.median(r.peaks):.0f} cycles over the table "
-            f"(sinusoidal: {np.median(r.sinusoid_peaks):.0f}).")
-
-
 def plot_position_spectrum(report, ax=None):
-    """Share of variance over positions at each frequency, pooled over hidden dims: learned vs sinusoidal; the band
-    shaded is the one `lowfreq_share` sums."""
+    """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
     fig, ax = axes(ax)
     freqs = np.arange(len(report.spectrum))
     ax.semilogy(freqs[1:], report.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
@@ -283,16 +279,8 @@ def plot_position_spectrum(report, ax=None):
     return fig
 
 
-def caption_pca(r) -> str:
-    return (f"Each position on the table's first two principal components (each hidden dimension centred over "
-            f"positions): they hold {r.pca_share_2:.0%} of the variance, the first ten {r.pca_share_10:.0%}. "
-            f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
-            f"directions of the hidden space, whatever their rotation.")
-
-
 def plot_position_pca(report, ax=None):
-    """The positions on the first two principal components of the table (hidden dimensions centred), coloured by
-    position: a smooth curve is how order is encoded."""
+    """The positions on the table's first two principal components, coloured by position."""
     fig, ax = axes(ax, size=(6, 5))
     x, y = report.pca_coords[:, 0], report.pca_coords[:, 1]
     ax.plot(x, y, color="0.8", lw=0.6, zorder=1)

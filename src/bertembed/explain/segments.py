@@ -9,16 +9,18 @@ from functools import partial
 import numpy as np
 
 from bertembed.explain._common import (
+    PART_COLOURS,
     Figure,
     ModelArg,
     NotInThisMember,
     Result,
+    axes,
     load_layer,
     row_norms,
     table,
+    token_axis,
     tokenize_whole,
 )
-from bertembed.explain.figures import PART_COLOURS, axes, token_axis
 from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
@@ -68,9 +70,18 @@ class SegmentReport(Result):
                 **({"warning": self.warning} if self.warning else {})}
 
     def figures(self) -> list[Figure]:
-        return [Figure("segments", "Segment vectors", caption_segments(self), partial(plot_segments, self)),
-                Figure("segment_effect", "Segment A vs B", caption_segment_effect(self),
-                       partial(plot_segment_effect, self))]
+        verdict = "they ARE zeros and ones" if self.zeros_and_ones else "not zeros and ones"
+        vectors = (f"The segment table has {len(self.norms)} learned rows: |A| = {self.norms[0]:.3f}, |B| = "
+                   f"{self.norms[1]:.3f}, cosine(A, B) = {self.cosine:.2f}, |B - A| = {self.difference_norm:.3f}; "
+                   f"{verdict}. For scale: the median word vector has norm {self.median_word_norm:.3f}, the median "
+                   f"position vector {self.median_position_norm:.3f}.")
+        effect = (f"The same text ({len(self.tokens)} tokens) embedded with every token in segment A, then in segment "
+                  f"B: the output moves by {self.output_change.mean():.2f} on average (mean output norm "
+                  f"{self.output_norm:.2f}), output cosine {self.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] "
+                  f"take segment A and B [SEP] take segment B: one sequence, processed in parallel, told apart only by "
+                  f"this added vector.")
+        return [Figure("segments", "Segment vectors", vectors, partial(plot_segments, self)),
+                Figure("segment_effect", "Segment A vs B", effect, partial(plot_segment_effect, self))]
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
@@ -126,13 +137,6 @@ def _literal_separator(tokenizer, text: str) -> str | None:
     return None
 
 
-def caption_segments(r: SegmentReport) -> str:
-    verdict = "they ARE zeros and ones" if r.zeros_and_ones else "not zeros and ones"
-    return (f"The segment table has {len(r.norms)} learned rows: |A| = {r.norms[0]:.3f}, |B| = {r.norms[1]:.3f}, "
-            f"cosine(A, B) = {r.cosine:.2f}, |B - A| = {r.difference_norm:.3f}; {verdict}. For scale: the median word "
-            f"vector has norm {r.median_word_norm:.3f}, the median position vector {r.median_position_norm:.3f}.")
-
-
 def plot_segments(report: SegmentReport, ax=None):
     """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
     fig, ax = axes(ax, size=(6.5, 3.4))
@@ -143,13 +147,6 @@ def plot_segments(report: SegmentReport, ax=None):
     ax.bar_label(bars, fmt="%.3f", fontsize=8)
     ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {report.cosine:.2f}")
     return fig
-
-
-def caption_segment_effect(r: SegmentReport) -> str:
-    return (f"The same text ({len(r.tokens)} tokens) embedded with every token in segment A, then in segment B: the "
-            f"output moves by {r.output_change.mean():.2f} on average (mean output norm {r.output_norm:.2f}), output "
-            f"cosine {r.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] take segment A and B [SEP] take "
-            f"segment B: one sequence, processed in parallel, told apart only by this added vector.")
 
 
 def plot_segment_effect(report: SegmentReport, ax=None):

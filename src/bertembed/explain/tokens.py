@@ -1,6 +1,5 @@
 """The word table as a dictionary of vectors: a token's nearest neighbours, the special rows, and norm against id
-(BERT's vocabulary lists whole words roughly by frequency, so there the id is a rough frequency rank). V vocabulary,
-H hidden."""
+(in BERT's vocabulary a rough frequency rank). V vocabulary, H hidden."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, axes
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms, table
 from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -46,16 +44,29 @@ class TokenReport(Result):
     def summary(self) -> dict:
         return {"model": self.model, **({"asked": self.asked, "note": self.note} if self.note else {}),
                 "token": self.token, "token_id": self.token_id, "token_norm": self.token_norm,
-                "nearest": ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in self.neighbours[:5]),
-                **{f"piece {p['token']}": ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in p["neighbours"][:5])
-                   for p in self.pieces[1:]},
+                "nearest": _listed(self.neighbours), **{f"piece {p['token']}": _listed(p["neighbours"])
+                                                         for p in self.pieces[1:]},
                 "pad_is_zero": self.pad_is_zero, "median_norm": self.median_norm,
                 "unused_median_norm": self.unused_median_norm, "rank_start": self.rank_start,
                 "rank_norm_correlation": self.rank_norm_correlation}
 
     def figures(self) -> list[Figure]:
-        return [Figure("token_norms", "Token norms", caption_token_norms(self), partial(plot_token_norms, self)),
-                Figure("neighbours", "Nearest neighbours", caption_neighbours(self), partial(plot_neighbours, self))]
+        norms = (f"Norm of each of the {len(self.norms)} word-table rows against its id: median "
+                 f"{self.median_norm:.3f}; [PAD] row {'is all zeros' if self.pad_is_zero else 'is not zero'}.")
+        if self.unused_median_norm is not None:
+            norms += f" The never-used [unusedN] rows have median norm {self.unused_median_norm:.3f}."
+        if self.rank_norm_correlation is not None:
+            norms += (f" From id {self.rank_start} ('the') on, ids follow frequency roughly; Spearman correlation of "
+                      f"id and norm there: {self.rank_norm_correlation:+.2f}.")
+        near = (f"{self.token!r} is row {self.token_id} (norm {self.token_norm:.3f}). Its nearest rows by cosine: "
+                f"{_listed(self.neighbours)}. The table is a dictionary of learned vectors; neighbours share meaning "
+                f"before any context is added.")
+        return [Figure("token_norms", "Token norms", norms, partial(plot_token_norms, self)),
+                Figure("neighbours", "Nearest neighbours", near, partial(plot_neighbours, self))]
+
+
+def _listed(neighbours: list[dict]) -> str:
+    return ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in neighbours[:5])
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -65,8 +76,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def nearest(words: np.ndarray, norms: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
-    """The k rows of `words` [V, H] with the highest cosine to row `row`, excluding itself: [(id, cosine)]. `norms`
-    [V]: the rows' norms (computed once by the caller, not once per row asked)."""
+    """The k rows of `words` [V, H] with the highest cosine to row `row`, excluding itself: [(id, cosine)]. `norms`:
+    the rows' norms [V]."""
     norms = np.maximum(norms, 1e-30)
     cos = (words @ words[row]) / (norms * norms[row])
     cos[row] = -np.inf
@@ -84,8 +95,7 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
     normal = normalizer.normalize_str(token) if normalizer is not None else token
     if normal != token and tokenizer.token_to_id(normal) is not None:
         return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input (lower-casing)"
-    tokenizer.backend.no_truncation()
-    tokenizer.backend.no_padding()
+    tokenizer.backend.no_truncation()  # (a call before may have left it on)
     pieces = tokenizer.backend.encode(token, add_special_tokens=False).tokens
     shown = repr(token) if len(token) <= 60 else f"{token[:40]!r}... ({len(token)} characters)"
     if not pieces:
@@ -99,8 +109,7 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
 
 def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) -> TokenReport:
     """Nearest neighbours of `token` (a vocabulary entry such as "king" or "##ing", a word the tokenizer normalises
-    to one, "Paris" -> "paris", or a word that splits into pieces, each piece with its neighbours) and the word
-    table's norms."""
+    to one, or a word that splits into pieces, each piece with its neighbours) and the word table's norms."""
     from bertembed.tokenizer import check_text
 
     if not check_text(token, "the token").strip():
@@ -111,16 +120,15 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     tokenizer = layer.tokenizer
     words = table(layer, "word")
     entries, note = _entries(tokenizer, token)
-    ids = [tokenizer.token_to_id(e) for e in entries]
-    token_id = ids[0]
     norms = row_norms(words)
     k = min(k, len(norms) - 1)
-
-    def neighbours(row: int) -> list[dict]:
-        return [{"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c}
-                for i, c in nearest(words, norms, row, k)]
-
-    pieces = [{"token": e, "id": i, "neighbours": neighbours(i)} for e, i in zip(entries, ids, strict=True)]
+    pieces = []
+    for entry in entries:
+        row = tokenizer.token_to_id(entry)
+        near = nearest(words, norms, row, k)
+        pieces.append({"token": entry, "id": row, "neighbours": [
+            {"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c} for i, c in near]})
+    token_id = pieces[0]["id"]
     special = [{"token": t, "id": i, "norm": float(norms[i])} for t in SPECIAL_TOKENS
                if (i := tokenizer.token_to_id(t)) is not None]
     unused = [i for i in range(min(len(norms), 1000)) if tokenizer.backend.id_to_token(i).startswith("[unused")]
@@ -134,17 +142,6 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
         rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms)
-
-
-def caption_token_norms(r) -> str:
-    text = (f"Norm of each of the {len(r.norms)} word-table rows against its id: median {r.median_norm:.3f}; "
-            f"[PAD] row {'is all zeros' if r.pad_is_zero else 'is not zero'}.")
-    if r.unused_median_norm is not None:
-        text += f" The never-used [unusedN] rows have median norm {r.unused_median_norm:.3f}."
-    if r.rank_norm_correlation is not None:
-        text += (f" From id {r.rank_start} ('the') on, ids follow frequency roughly; Spearman correlation of id and "
-                 f"norm there: {r.rank_norm_correlation:+.2f}.")
-    return text
 
 
 def plot_token_norms(report, ax=None):
@@ -164,12 +161,6 @@ def plot_token_norms(report, ax=None):
            title="Word vectors: norm by vocabulary id")
     ax.legend(fontsize=8, markerscale=6)
     return fig
-
-
-def caption_neighbours(r) -> str:
-    near = ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in r.neighbours[:5])
-    return (f"{r.token!r} is row {r.token_id} (norm {r.token_norm:.3f}). Its nearest rows by cosine: {near}. The "
-            f"table is a dictionary of learned vectors; neighbours share meaning before any context is added.")
 
 
 def plot_neighbours(report, ax=None):

@@ -1,22 +1,23 @@
 """The layer rebuilt by hand in plain torch on a checkpoint's own tensors, each step checked against the layer's own
-intermediate (`BertEmbeddings.decompose`). The steps' code, written once in the member's own recipe (`steps`), is run
-by `bertembed walkthrough` and written into editable Jupyter cells by `bertembed notebook` (`write_notebook`).
-"""
+intermediate (`BertEmbeddings.decompose`). The steps' code, written once in the member's own recipe, is run by
+`bertembed walkthrough` and written into editable Jupyter cells by `bertembed notebook`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg, source_and_tokenizer, tokenize_whole
+from bertembed.explain._common import ModelArg, load_layer, source_and_tokenizer, tokenize_whole
 from bertembed.sources import Source
 
 
 @dataclass
 class Step:
-    """One step: a title, why, its code, the name it defines, and the layer's own value it is checked against."""
+    """One step: a title, why, its code, the name it defines, the layer's own value it is checked against; once run,
+    what it gave."""
 
     title: str
     why: str
@@ -24,16 +25,9 @@ class Step:
     result: str  # the variable the code defines, shown and checked
     against: str | None = None  # an expression for the layer's own value
     exact: bool = True  # whether the two must be equal bit for bit (else: to float32 rounding)
-
-
-@dataclass
-class StepResult:
-    title: str
-    why: str
-    code: str
-    shape: list[int]
-    preview: list[dict]  # the first tokens' first values
-    check: str  # what it was compared with, and how close
+    shape: list[int] = field(default_factory=list)
+    preview: list[dict] = field(default_factory=list)  # the first tokens' first values
+    check: str = ""  # what it was compared with, and how close
     max_abs_diff: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -43,7 +37,7 @@ class Walkthrough:
     source: Source
     member: str
     tokens: list[str]
-    steps: list[StepResult]
+    steps: list[Step]
 
     def summary(self) -> dict:
         return {"model": self.source.describe(), "member": self.member, "tokens": self.tokens,
@@ -130,7 +124,7 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     return Walkthrough(source, layer.config.model_type, tokens, results)
 
 
-def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
+def _result(step: Step, space: dict, values: int, rows: int) -> Step:
     value = space[step.result]
     shape = list(value.shape)
     tokens = space["enc"].tokens
@@ -146,17 +140,17 @@ def _result(step: Step, space: dict, values: int, rows: int) -> StepResult:
     if step.against is None:
         why = "the tokenizer's output, the layer's input" if step.result == "ids" else \
             "not compared: the layer shows this part projected to H (DeBERTa)"
-        return StepResult(step.title, step.why, step.code, shape, preview, why)
+        return dataclasses.replace(step, shape=shape, preview=preview, check=why)
     expected = eval(step.against, space)  # noqa: S307  (an expression of the steps above)
     diff = float((value.double() - expected.double()).abs().max())
     if step.exact:
         check = f"equal to {step.against} bit for bit" if diff == 0 else f"differs from {step.against} by {diff:.3g}"
     else:
         check = f"equal to {step.against} to float32 rounding: max |diff| = {diff:.2g}"
-    return StepResult(step.title, step.why, step.code, shape, preview, check, diff)
+    return dataclasses.replace(step, shape=shape, preview=preview, check=check, max_abs_diff=diff)
 
 
-def _note_repeats(result: StepResult, tokens: list[str], ids: list[int]) -> None:
+def _note_repeats(result: Step, tokens: list[str], ids: list[int]) -> None:
     """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
     places: dict[int, list[int]] = {}
     for i, token_id in enumerate(ids):
@@ -172,9 +166,9 @@ def check_walkthrough(result: Walkthrough) -> list[str]:
     return [s.title for s in result.steps if s.check.startswith("differs")]
 
 
-def notebook_cells(model: str | None, checkpoint, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
-    """(kind, source) of each cell, "markdown" or "code", for `model` as the user named it and read (`checkpoint`)."""
-    config, where = checkpoint.config, checkpoint.source.describe()
+def notebook_cells(model: str | None, layer, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
+    """(kind, source) of each cell, "markdown" or "code", for `model` as the user named it and read (`layer`)."""
+    config, where = layer.config, layer.source.describe()
     intro = (f"# The embedding layer, rebuilt by hand\n\nCheckpoint: `{where}` ({config.model_type}). Each step "
              f"below does with plain torch what the layer does, and checks the result against the layer's own "
              f"intermediate (`layer.decompose`): bit for bit where the operations are the same, to float32 rounding "
@@ -208,12 +202,11 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     import nbformat
 
     from bertembed.atomic import check_output, write_atomic
-    from bertembed.checkpoint import load_checkpoint
 
-    source, tokenizer = source_and_tokenizer(model)
-    tokenize_whole(tokenizer, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
+    layer = load_layer(model)
+    tokenize_whole(layer.tokenizer, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
-    cells = notebook_cells(model, load_checkpoint(source, framework="np"), text, text_b)
+    cells = notebook_cells(model, layer, text, text_b)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
                   for kind, s in cells]
