@@ -1,28 +1,24 @@
 """What the analyses share: the checkpoint read once and handed on, a table as they measure it, the base of their
-results (summary, figures, notebook HTML), JSON, and what every figure draws with. Nothing here imports torch or
-matplotlib at import time: a figure imports matplotlib when it is drawn (Agg backend), and never calls `show()`."""
+results (summary, figures, notebook HTML), and JSON. Nothing here imports torch or matplotlib at import time."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import html
-import io
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
 
 from bertembed.config import NotInThisMember
+from bertembed.explain.figures import Figure, figure_html, figure_png
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 from bertembed.sources import DEFAULT_MODEL, resolve
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
-PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 
 class Tables(NumpyEmbeddings):
@@ -148,49 +144,6 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (float, np.floating)) else str(value)
-
-
-def axes(ax=None, size=(7.5, 3.6), panels=1):
-    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, panels, figsize=size, layout="constrained") if ax is None else (ax.figure, ax)
-
-
-def token_axis(ax, tokens) -> None:
-    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
-    ax.set_xlim(-0.6, len(tokens) - 0.4)
-
-
-def figure_png(fig) -> bytes:
-    """Render a matplotlib Figure to PNG bytes and close it."""
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def figure_html(title: str, png: bytes, caption: str) -> str:
-    """A figure: its PNG inline (a base64 data URI, so the page needs no other file), then its caption."""
-    data = base64.b64encode(png).decode("ascii")
-    return (f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}"><figcaption><b>'
-            f"{html.escape(title)}.</b> {html.escape(caption)}</figcaption></figure>")
-
-
-@dataclasses.dataclass(frozen=True)
-class Figure:
-    """One figure of a result: its name (the PNG's, for --plots DIR), its title, its caption (the measured numbers in
-    words) and `draw()`, which returns a new matplotlib Figure."""
-
-    name: str
-    title: str
-    caption: str
-    draw: Callable[[], Any]
 
 
 class Result:

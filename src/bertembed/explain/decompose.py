@@ -8,16 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import (
-    PART_COLOURS,
-    Figure,
-    Result,
-    axes,
-    load_layer,
-    source_and_tokenizer,
-    token_axis,
-    tokenize_whole,
-)
+from bertembed.explain._common import Result, load_layer, source_and_tokenizer, tokenize_whole
+from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")

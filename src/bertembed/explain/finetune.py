@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, axes, source_and_tokenizer
+from bertembed.explain._common import ModelArg, Result, source_and_tokenizer
+from bertembed.explain.figures import Figure, axes
 from bertembed.sources import Source
 
 SENTENCES = (
@@ -148,10 +149,12 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, occurred: dict, steps:
         moved = (after != before).any(1).nonzero()[:, 0]
         relative = delta.norm(dim=1)[moved] / before.double().norm(dim=1)[moved].clamp_min(1e-30)
         per_row[name] = delta.norm(dim=1).numpy()
-        # theory: Adam leaves a row whose gradient was always zero exactly as it was; weight decay moves every row
-        # that is not exactly zero, and the rows with gradient
-        expected = 0 if name in spec.frozen else len(occurred[name]) if spec.weight_decay == 0 else int(
-            ((before != 0).any(1).numpy() | np.isin(np.arange(before.shape[0]), occurred[name])).sum())
+        if name in spec.frozen:
+            expected = 0
+        elif spec.weight_decay > 0:  # decay moves every row that is not exactly zero, and the rows with gradient
+            expected = int(((before != 0).any(1).numpy() | np.isin(np.arange(before.shape[0]), occurred[name])).sum())
+        else:  # Adam leaves a row whose gradient was always zero exactly as it was
+            expected = len(occurred[name])
         tables.append(TableChange(name, before.shape[0], len(moved), expected, float(delta.abs().max()),
                                   float(relative.median()) if len(moved) else 0.0, moved.tolist()))
     return RunResult(spec, losses[0], losses[-1], tables, per_row), layer

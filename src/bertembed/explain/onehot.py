@@ -9,16 +9,8 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import (
-    PART_COLOURS,
-    STRUCTURAL,
-    Figure,
-    ModelArg,
-    Result,
-    axes,
-    load_layer,
-    tokenize_whole,
-)
+from bertembed.explain._common import STRUCTURAL, ModelArg, Result, load_layer, tokenize_whole
+from bertembed.explain.figures import PART_COLOURS, Figure, axes
 from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and

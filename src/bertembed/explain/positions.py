@@ -8,16 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import (
-    PART_COLOURS,
-    Figure,
-    ModelArg,
-    Result,
-    axes,
-    load_layer,
-    row_norms,
-    table,
-)
+from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
+from bertembed.explain.figures import PART_COLOURS, Figure, axes
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.atomic import write_atomic
-from bertembed.explain import _common as common
+from bertembed.explain._common import ModelArg, NotInThisMember, NotMeasured, html_table, load_layer, summary_rows
+from bertembed.explain.figures import Figure, figure_html, figure_png
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
@@ -25,10 +26,10 @@ INTRO = ("Before any attention layer runs, the model turns text into vectors: ea
          "are summed and LayerNorm normalises the sum. Each section below answers one question people ask about "
          "this layer, by measuring it on the checkpoint named above. Tags say whether a claim holds for every BERT "
          "checkpoint (the structure of the layer) or was measured on this one (its numbers).")
-Drawn = list[tuple[common.Figure, bytes]]  # one result's figures with their PNGs
+Drawn = list[tuple[Figure, bytes]]  # one result's figures with their PNGs
 
 
-def run_analyses(text: str, text_b: str | None = None, model: common.ModelArg = None, *, token: str | None = None,
+def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
                  finetune: bool = False, steps: int = 12,
                  progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
     """All analyses of one text, on one checkpoint read once: decomposition, positions, segments, tokens, one-hot;
@@ -37,7 +38,7 @@ def run_analyses(text: str, text_b: str | None = None, model: common.ModelArg = 
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
-    layer = common.load_layer(model)
+    layer = load_layer(model)
     dec = explain.explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
     results = [dec, _or_why("Positions", explain.analyze_positions, layer),
@@ -52,8 +53,8 @@ def _or_why(title: str, analysis: Callable, *args) -> Any:
     """The analysis's result, or a `NotMeasured` saying why it does not apply to this member (no such table)."""
     try:
         return analysis(*args)
-    except common.NotInThisMember as err:
-        return common.NotMeasured(title, str(err))
+    except NotInThisMember as err:
+        return NotMeasured(title, str(err))
 
 
 def _first_word(tokens: list[str]) -> str:
@@ -64,30 +65,29 @@ def _first_word(tokens: list[str]) -> str:
 
 def render_figures(result: Any) -> Drawn:
     """Every figure of one result, with its PNG."""
-    return [(f, common.figure_png(f.draw())) for f in result.figures()]
+    return [(f, figure_png(f.draw())) for f in result.figures()]
 
 
-def report_html(results: list[Any], drawn: list[Drawn] | None = None, title: str | None = None) -> str:
+def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
     """The report of `results` (see `run_analyses`) as one HTML page; `drawn`: their `render_figures`, if done. The
     title names the checkpoint measured, and says so where the bundled default is not BERT itself."""
     drawn = drawn or [render_figures(r) for r in results]
-    source = getattr(results[0], "source", None)
-    if title is None:
-        title = f"How {source.name if source else 'the checkpoint'}'s embedding layer builds these vectors"
-        if source is not None and source.kind == "bundled":
-            title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
-    body = [f"<h1>{html.escape(title)}</h1>", f"<p>checkpoint: {html.escape(source.describe() if source else '')}</p>",
+    source = results[0].source
+    title = f"How {source.name}'s embedding layer builds these vectors"
+    if source.kind == "bundled":
+        title += " (all-MiniLM-L6-v2: BERT's architecture, fine-tuned for sentences; not bert-base-uncased)"
+    body = [f"<h1>{html.escape(title)}</h1>", f"<p>checkpoint: {html.escape(source.describe())}</p>",
             f"<p>{html.escape(INTRO)}</p><ol>"]
     body += [f'<li><a href="#s{i}">{html.escape(r.question)}</a></li>' for i, r in enumerate(results)]
     body.append("</ol>")
     for i, (result, figures) in enumerate(zip(results, drawn, strict=True)):
         summary = result.summary()
         verdict = summary.pop("verdict", "")
-        rows = result.rows() if hasattr(result, "rows") else common.summary_rows(summary)
+        rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
         body += [f'<h2 id="s{i}">{html.escape(result.question)}<span class="tag">{html.escape(result.tag)}</span></h2>',
                  f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
-                 f'<div class="scroll">{common.html_table(rows)}</div>']
-        body += [common.figure_html(f.title, png, f.caption) for f, png in figures]
+                 f'<div class="scroll">{html_table(rows)}</div>']
+        body += [figure_html(f.title, png, f.caption) for f, png in figures]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")
 

@@ -8,19 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import (
-    PART_COLOURS,
-    Figure,
-    ModelArg,
-    NotInThisMember,
-    Result,
-    axes,
-    load_layer,
-    row_norms,
-    table,
-    token_axis,
-    tokenize_whole,
-)
+from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table, tokenize_whole
+from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
 from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
