@@ -23,6 +23,8 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
                 model: ModelOpt = None, as_json: JsonOpt = False) -> None:
     """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
     with user_errors():
+        from rich.syntax import Syntax
+
         from bertembed.explain.walkthrough import check_walkthrough
         from bertembed.explain.walkthrough import walkthrough as run
 
@@ -31,25 +33,19 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
             print_json(result.summary())
         else:
             say_model(result.source)
-            _show(result)
+            console.print(f"the layer's recipe: {result.member}'s")
+            for step in result.steps:
+                console.rule(f"[bold]{escape(step.title)}[/bold]")
+                console.print(escape(step.why))
+                console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
+                console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
+                for note in step.notes:
+                    console.print(escape(note))
+                console.print(f"check: {escape(step.check)}")
         failed = check_walkthrough(result)
         if failed:
             raise ValueError(f"the step(s) {failed} differ from the layer where they should be exact: a bug, please "
                              f"report it")
-
-
-def _show(result) -> None:
-    from rich.syntax import Syntax
-
-    console.print(f"the layer's recipe: {result.member}'s")
-    for step in result.steps:
-        console.rule(f"[bold]{escape(step.title)}[/bold]")
-        console.print(escape(step.why))
-        console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
-        console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
-        for note in step.notes:
-            console.print(escape(note))
-        console.print(f"check: {escape(step.check)}")
 
 
 @app.command()

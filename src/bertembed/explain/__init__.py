@@ -1,8 +1,5 @@
-"""Explanations of the embedding layer, measured on a real checkpoint. Functions return data; the CLI renders it.
-
-None of these modules imports torch or matplotlib at import time: the fine-tune imports torch when it runs, the
-figures import matplotlib when one is drawn.
-"""
+"""Explanations of the embedding layer, measured on a real checkpoint: functions return data, the CLI renders it.
+Nothing here imports torch or matplotlib at import time (the fine-tune and the figures import them when they run)."""
 
 from bertembed.explain.decompose import TextDecomposition, explain_text
 from bertembed.explain.drift import DriftReport, drift

@@ -161,9 +161,8 @@ def recipe(config) -> tuple[tuple[str, ...], str]:
 
 def explain_text(text: str, text_b: str | None = None, model=None, *,
                  engine: str = "numpy") -> TextDecomposition:
-    """Tokenize `text` (and `text_b` as segment B) with the checkpoint's tokenizer and decompose its embedding.
-    `model`: as `load_layer` takes it. ValueError for a text that gives no tokens, or one longer than the position
-    table (never truncated)."""
+    """Tokenize `text` (and `text_b` as segment B) with `model`'s tokenizer and decompose its embedding. ValueError
+    for a text that gives no tokens, or one longer than the position table (never truncated)."""
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")

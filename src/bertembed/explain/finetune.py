@@ -1,6 +1,5 @@
-"""Does fine-tuning change the embedding tables? A short, deterministic fine-tune (a few sentiment sentences, the
-embedding layer plus a mean-pool and linear head, seconds on a CPU) that counts the rows that move with Adam, AdamW
-and a frozen word table (docs/how-bert-embeddings-work.md, section 6). B batch, L length, H hidden."""
+"""Does fine-tuning change the embedding tables? A short, deterministic fine-tune (the embedding layer, a mean-pool
+and a linear head on a few sentences) counting the rows that move (docs/how-bert-embeddings-work.md, section 6)."""
 
 from __future__ import annotations
 
@@ -163,9 +162,8 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, occurred: dict, steps:
 def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, seed: int = 0, runs=DEFAULT_RUNS,
                   sentences=SENTENCES, progress: Callable[[str, int, int], None] | None = None,
                   save: str | Path | None = None) -> FinetuneReport:
-    """Fine-tune the embedding layer of `model` (default: bundled) on `sentences` once per run. `progress(run_name,
-    step, steps)` is called after every step. `save`: a new (or empty) folder for the first run's fine-tuned layer
-    and the tokenizer files (checked before anything runs, written whole or not at all)."""
+    """Fine-tune the embedding layer of `model` on `sentences` once per run, calling `progress(run_name, step, steps)`
+    after every step. `save`: a new (or empty) folder for the first run's layer and tokenizer, checked first."""
     import torch
 
     from bertembed.embeddings import BertEmbeddings

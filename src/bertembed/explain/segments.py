@@ -74,9 +74,8 @@ class SegmentReport(Result):
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
-    """Measure the segment table and the output of `text` in segment A versus B; with `text_b`, also the pair as
-    the model sees it (one sequence, segment ids 0 then 1). ValueError for a blank text or one longer than the
-    position table; NotInThisMember where the member has no segment table, or one row."""
+    """Measure the segment table and the output of `text` in segment A versus B; with `text_b`, also the pair as one
+    sequence. ValueError for a blank or too long text; NotInThisMember where the member has under two segment rows."""
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)

@@ -1,6 +1,5 @@
 """The layer rebuilt by hand in plain torch on a checkpoint's own tensors, each step checked against the layer's own
-intermediate (`BertEmbeddings.decompose`). The steps' code, written once in the member's own recipe, is run by
-`bertembed walkthrough` and written into editable Jupyter cells by `bertembed notebook`."""
+intermediate. `bertembed walkthrough` runs the steps' code; `bertembed notebook` writes it into Jupyter cells."""
 
 from __future__ import annotations
 
