@@ -437,3 +437,30 @@ def test_to_jsonable_turns_non_finite_numbers_into_null():
              "d": np.float64(3.0), "e": np.int64(4), "f": True}
     assert to_jsonable(value) == {"a": None, "b": [None, 1.5], "c": [[1.0, None], [None, 2.0]], "d": 3.0, "e": 4,
                                   "f": True}
+
+
+# --- one checkpoint, read once --------------------------------------------------------------------------------------
+
+def test_the_analyses_of_one_text_resolve_and_read_the_checkpoint_once(tiny, monkeypatch):
+    """All analyses of one text, the fine-tune included: the name is resolved once, the tokenizer read once, the
+    weights once as numpy arrays and once as torch tensors (the fine-tune trains the torch layer)."""
+    from collections import Counter
+
+    from bertembed import sources
+    from bertembed.explain.report import run_analyses
+
+    made, read, file = [], Counter(), sources.Source.file
+
+    class Counted(sources.Source):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+        def file(self, name):
+            read[name] += 1
+            return file(self, name)
+
+    monkeypatch.setattr(sources, "Source", Counted)
+    results = run_analyses("the cat sat", "a dog", str(tiny), finetune=True, steps=1)
+    assert len(results) == 6 and len(made) == 1
+    assert read["vocab.txt"] == 1 and read["model.safetensors"] == 2

@@ -15,7 +15,7 @@ import numpy as np
 from bertembed.config import NotInThisMember
 from bertembed.explain.figures import Figure, figure_html, figure_png
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
-from bertembed.sources import DEFAULT_MODEL, resolve
+from bertembed.sources import DEFAULT_MODEL, Source, resolve
 
 ModelArg = Union[str, Path, None, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
@@ -32,13 +32,16 @@ class Tables(NumpyEmbeddings):
         return Tokenizer.from_pretrained(self.source)
 
 
-def load_layer(model: ModelArg = None) -> Tables:
-    """`model` read: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`."""
+def load_layer(model: ModelArg | Source = None, tokenizer=None) -> Tables:
+    """`model` read: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
+    `tokenizer`: the checkpoint's, where it was read already."""
     if isinstance(model, Tables):
         return model
-    if isinstance(model, NumpyEmbeddings):
-        return Tables(model.config, model.tensors, model.source)
-    return Tables.from_pretrained(model)
+    layer = Tables(model.config, model.tensors, model.source) if isinstance(model, NumpyEmbeddings) else \
+        Tables.from_pretrained(model)
+    if tokenizer is not None:
+        layer.tokenizer = tokenizer  # (the cached value, not read again)
+    return layer
 
 
 def source_and_tokenizer(model: ModelArg):

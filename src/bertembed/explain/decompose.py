@@ -10,6 +10,7 @@ import numpy as np
 
 from bertembed.explain._common import Result, load_layer, source_and_tokenizer, tokenize_whole
 from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
+from bertembed.numpy_layer import NumpyEmbeddings
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -168,14 +169,11 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
-    if engine == "numpy":
-        layer = load_layer(model)
-        source, tokenizer = layer.source, layer.tokenizer
-    else:
-        source, tokenizer = source_and_tokenizer(model)
+    source, tokenizer = source_and_tokenizer(model)  # (the tokenizer first: a text it refuses costs no table read)
     enc = tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
+        layer = load_layer(model if isinstance(model, NumpyEmbeddings) else source, tokenizer)
         parts, config, tensors = layer.decompose(ids, types), layer.config, layer.tensors
     else:
         import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.atomic import write_atomic
-from bertembed.explain._common import ModelArg, NotInThisMember, NotMeasured, html_table, load_layer, summary_rows
+from bertembed.explain._common import ModelArg, NotInThisMember, NotMeasured, html_table, summary_rows
 from bertembed.explain.figures import Figure, figure_html, figure_png
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
@@ -35,10 +35,14 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     """All analyses of one text, on one checkpoint read once: decomposition, positions, segments, tokens, one-hot;
     with `finetune`, the fine-tune demo too (needs torch; seconds)."""
     from bertembed import explain
+    from bertembed.explain._common import load_layer, source_and_tokenizer, tokenize_whole
+    from bertembed.numpy_layer import NumpyEmbeddings
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
-    layer = load_layer(model)
+    source, tokenizer = source_and_tokenizer(model)  # (the tokenizer first: a text it refuses costs no table read)
+    tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
+    layer = load_layer(model if isinstance(model, NumpyEmbeddings) else source, tokenizer)
     dec = explain.explain_text(text, text_b, layer)
     token = token or _first_word(dec.tokens)
     results = [dec, _or_why("Positions", explain.analyze_positions, layer),
