@@ -16,49 +16,71 @@ inspect_app = typer.Typer(help="Measure one part of the embedding layer: positio
 app.add_typer(inspect_app, name="inspect")
 
 
-@app.command()
-def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")],
-                text_b: Annotated[Optional[str], typer.Argument(
-                    help="a second text (segment B), making a pair")] = None,
-                model: ModelOpt = None, as_json: JsonOpt = False) -> None:
-    """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
-    with user_errors():
-        from rich.syntax import Syntax
-
-        from bertembed.explain.walkthrough import check_walkthrough
-        from bertembed.explain.walkthrough import walkthrough as run
-
-        result = run(text, text_b, model)
-        if as_json:
-            print_json(result.summary())
-        else:
-            say_model(result.source)
-            console.print(f"the layer's recipe: {result.member}'s")
-            for step in result.steps:
-                console.rule(f"[bold]{escape(step.title)}[/bold]")
-                console.print(escape(step.why))
-                console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
-                console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
-                for note in step.notes:
-                    console.print(escape(note))
-                console.print(f"check: {escape(step.check)}")
-        failed = check_walkthrough(result)
-        if failed:
-            raise ValueError(f"the step(s) {failed} differ from the layer where they should be exact: a bug, please "
-                             f"report it")
+def plotting(plot: str | None):
+    """`user_errors` for a command with --plot: matplotlib is needed only where a PNG is asked for."""
+    return user_errors(plot, needs=("matplotlib",) if plot is not None else ())
 
 
-@app.command()
-def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
-             text: Annotated[str, typer.Option(help="the text the notebook starts with")] =
-             "The quick brown fox jumps over the lazy dog") -> None:
-    """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
-    with user_errors(needs=("nbformat",)):
-        from bertembed.explain.walkthrough import write_notebook
+def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None, title: str = "",
+         sources: tuple = ()) -> None:
+    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and rows,
+    under `title`) as rich tables or JSON, and write its figures to `plot`."""
+    from bertembed.explain._common import label
 
-        written = write_notebook(out, model, text)
-        say_model(model)
-        console.print(f"wrote {written}")
+    summary = result.summary()
+    if plot is not None:
+        from bertembed.atomic import write_atomic
+        from bertembed.explain.report import combined_png
+
+        write_atomic(plot, combined_png(result))
+    if as_json:
+        print_json({"summary": summary, "rows": extra_rows or []})
+        return
+    for source in sources or (result.source,):
+        say_model(source)
+    verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
+    rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
+            for k, v in summary.items()]
+    console.print(rows_table(result.question, rows))
+    if extra_rows:
+        console.print(rows_table(title, extra_rows))
+    if verdict:
+        console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
+    if warning:
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
+    for figure in result.figures():
+        console.print(f"[dim]{figure.title}: {escape(figure.caption)}[/dim]")
+    if plot is not None:
+        console.print(f"figures written to {plot}")
+
+
+def rows_table(title: str, rows: list[dict]):
+    from rich.table import Table
+
+    from bertembed.explain._common import label
+
+    table = Table(title=title or None, title_justify="left")
+    for col in rows[0]:
+        table.add_column(label(str(col)), overflow="fold")
+    for row in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
+    return table
+
+
+def rich_progress():
+    """A rich progress bar and the `progress(run, step, steps)` callback that advances it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=True)
+    tasks: dict[str, int] = {}
+
+    def progress(run: str, step: int, steps: int) -> None:
+        if run not in tasks:
+            tasks[run] = bar.add_task(run, total=steps)
+        bar.update(tasks[run], completed=step)
+
+    return bar, progress
 
 
 @app.command()
@@ -138,50 +160,49 @@ def _token_table(rows: list[dict], dec):
     return table
 
 
-def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None, title: str = "",
-         sources: tuple = ()) -> None:
-    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and rows,
-    under `title`) as rich tables or JSON, and write its figures to `plot`."""
-    from bertembed.explain._common import label
+@app.command()
+def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")],
+                text_b: Annotated[Optional[str], typer.Argument(
+                    help="a second text (segment B), making a pair")] = None,
+                model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+    """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
+    with user_errors():
+        from rich.syntax import Syntax
 
-    summary = result.summary()
-    if plot is not None:
-        from bertembed.atomic import write_atomic
-        from bertembed.explain.report import combined_png
+        from bertembed.explain.walkthrough import check_walkthrough
+        from bertembed.explain.walkthrough import walkthrough as run
 
-        write_atomic(plot, combined_png(result))
-    if as_json:
-        print_json({"summary": summary, "rows": extra_rows or []})
-        return
-    for source in sources or (result.source,):
-        say_model(source)
-    verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
-            for k, v in summary.items()]
-    console.print(rows_table(result.question, rows))
-    if extra_rows:
-        console.print(rows_table(title, extra_rows))
-    if verdict:
-        console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
-    if warning:
-        console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
-    for figure in result.figures():
-        console.print(f"[dim]{figure.title}: {escape(figure.caption)}[/dim]")
-    if plot is not None:
-        console.print(f"figures written to {plot}")
+        result = run(text, text_b, model)
+        if as_json:
+            print_json(result.summary())
+        else:
+            say_model(result.source)
+            console.print(f"the layer's recipe: {result.member}'s")
+            for step in result.steps:
+                console.rule(f"[bold]{escape(step.title)}[/bold]")
+                console.print(escape(step.why))
+                console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
+                console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
+                for note in step.notes:
+                    console.print(escape(note))
+                console.print(f"check: {escape(step.check)}")
+        failed = check_walkthrough(result)
+        if failed:
+            raise ValueError(f"the step(s) {failed} differ from the layer where they should be exact: a bug, please "
+                             f"report it")
 
 
-def rows_table(title: str, rows: list[dict]):
-    from rich.table import Table
+@app.command()
+def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
+             text: Annotated[str, typer.Option(help="the text the notebook starts with")] =
+             "The quick brown fox jumps over the lazy dog") -> None:
+    """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
+    with user_errors(needs=("nbformat",)):
+        from bertembed.explain.walkthrough import write_notebook
 
-    from bertembed.explain._common import label
-
-    table = Table(title=title or None, title_justify="left")
-    for col in rows[0]:
-        table.add_column(label(str(col)), overflow="fold")
-    for row in rows:
-        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
-    return table
+        written = write_notebook(out, model, text)
+        say_model(model)
+        console.print(f"wrote {written}")
 
 
 @inspect_app.command()
@@ -189,7 +210,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 
         emit(analyze_positions(model, k=k), as_json, plot)
@@ -202,7 +223,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
                                                            "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     """What the two segment vectors are and what changes when a text moves from segment A to B."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain.segments import analyze_segments
 
         result = analyze_segments(text, text_b, model)
@@ -220,7 +241,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
            k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain.tokens import analyze_tokens
 
         result = analyze_tokens(token, model, k=k)
@@ -234,7 +255,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     r"""Check that one_hot(ids) @ W equals the lookup W\[ids], and what each costs."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain.onehot import analyze_onehot
 
         emit(analyze_onehot(text, model), as_json, plot)
@@ -248,7 +269,7 @@ def drift_command(
     top: Annotated[int, typer.Option(min=0, help="how many most-changed rows to list per table")] = 10,
 ) -> None:
     """Relative change of each embedding tensor between two checkpoints, and the rows that changed most."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain.drift import drift
 
         result = drift(model_a, model_b, top=top)
@@ -260,22 +281,6 @@ def drift_command(
                 console.print(f"{escape(row['table'])}, most changed rows: {escape(row['most_changed'])}")
 
 
-def rich_progress():
-    """A rich progress bar and the `progress(run, step, steps)` callback that advances it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True)
-    tasks: dict[str, int] = {}
-
-    def progress(run: str, step: int, steps: int) -> None:
-        if run not in tasks:
-            tasks[run] = bar.add_task(run, total=steps)
-        bar.update(tasks[run], completed=step)
-
-    return bar, progress
-
-
 @app.command("finetune-demo")
 def finetune_demo(
     model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
@@ -285,7 +290,7 @@ def finetune_demo(
                                                 "drift`)")] = None,
 ) -> None:
     """Fine-tune the embedding layer on a few sentences with Adam, AdamW and a frozen table; count rows moved."""
-    with user_errors(plot, needs=("matplotlib",) if plot is not None else ()):
+    with plotting(plot):
         from bertembed.explain import finetune
 
         bar, progress = rich_progress()

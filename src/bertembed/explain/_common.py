@@ -17,7 +17,7 @@ from bertembed.explain.figures import Figure, figure_html, figure_png
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 from bertembed.sources import DEFAULT_MODEL, Source, resolve
 
-ModelArg = Union[str, Path, None, NumpyEmbeddings]
+ModelArg = Union[str, Path, None, Source, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
 
 
@@ -32,13 +32,15 @@ class Tables(NumpyEmbeddings):
         return Tokenizer.from_pretrained(self.source)
 
 
-def load_layer(model: ModelArg | Source = None, tokenizer=None) -> Tables:
-    """`model` read: a hub id, folder or weights file, None for the bundled default, or a loaded `NumpyEmbeddings`.
-    `tokenizer`: the checkpoint's, where it was read already."""
+def load_layer(model: ModelArg = None, tokenizer=None) -> Tables:
+    """`model` read: a hub id, folder or weights file, None for the bundled default, its `Source`, or a loaded
+    `NumpyEmbeddings`. `tokenizer`: the checkpoint's, where it was read already."""
     if isinstance(model, Tables):
         return model
-    layer = Tables(model.config, model.tensors, model.source) if isinstance(model, NumpyEmbeddings) else \
-        Tables.from_pretrained(model)
+    if isinstance(model, NumpyEmbeddings):
+        layer = Tables(model.config, model.tensors, model.source)
+    else:
+        layer = Tables.from_pretrained(model)
     if tokenizer is not None:
         layer.tokenizer = tokenizer  # (the cached value, not read again)
     return layer
