@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bertembed.atomic import write_atomic
 from bertembed.explain import (
     analyze_onehot,
     analyze_positions,
@@ -27,7 +28,7 @@ from bertembed.explain import (
     finetune_demo,
 )
 from bertembed.explain._common import load_layer, to_jsonable
-from bertembed.explain.report import render_figures, write_atomic
+from bertembed.explain.report import render_figures
 from bertembed.tokenizer import Tokenizer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -182,8 +183,8 @@ def main() -> int:
     figures = DOCS / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     for result in results:
-        for spec, png in render_figures(result):
-            write_atomic(figures / f"{spec.name}.png", png)
+        for figure, png in render_figures(result):
+            write_atomic(figures / f"{figure.name}.png", png)
     write_atomic(figures / "numbers.json", json.dumps(to_jsonable(numbers), indent=1).encode())
     template = (DOCS / "guide_template.md").read_text(encoding="utf-8")
     body = template.split("-->", 1)[1].lstrip() if template.startswith("<!--") else template
