@@ -128,6 +128,32 @@ def test_gradient_penalties_differentiate_through_the_fused_layer():
     check_gradient_penalties("cpu")
 
 
+def test_a_double_backward_runs_the_reference_and_says_so(caplog):
+    """The kernels have no double backward of their own: it runs through the reference `embed()`, with one log line."""
+    from bertembed.fast import function
+
+    function._told.discard("twice")
+    _, fused = twins(16, "cpu", hidden_dropout_prob=0.0)
+    ids = awkward_ids(2, 5, fused.config.vocab_size)
+    with caplog.at_level(logging.INFO, logger="bertembed"):
+        for _ in range(2):
+            grad, = torch.autograd.grad(fused(ids).pow(3).sum(), fused.LayerNorm.weight, create_graph=True)
+            grad.sum().backward()
+    assert [r.getMessage() for r in caplog.records].count(
+        "bertembed: a double or batched backward runs through the reference layer, not the fused kernel") == 1
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-12, float("nan"), float("inf"), True, "1e-12"])
+def test_fused_embeddings_refuses_an_eps_that_is_not_positive_and_finite(eps):
+    from bertembed.fast import fused_embeddings
+
+    ref, _ = twins(16, "cpu")
+    tables = [t.detach() for t in ref.tables()]
+    for backend in ("reference", "cpu"):
+        with pytest.raises(ValueError, match="eps must be a positive finite number"):
+            fused_embeddings(awkward_ids(1, 4, ref.config.vocab_size), *tables, eps=eps, backend=backend)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_jit_trace_and_onnx_export_record_the_reference(tmp_path, dynamo):
     """`torch.jit.trace` (and `torch.onnx.export`'s TorchScript tracer, which hands `past_key_values_length` over as a

@@ -6,12 +6,12 @@ Dimension letters: B batch, L length, H hidden.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import operator
 
 import numpy as np
 import torch
-
-from bertembed.config import EmbeddingConfig
 
 _INT_DTYPES = (torch.int64, torch.int32)  # what torch's embedding lookup takes, so every backend takes the same
 
@@ -136,6 +136,14 @@ def check_table_shapes(tables, norm_width: int | None = None) -> None:
             raise ValueError(f"the {name} has shape {tuple(table.shape)}, not [{norm[0]}]{_SHARED_WIDTH}")
 
 
+def check_eps(eps) -> float:
+    """LayerNorm's eps as a float, or a ValueError unless it is a positive finite number."""
+    value = float(eps) if isinstance(eps, numbers.Real) and not isinstance(eps, bool) and abs(eps) < 1e300 else None
+    if value is None or not 0 < value < math.inf:
+        raise ValueError(f"eps must be a positive finite number (LayerNorm's epsilon, BERT's 1e-12), got {eps!r}")
+    return value
+
+
 def table_rows(tables) -> tuple[int, int | None, int | None]:
     """(word, segment, position) rows of (word, segment, position, ...) tables (None: no such table)."""
     return tuple(None if t is None else t.shape[0] for t in tables[:3])
@@ -195,20 +203,24 @@ def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor
 
 
 def check_inputs(
-    config: EmbeddingConfig,
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     past_key_values_length: int,
+    rows: tuple[int, int | None, int | None],
+    width: int,
+    first_position: int = 0,
+    positions_from_padding: bool = False,
     check_ranges: bool = True,
-    rows: tuple[int, int, int | None] | None = None,
 ) -> tuple[int, int]:
     """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
 
-    `check_ranges=False` leaves the ids' values unchecked (shapes and dtypes still are), for a caller that checks them
-    where it reads them. `rows`: the (word, segment, position) tables' rows (`table_rows`), where they may differ from
-    the config's sizes. Segment and position ids may be of any shape that broadcasts to [B, L], as in transformers."""
+    `rows`: the (word, segment, position) tables' rows (`table_rows`; None: no such table); `width`: the tables' E.
+    `first_position`: the first default position (pad + 1 where positions count from the padding,
+    `positions_from_padding`: then, given input_ids, pads take no position). `check_ranges=False` leaves the ids'
+    values unchecked (shapes and dtypes still are), for a caller that checks them where it reads them. Segment and
+    position ids may be of any shape that broadcasts to [B, L], as in transformers."""
     if (input_ids is None) == (inputs_embeds is None):
         given = "both" if input_ids is not None else "neither"
         raise ValueError(f"pass exactly one of input_ids [B, L] and inputs_embeds [B, L, H]; got {given}")
@@ -222,17 +234,14 @@ def check_inputs(
     else:
         if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
             raise ValueError("inputs_embeds must be a floating-point tensor [B, L, H]")
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.table_width:
-            raise ValueError(f"inputs_embeds must have shape [B, L, {config.table_width}], "
-                             f"got {tuple(inputs_embeds.shape)}")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
+            raise ValueError(f"inputs_embeds must have shape [B, L, {width}], got {tuple(inputs_embeds.shape)}")
         shape = batch, length = tuple(inputs_embeds.shape[:2])
     past_key_values_length = offset(past_key_values_length)
-    vocab, segments, positions = rows or (config.vocab_size, config.type_vocab_size or None, None)
-    limit = config.max_position_embeddings if positions is None else positions
-    has_table = positions is not None if rows else config.position_embedding_type != "none"
-    first = config.first_position + past_key_values_length
-    counted = config.positions_from_padding and input_ids is not None  # (from the ids: pads take no position)
-    if position_ids is None and has_table and not counted and first + length > limit:
+    limit = rows[2]
+    first = first_position + past_key_values_length
+    counted = positions_from_padding and input_ids is not None  # (from the ids: pads take no position)
+    if position_ids is None and limit is not None and not counted and first + length > limit:
         raise ValueError(
             f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
             f"positions up to {first + length - 1}, but the position table has {limit} rows: "
@@ -242,5 +251,5 @@ def check_inputs(
     if position_ids is not None:
         _check_ids("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
     if check_ranges:
-        check_id_ranges(input_ids, token_type_ids, position_ids, (vocab, segments, limit))
+        check_id_ranges(input_ids, token_type_ids, position_ids, rows)
     return batch, length

@@ -9,7 +9,6 @@ Design: docs/fused-layer.md. Dimension letters: B batch, L length, H hidden, V v
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -20,12 +19,12 @@ from torch import Tensor, nn
 from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
-from bertembed.config import EmbeddingConfig
 from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
 from bertembed.validation import (
     IdsOutsideTables,
     RowsOverflowed,
     check_dropout,
+    check_eps,
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
@@ -271,14 +270,6 @@ def _check_out(out: Tensor, ids_shape, tables) -> None:
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
 
 
-@functools.lru_cache(maxsize=64)
-def _config(vocab: int, hidden: int, positions: int | None, types: int, eps: float) -> EmbeddingConfig:
-    """The sizes `check_inputs` reads, as a config (cached: building one checks every field)."""
-    return EmbeddingConfig(vocab_size=vocab, hidden_size=hidden, max_position_embeddings=positions or 2**31 - 1,
-                           type_vocab_size=types, layer_norm_eps=eps, hidden_dropout_prob=0.0,
-                           position_embedding_type="none" if positions is None else "absolute")
-
-
 def fused_embeddings(
     input_ids: Tensor,
     word_embeddings: Tensor,
@@ -327,15 +318,13 @@ def fused_embeddings(
     past = offset_given(past_key_values_length, cache_length)
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
     p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
+    eps = check_eps(eps)
     p = p if training else 0.0
-    config = _config(word_embeddings.shape[0], word_embeddings.shape[-1],
-                     None if position_embeddings is None else position_embeddings.shape[0],
-                     0 if token_type_embeddings is None else token_type_embeddings.shape[0], float(eps))
     device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
     check_table_shapes(tables)
     padding_idx = check_padding_idx(padding_idx, word_embeddings.shape[0])
-    batch, length = check_inputs(config, input_ids, token_type_ids, position_ids, None, past,
-                                 check_ranges=not device_checks, rows=table_rows(tables))
+    batch, length = check_inputs(input_ids, token_type_ids, position_ids, None, past, table_rows(tables),
+                                 word_embeddings.shape[1], check_ranges=not device_checks)
     past = offset(past)  # (a numpy integer or 0-d tensor: a Python int now)
     check_norm_dtypes(summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
     if out is not None:
@@ -355,11 +344,7 @@ def fused_embeddings(
             reason = _OVERFLOWED
     if reason:
         _fall_back(reason)
-    import torch.nn.functional as F
+    from bertembed.embeddings import embed
 
-    word, segment, position, weight, bias = tables
-    x = F.embedding(input_ids, word, padding_idx)
-    for ids, table in ((token_type_ids, segment), (position_ids, position)):
-        x = x if table is None else x + F.embedding(ids, table)
-    result = F.dropout(F.layer_norm(x, (word.shape[1],), weight, bias, float(eps)), p, training=p > 0)
+    result = embed(input_ids, *tables, token_type_ids, position_ids, eps=float(eps), p=p, padding_idx=padding_idx)
     return result if out is None else out.copy_(result)

@@ -8,13 +8,16 @@ Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T seg
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from bertembed.validation import in_torch_func
+
+log = logging.getLogger("bertembed.fast")
+_told: set[str] = set()
 
 
 def backend_module(backend: str):
@@ -149,21 +152,24 @@ embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_co
 
 
 def _gradients_with_graph(ctx, grad):
-    """The backward's return value recomputed by `torch.autograd.grad(create_graph=True)` through the forward redone
-    in torch's ops on the saved tables; equal to the kernels' to float32 rounding."""
+    """The backward's return value from the reference `embed()` on the saved tables, by `torch.autograd.grad` (with
+    `create_graph=True` under a double backward): the kernels have no rules of their own for either."""
+    from bertembed.embeddings import embed
+
     input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
     p, _seed, padding_idx, _backend, _deterministic, position_pad, eps = ctx.options
     if p > 0:
         raise RuntimeError("a double backward (create_graph=True) or batched one (is_grads_batched) through the fused "
                            "layer's dropout is not supported: its mask lives in the kernel; use backend='reference', "
                            "or dropout off (eval mode)")
+    if "twice" not in _told:
+        _told.add("twice")
+        log.info("bertembed: a double or batched backward runs through the reference layer, not the fused kernel")
     graph = torch.is_grad_enabled()  # create_graph=True; off for a batched backward without it
-    with torch.enable_grad():
-        summed = F.embedding(input_ids, word, padding_idx=None if padding_idx < 0 else padding_idx)
-        summed = summed + F.embedding(token_type_ids, segment)
-        if position is not None:
-            summed = summed + F.embedding(position_ids, position, None if position_pad < 0 else position_pad)
-        out = F.layer_norm(summed, weight.shape, weight, None, eps)
+    with torch.enable_grad():  # (bias: the layer's output gradient summed, below; LayerNorm's own without it)
+        out = embed(input_ids, word, segment, position, weight, None, token_type_ids, position_ids, eps=eps,
+                    padding_idx=None if padding_idx < 0 else padding_idx,
+                    position_padding_idx=None if position_pad < 0 else position_pad)
     wanted = [t if t is not None and ctx.needs_input_grad[3 + i] else None  # (the op's inputs 3-6)
               for i, t in enumerate((word, segment, position, weight))]
     leaves = [t for t in wanted if t is not None]
