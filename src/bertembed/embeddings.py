@@ -34,25 +34,6 @@ from bertembed.validation import (
 )
 
 
-def embed(input_ids: torch.Tensor, word: torch.Tensor, segment: torch.Tensor | None, position: torch.Tensor | None,
-          weight: torch.Tensor, bias: torch.Tensor | None, token_type_ids: torch.Tensor | None,
-          position_ids: torch.Tensor | None, *, eps: float = 1e-12, p: float = 0.0, padding_idx: int | None = None,
-          position_padding_idx: int | None = None) -> torch.Tensor:
-    """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H], the
-    layer's math on its tables, in the order the fused kernels add (a None table adds nothing); dropout only for p > 0.
-
-    input_ids [B, L]; token_type_ids, position_ids: any shape that broadcasts to [B, L] (None: with no table).
-    padding_idx, position_padding_idx: the rows whose gradients stay zero, as nn.Embedding's (None: none). The
-    fused kernels fall back to this function wherever they cannot compute (`bertembed.fast`)."""
-    x = F.embedding(input_ids, word, padding_idx)
-    if segment is not None:
-        x = x + F.embedding(token_type_ids, segment)
-    if position is not None:
-        x = x + F.embedding(position_ids, position, position_padding_idx)
-    x = F.layer_norm(x, (word.shape[1],), weight, bias, eps)
-    return F.dropout(x, p, training=True) if p > 0 else x
-
-
 def sinusoidal_table(positions: int, hidden: int) -> torch.Tensor:
     """The fixed table of "Attention Is All You Need": [P, H] float32, sin on even columns, cos on odd ones."""
     from bertembed.numpy_layer import sinusoidal_table_np  # one formula, shared with the torch-free paths

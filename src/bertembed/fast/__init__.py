@@ -344,7 +344,7 @@ def fused_embeddings(
             reason = _OVERFLOWED
     if reason:
         _fall_back(reason)
-    from bertembed.embeddings import embed
+    from bertembed.functional import embed
 
     result = embed(input_ids, *tables, token_type_ids, position_ids, eps=float(eps), p=p, padding_idx=padding_idx)
     return result if out is None else out.copy_(result)

@@ -154,7 +154,7 @@ embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_co
 def _gradients_with_graph(ctx, grad):
     """The backward's return value from the reference `embed()` on the saved tables, by `torch.autograd.grad` (with
     `create_graph=True` under a double backward): the kernels have no rules of their own for either."""
-    from bertembed.embeddings import embed
+    from bertembed.functional import embed
 
     input_ids, token_type_ids, position_ids, word, segment, position, weight, _mean, _rstd = ctx.saved_tensors
     p, _seed, padding_idx, _backend, _deterministic, position_pad, eps = ctx.options
