@@ -105,6 +105,27 @@ def test_a_bad_backend_is_refused_when_it_is_set(backend):
     assert layer.backend == "reference"
 
 
+def test_id_checks_and_deterministic_are_declared_options_checked_when_set():
+    """`id_checks` and `deterministic` are constructor options, checked there and when assigned (a typo was read as
+    the default); `fused_embeddings` checks its own alike."""
+    from bertembed import BertEmbeddings, EmbeddingConfig
+
+    config = EmbeddingConfig(vocab_size=100, hidden_size=24)
+    layer = BertEmbeddings(config, backend="cpu", id_checks="device", deterministic=True)
+    assert (layer.id_checks, layer.deterministic) == ("device", True)
+    assert (BertEmbeddings(config).id_checks, BertEmbeddings(config).deterministic) == ("host", False)
+    for name, bad in (("id_checks", "devise"), ("id_checks", None), ("deterministic", "yes"), ("deterministic", 1)):
+        with pytest.raises(ValueError, match=rf"{name}={bad!r} is not one of"):
+            BertEmbeddings(config, **{name: bad})
+        with pytest.raises(ValueError, match=rf"{name}={bad!r} is not one of"):
+            setattr(layer, name, bad)
+        with pytest.raises(ValueError, match=rf"{name}={bad!r} is not one of"):
+            fused_embeddings(awkward_ids(1, 3, 100), *_tables("cpu"), backend="cpu", **{name: bad})
+    assert (layer.id_checks, layer.deterministic) == ("device", True)
+    layer.id_checks, layer.deterministic = "host", False
+    assert (layer.id_checks, layer.deterministic) == ("host", False)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
 def test_the_functional_form_checks_padding_idx_alike(backend):
     """`fused_embeddings(padding_idx=...)` outside the word table's rows raises one ValueError on every backend,

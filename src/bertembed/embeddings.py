@@ -21,10 +21,12 @@ from torch import nn
 from bertembed.checkpoint import Pretrained
 from bertembed.config import EmbeddingConfig
 from bertembed.validation import (
+    ID_CHECKS,
     check_dropout,
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
+    check_option,
     check_padding_idx,
     check_table_shapes,
     offset,
@@ -109,10 +111,11 @@ class BertEmbeddings(Pretrained, nn.Module):
     member `config.model_type` names, exactly as transformers computes it. `from_pretrained` and `save_pretrained`
     come from `bertembed.checkpoint.Pretrained`."""
 
-    def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference") -> None:
+    def __init__(self, config: EmbeddingConfig | None = None, backend: str = "reference", *, id_checks: str = "host",
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.config = c = config or EmbeddingConfig()
-        self.backend = backend
+        self.backend, self.id_checks, self.deterministic = backend, id_checks, deterministic
         width = c.table_width
         self.word_embeddings = nn.Embedding(c.vocab_size, width, padding_idx=c.pad_token_id)
         self.position_embeddings: nn.Module | None = {
@@ -170,6 +173,26 @@ class BertEmbeddings(Pretrained, nn.Module):
     @backend.setter
     def backend(self, name: str) -> None:
         self.__dict__["backend"] = checked_backend(name)
+
+    @property
+    def id_checks(self) -> str:
+        """Where the Triton kernels' ids are checked: "host" (before any kernel, one wait for the device) or "device"
+        (no wait; a bad id gives a NaN row). The CPU kernel checks each id as it reads it. Checked when set."""
+        return self.__dict__.get("id_checks", "host")
+
+    @id_checks.setter
+    def id_checks(self, value: str) -> None:
+        self.__dict__["id_checks"] = check_option("id_checks", value, ID_CHECKS)
+
+    @property
+    def deterministic(self) -> bool:
+        """Bitwise-repeatable gradients from the Triton backward (a fixed summation order, not atomics); the CPU
+        backward always is. Checked when set."""
+        return self.__dict__.get("deterministic", False)
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self.__dict__["deterministic"] = check_option("deterministic", value, (False, True))
 
     _stored_as: dict[str, str] = {}  # BERT's name -> the one a submodule is stored under, where they differ
 

@@ -43,6 +43,16 @@ def check_dropout(p: float, name: str) -> float:
     return float(p)
 
 
+ID_CHECKS = ("host", "device")  # where the Triton kernels' ids are checked (docs/fused-layer.md)
+
+
+def check_option(name: str, value, choices: tuple):
+    """`value` if it is one of `choices` (of their type: True is not 1), or a ValueError naming them."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+    return value
+
+
 def check_padding_idx(padding_idx, rows: int) -> int | None:
     """`padding_idx` as a row of a table of `rows` rows, in [0, rows) (a negative one counts from the end, as
     `F.embedding` takes it), or None; a ValueError for anything else on every backend (F.embedding asserts)."""

@@ -21,6 +21,7 @@ from torch.nn.modules import module as _torch_module
 
 from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
 from bertembed.validation import (
+    ID_CHECKS,
     IdsOutsideTables,
     RowsOverflowed,
     check_dropout,
@@ -28,6 +29,7 @@ from bertembed.validation import (
     check_id_ranges,
     check_inputs,
     check_norm_dtypes,
+    check_option,
     check_padding_idx,
     check_table_shapes,
     in_torch_func,
@@ -40,7 +42,6 @@ from bertembed.validation import (
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
-ID_CHECKS = ("host", "device")
 _DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, torch.float16, torch.bfloat16)}
 _INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
 _told: set[str] = set()
@@ -203,11 +204,11 @@ def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_id
         tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
     dropout = modules["dropout"]
     p = float(dropout.p)  # (checked by the layer, on every backend)
-    if backend != "cpu" and vars(layer).get("id_checks", "host") != "device":
+    if backend != "cpu" and layer.id_checks != "device":
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
-                      p if dropout.training else 0.0, padding, vars(layer).get("deterministic", False), None)
+                      p if dropout.training else 0.0, padding, layer.deterministic, None)
     except IdsOutsideTables:
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
         raise
@@ -312,8 +313,8 @@ def fused_embeddings(
         out: a [B, L, H] buffer to write into; inference only.
     Raises the reference layer's ValueErrors on bad input, before any kernel runs.
     """
-    if id_checks not in ID_CHECKS:
-        raise ValueError(f"id_checks must be one of {ID_CHECKS}, got {id_checks!r}")
+    check_option("id_checks", id_checks, ID_CHECKS)
+    check_option("deterministic", deterministic, (False, True))
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
     past = offset_given(past_key_values_length, cache_length)
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
