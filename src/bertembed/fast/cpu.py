@@ -291,22 +291,26 @@ def _add_row(grad, row, dx, wanted):
             grad[row, j] += dx[j]
 
 
-_NUMPY = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(np.uint16), torch.int64: np.dtype(np.int64)}
+_TYPESTR = {torch.float32: "<f4", torch.bfloat16: "<u2", torch.int64: "<i8"}  # (bfloat16 as uint16 bits)
 
 
 class _Memory:
-    """A CPU tensor's memory under numpy's array interface (bfloat16 as uint16 bits), holding the tensor."""
+    """A contiguous CPU tensor's memory under numpy's array interface, holding the tensor."""
+
+    __slots__ = ("__array_interface__", "tensor")
 
     def __init__(self, t: torch.Tensor) -> None:
-        dtype, self.tensor = _NUMPY[t.dtype], t
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape), "version": 3,
-                                    "strides": tuple(s * dtype.itemsize for s in t.stride()), "typestr": dtype.str}
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": t.shape, "typestr": _TYPESTR[t.dtype],
+                                    "version": 3}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor sharing its memory (bfloat16 as uint16 bits). Not by `Tensor.numpy()`, which marks
-    the storage as never resizable: FSDP2 frees the tables it gathers by resizing their storage to nothing."""
-    return np.asarray(_Memory(t)) if t.numel() else np.zeros(t.shape, _NUMPY[t.dtype])
+    """A numpy view of a CPU tensor (made contiguous) sharing its memory (bfloat16 as uint16 bits). Not by
+    `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
+    storage to nothing."""
+    t = t.contiguous()
+    return np.asarray(_Memory(t)) if t.numel() else np.zeros(t.shape, _TYPESTR[t.dtype])
 
 
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
@@ -391,7 +395,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     dseg, dpos, dgamma, dbeta = _zeros(chunks, seg.shape[0], h), _zeros(chunks, hi - lo + 1, h), _zeros(chunks, h), \
         _zeros(chunks, h)
     args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(word[:0] if pos is None else pos),
-            _np(gamma.float()), _np(mean), _np(rstd), np.ascontiguousarray(_np(grad)), dropout_threshold(p),
+            _np(gamma.float()), _np(mean), _np(rstd), _np(grad), dropout_threshold(p),
             dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
     bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
     if bad:
