@@ -20,6 +20,7 @@ from torch import nn
 
 from bertembed.checkpoint import Pretrained
 from bertembed.config import EmbeddingConfig
+from bertembed.functional import default_positions
 from bertembed.validation import (
     ID_CHECKS,
     check_dropout,
@@ -246,16 +247,12 @@ class BertEmbeddings(Pretrained, nn.Module):
         return input_ids, inputs_embeds, token_type_ids, position_ids, mask
 
     def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
-        """The member's default position ids: 0, 1, 2, ... from the cache offset; or, where positions count from the
-        padding (RoBERTa, MPNet), `(cumsum(ids != pad) + offset) * (ids != pad) + pad` as transformers computes them
-        (pads get the padding row, tokens count from pad + 1); from `inputs_embeds`, pad + 1 onwards (no offset)."""
+        """The member's default position ids (`functional.default_positions`), from the buffer where they count from
+        0 (BERT)."""
         if not self.config.positions_from_padding:
             return self._default_ids("position_ids", past, length)
-        pad = self.config.pad_token_id
-        if input_ids is None:
-            return torch.arange(pad + 1, pad + 1 + length, device=inputs_embeds.device)[None]
-        mask = input_ids.ne(pad).int()
-        return ((torch.cumsum(mask, dim=1).type_as(mask) + past) * mask).long() + pad
+        device = (inputs_embeds if input_ids is None else input_ids).device
+        return default_positions(length, past, input_ids, self.config.pad_token_id, device)
 
     def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
         """Flattened documents (transformers' DataCollatorWithFlattening): ids [1, N] or [N], `cu_seqlens` [D + 1]
@@ -298,7 +295,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         buffer = self._buffers.get(name)
         if buffer is not None and start + length <= buffer.shape[-1]:
             return buffer[:, start:start + length]
-        ids = torch.arange(start, start + length, device=self.tables()[0].device)[None]
+        ids = default_positions(length, start, device=self.tables()[0].device)
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
     def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,3 +26,16 @@ def embed(input_ids: torch.Tensor, word: torch.Tensor, segment: torch.Tensor | N
         x = x + F.embedding(position_ids, position, position_padding_idx)
     x = F.layer_norm(x, (word.shape[1],), weight, bias, eps)
     return F.dropout(x, p, training=True) if p > 0 else x
+
+
+def default_positions(length: int, past: int = 0, input_ids: torch.Tensor | None = None, pad: int | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """The default position ids: [1, L] past, past + 1, ...; or, where positions count from the padding (`pad`
+    given: RoBERTa, MPNet), transformers' `(cumsum(ids != pad) + past) * (ids != pad) + pad` from input_ids [B, L]
+    (pads get the padding row, tokens count from pad + 1), and without input_ids [1, L] from pad + 1 (no offset)."""
+    if pad is None:
+        return torch.arange(past, past + length, device=device)[None]
+    if input_ids is None:
+        return torch.arange(pad + 1, pad + 1 + length, device=device)[None]
+    mask = input_ids.ne(pad).int()
+    return ((torch.cumsum(mask, dim=1).type_as(mask) + past) * mask).long() + pad

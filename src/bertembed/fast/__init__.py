@@ -20,6 +20,7 @@ from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
 from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
+from bertembed.functional import default_positions, embed
 from bertembed.validation import (
     ID_CHECKS,
     IdsOutsideTables,
@@ -334,7 +335,7 @@ def fused_embeddings(
     if token_type_ids is None:
         token_type_ids = torch.zeros((1, length), dtype=torch.int64, device=device)
     if position_ids is None:
-        position_ids = torch.arange(past, past + length, device=device)[None]
+        position_ids = default_positions(length, past, device=device)
     if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
         chosen, reason = "reference", mixed
     if chosen != "reference":
@@ -345,7 +346,5 @@ def fused_embeddings(
             reason = _OVERFLOWED
     if reason:
         _fall_back(reason)
-    from bertembed.functional import embed
-
     result = embed(input_ids, *tables, token_type_ids, position_ids, eps=float(eps), p=p, padding_idx=padding_idx)
     return result if out is None else out.copy_(result)
