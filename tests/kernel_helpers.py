@@ -9,6 +9,26 @@ import torch
 from bertembed.config import EmbeddingConfig
 from bertembed.embeddings import BertEmbeddings
 
+# Without a GPU the Triton backend runs in Triton's interpreter (conftest imported the kernels under it first); the
+# tests that take TRITON switch it on for themselves with the `triton_interpreter` fixture.
+ON_GPU = torch.cuda.is_available()
+try:
+    import bertembed.fast.triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton, and a GPU or its interpreter"))
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
+
+
+def device_of(backend: str) -> str:
+    return "cuda" if backend == "triton" and ON_GPU else "cpu"
+
 
 def twins(hidden: int, backend: str, vocab: int = 1000, seed: int = 0, dtype=torch.float32, **config):
     """(reference layer, fused layer) with identical random weights, LayerNorm not the identity, in eval mode."""

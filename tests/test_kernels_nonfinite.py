@@ -8,32 +8,16 @@ kernels run in Triton's interpreter without a GPU, as in tests/test_kernels_trit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-ON_GPU = torch.cuda.is_available()
-SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
-try:
-    import bertembed.fast.triton  # noqa: E402, F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if SET_HERE:
-    del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
-
 from bertembed import BertEmbeddings, EmbeddingConfig  # noqa: E402
 from bertembed.fast import fused_embeddings  # noqa: E402
+from kernel_helpers import TRITON, device_of, triton_interpreter  # noqa: E402, F401
 
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON or not (ON_GPU or INTERPRET),
-                                                         reason="triton, and a GPU or its interpreter"))
 BACKENDS = ["reference", "cpu", TRITON]
 HIDDEN = 768  # BERT-base; a multiple of 8, where torch's float32 LayerNorm on the CPU gives a NaN row or the bias
 VALUES = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "3e38": 3e38, "-3e38": -3e38}
@@ -45,14 +29,7 @@ IDS = torch.tensor([[1, 3, 4, 3], [5, 6, 0, 7]])  # token 3 twice; [PAD] (0) onc
 SEGMENTS = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
-
-
-def _device(backend: str) -> str:
-    return "cuda" if backend == "triton" and ON_GPU else "cpu"
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # (the fixture, imported from kernel_helpers)
 
 
 def _layer(backend: str, place: str, value: float, column: int | None) -> BertEmbeddings:
@@ -73,7 +50,7 @@ def _layer(backend: str, place: str, value: float, column: int | None) -> BertEm
         else:
             module, row = {"word": ("word", 3), "segment": ("token_type", 1), "position": ("position", 2)}[place]
             layer.get_submodule(f"{module}_embeddings").weight[row, column] = value
-    return layer.to(_device(backend))
+    return layer.to(device_of(backend))
 
 
 def _reference(layer: BertEmbeddings) -> torch.Tensor:
@@ -134,7 +111,7 @@ def test_non_finite_and_huge_values_give_the_references_gradients(backend, place
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_functional_form_gives_the_references_output(backend):
     """`fused_embeddings` takes the same path: 3e38 where torch gives a NaN row (column 0) and the bias (column 5)."""
-    device = _device(backend)
+    device = device_of(backend)
     for column in (0, 5):
         layer = _layer("reference", "word", 3e38, column)
         tables = [t.detach().to(device) for t in layer.tables()]
@@ -149,7 +126,7 @@ def test_a_constant_row_gives_the_references_output(backend, value, hidden):
     """A row whose entries are all equal: LayerNorm's bias where its mean comes out exact, as torch's running mean
     does (a Triton mean off by one rounding, times 1 / sqrt(eps) = 1e6, gave up to 1.5 off), and torch's NaN row
     (hidden 768) or bias (97) where the square of the mean overflows (1e20: the CPU kernel gave the bias at 768)."""
-    device = _device(backend)
+    device = device_of(backend)
     gen = torch.Generator().manual_seed(0)
     tables = [torch.full((4, hidden), value), torch.zeros(2, hidden), torch.zeros(8, hidden),
               torch.rand(hidden, generator=gen) + 0.5, torch.rand(hidden, generator=gen) - 0.5]

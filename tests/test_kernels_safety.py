@@ -7,44 +7,27 @@ tests/test_kernels_triton.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-ON_GPU = torch.cuda.is_available()
-SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
-try:
-    import bertembed.fast.triton  # noqa: E402, F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if SET_HERE:
-    del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
-
 from bertembed.fast import fused_embeddings  # noqa: E402
-from kernel_helpers import assert_grads_match, assert_output_close, awkward_ids, run_both, twins  # noqa: E402
+from kernel_helpers import (  # noqa: E402
+    TRITON,
+    assert_grads_match,
+    assert_output_close,
+    awkward_ids,
+    device_of,
+    run_both,
+    triton_interpreter,  # noqa: F401 (a fixture)
+    twins,
+)
 
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON or not (ON_GPU or INTERPRET),
-                                                         reason="triton, and a GPU or its interpreter"))
 BAD = [1.5, -0.1, float("nan")]
 MESSAGE = "dropout probability has to be between 0 and 1"  # torch's words
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
-
-
-def _device(backend: str) -> str:
-    return "cuda" if backend == "triton" and ON_GPU else "cpu"
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # (the fixture, imported from kernel_helpers)
 
 
 def _tables(device: str, grad: bool = False) -> list[torch.Tensor]:
@@ -72,7 +55,7 @@ def test_a_dropout_probability_set_outside_0_1_is_refused(backend, p, mode, grad
     every backend, naming the value. The reference layer left it to nn.Dropout as it ran: torch's RuntimeError for
     NaN, a ValueError without the name for the others."""
     _, layer = twins(24, backend, vocab=100)
-    device = _device(backend)
+    device = device_of(backend)
     ids = awkward_ids(2, 5, 100).to(device)
     layer.to(device).train(mode == "train")
     layer.dropout.p = p
@@ -86,9 +69,9 @@ def test_a_padding_idx_set_outside_the_table_is_refused_alike(backend, bad):
     """`layer.word_embeddings.padding_idx = bad` after construction (nn.Embedding checks it only when built) raises
     the same ValueError on every backend, naming the value: the reference gave torch's AssertionError or TypeError."""
     _, layer = twins(24, backend, vocab=20)
-    layer.to(_device(backend)).word_embeddings.padding_idx = bad
+    layer.to(device_of(backend)).word_embeddings.padding_idx = bad
     with pytest.raises(ValueError, match=rf"padding_idx={bad!r} is outside the table's rows \[-20, 20\)"):
-        layer(awkward_ids(2, 5, 20).to(_device(backend)))
+        layer(awkward_ids(2, 5, 20).to(device_of(backend)))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
@@ -100,7 +83,7 @@ def test_a_bad_backend_is_refused_when_it_is_set(backend):
         with pytest.raises(ValueError, match=rf"backend={bad!r} is not one of \('auto', 'reference', 'cpu', "):
             layer.backend = bad
     assert layer.backend == backend
-    layer(awkward_ids(2, 5, 100).to(_device(backend)))
+    layer(awkward_ids(2, 5, 100).to(device_of(backend)))
     layer.backend = "reference"
     assert layer.backend == "reference"
 
@@ -131,7 +114,7 @@ def test_the_functional_form_checks_padding_idx_alike(backend):
     """`fused_embeddings(padding_idx=...)` outside the word table's rows raises one ValueError on every backend,
     naming the value (the reference raised torch's bare AssertionError, the CPU kernel accepted it); -1 is the last
     row there, as in F.embedding (the CPU kernel took it as no padding row, and gave that row a gradient)."""
-    device = _device(backend)
+    device = device_of(backend)
     ids = awkward_ids(2, 5, 100, pad=99).to(device)
     for bad in (100, -101, 2**40, 1.0, True):
         with pytest.raises(ValueError, match=rf"padding_idx={bad!r} is outside the table's rows \[-100, 100\)"):
@@ -151,7 +134,7 @@ def test_the_functional_form_checks_padding_idx_alike(backend):
 @pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
 def test_the_functional_form_refuses_a_dropout_probability_outside_0_1(backend, p, training):
     """`fused_embeddings(..., dropout_p=p)` refuses it as F.dropout does, whether training or not, on every backend."""
-    device = _device(backend)
+    device = device_of(backend)
     ids = awkward_ids(2, 5, 100).to(device)
     for grad in (False, True):
         with pytest.raises(ValueError, match=f"{MESSAGE}, but got dropout_p="):
@@ -170,7 +153,7 @@ def test_dropout_p_one_gives_torchs_zeros(backend, grad):
     """p == 1 is valid in torch: every element dropped, the output all zeros, every gradient zero. The cpu backend
     raised ZeroDivisionError (its scale 1 / (1 - p))."""
     ref, fused = twins(24, backend, vocab=100)
-    device = _device(backend)
+    device = device_of(backend)
     ids = awkward_ids(2, 5, 100).to(device)
     for layer in (ref.to(device), fused.to(device)):
         layer.train()
@@ -189,7 +172,7 @@ def test_dropout_p_one_gives_torchs_zeros(backend, grad):
 @pytest.mark.parametrize("backend", ["reference", "cpu", TRITON])
 @IGNORE_DIVISION
 def test_the_functional_form_at_dropout_p_one(backend):
-    device = _device(backend)
+    device = device_of(backend)
     ids = awkward_ids(2, 5, 100).to(device)
     expected_tables, tables = _tables(device, True), _tables(device, True)
     expected = fused_embeddings(ids, *expected_tables, dropout_p=1.0, training=True, backend="reference")
