@@ -93,7 +93,7 @@ library = logging.getLogger("library")
 library.addHandler(logging.StreamHandler())
 with user_errors():
     library.warning("retrying")
-    logging.getLogger("bertembed.kernels").warning("fell back")
+    logging.getLogger("bertembed.fast").warning("fell back")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

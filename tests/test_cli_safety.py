@@ -211,6 +211,7 @@ MISSING = [
     (["notebook", "{tmp}/n.ipynb"], "nbformat", "notebook", "explain.walkthrough.notebook_cells"),
     (["export", "onnx", "{tmp}/e.onnx"], "onnx", "onnx", "onnx_export.check_opset"),
     (["export", "onnx", "{tmp}/e.onnx"], "onnxscript", "onnx", "onnx_export.check_opset"),
+    (["export", "onnx", "{tmp}/e.onnx", "--fused"], "onnxscript", "onnx", "onnx_export.check_opset"),
 ]
 
 
@@ -234,17 +235,6 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra_before_any_work
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # the extra named installs it, as cli does
     for listed in (extra, "cli"):
         assert re.search(rf'^{listed} = \[[^]]*"{package}>=', pyproject, re.M), (listed, package)
-
-
-def test_a_fused_layer_exports_without_onnxscript(tiny, tmp_path, monkeypatch):
-    """The fused graph is built with onnx alone (onnxscript is torch's exporter's, for the plain graph and --whole):
-    its absence refuses nothing here."""
-    import onnx
-
-    monkeypatch.setitem(sys.modules, "onnxscript", None)
-    result = invoke("export", "onnx", tmp_path / "e.onnx", "--fused", "--model", tiny)
-    assert result.exit_code == 0, result.output
-    assert "EmbedLayerNormalization" in [node.op_type for node in onnx.load(tmp_path / "e.onnx").graph.node]
 
 
 @pytest.mark.parametrize("command", [("export", "onnx", "{out}.onnx"), ("surgery", "extend-positions", "{tiny}",

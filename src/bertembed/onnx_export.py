@@ -134,6 +134,8 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
             program = torch.onnx.export(Exported().eval(), (), kwargs=example, dynamo=True, opset_version=opset,
                                         input_names=list(example), output_names=[output],
                                         dynamic_shapes={name: dims for name in example}, verbose=False)
+    except ImportError:  # (a package the exporter needs, onnxscript: named as it is, not as a limit of torch's)
+        raise
     except Exception as err:  # (the exporter raises many types; each is a limit of torch's, not a bug here)
         reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         raise ValueError(f"torch {torch.__version__}'s ONNX exporter cannot export {what} ({type(err).__name__}: "

@@ -25,8 +25,8 @@ def onnx_command(
 ) -> None:
     """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
-    # the output, packages and opset checked before any work; onnxscript: torch's exporter (all but a fused layer)
-    with user_errors(out, needs=("onnx", *["onnxscript"] * (whole or not fused))):
+    # the output, packages and opset checked before any work (onnxscript: torch's exporter, where every graph starts)
+    with user_errors(out, needs=("onnx", "onnxscript")):
         from bertembed.onnx_export import check_opset
 
         check_opset(opset)
