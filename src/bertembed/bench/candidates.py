@@ -1,5 +1,4 @@
-"""What `bertembed bench` runs: the cases, and the candidates around the same weights and ids (public API only).
-Dimension letters: B batch, L length, H hidden."""
+"""What `bertembed bench` runs: the cases, and the candidates around the same weights and ids (B, L, H)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from bertembed.family import MEMBERS as FAMILY
 HIDDENS = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
 QUICK_HIDDENS, QUICK_SHAPES = (768,), ((1, 11), (32, 128))
-# members whose forward is measured beside BERT's, with their checkpoints' keys that the class defaults do not give
-MEMBERS = {model_type: member.bench for model_type, member in FAMILY.items() if member.bench is not None}
+MEMBERS = {name: m.bench for name, m in FAMILY.items() if m.bench is not None}  # measured beside BERT's forward
 MODES = ("fwd", "fwdbwd")  # forward in eval mode under no_grad; a training step (train mode, dropout, backward)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused")
