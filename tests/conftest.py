@@ -234,5 +234,10 @@ def hub_home(monkeypatch):
             monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
             # (huggingface_hub 0.26, the oldest supported, reads its own copy of the template)
             monkeypatch.setattr(file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template, raising=False)
+        reset_sessions()  # (huggingface_hub 0.26 caches a requests session made offline, which refuses every call)
 
-    return point
+    from huggingface_hub import utils
+
+    reset_sessions = getattr(utils, "reset_sessions", lambda: None)  # (newer releases keep no such session)
+    yield point
+    reset_sessions()

@@ -554,7 +554,10 @@ def test_each_row_of_the_family_table_matches_transformers(model_type):
 
     member = MEMBERS[model_type]
     package, name = member.hf_layer.split(".")
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    try:
+        modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except ModuleNotFoundError:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type} (newer releases have it)")
     factorised = member.factorised is not None or "embedding_size" in member.defaults
     hf_config = transformers.AutoConfig.for_model(model_type, **_TINY, **({"embedding_size": 8} if factorised else {}))
     defaults = type(hf_config)()

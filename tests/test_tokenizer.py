@@ -155,9 +155,7 @@ LATIN1 = os.fsdecode(b"caf\xe9")
     (lambda tok: tok.require_tokens("fine", "TEXT", LATIN1, "TEXT_B"), "TEXT_B"),
 ])
 def test_text_that_is_not_utf8_is_a_value_error_naming_the_byte(ours, call, name):
-    assert LATIN1 == "caf\udce9"
-    with pytest.raises(TypeError):  # the cause: `tokenizers` refuses a lone surrogate, and says nothing useful
-        ours.backend.encode(LATIN1)
+    assert LATIN1 == "caf\udce9"  # (`tokenizers` refuses it with a TypeError in new releases)
     with pytest.raises(ValueError, match=rf"^{name} is not valid UTF-8: byte 0xE9 at character 3; give UTF-8 text"):
         call(ours)
 
