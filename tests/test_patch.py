@@ -225,7 +225,9 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     embeddings' last-bit differences to about 1e-4, as they amplify a +-1 ulp nudge of transformers' own embeddings
     (benchmarks/patched_model.py --drift), so there the test asks what float32 allows: the patched model's distance
     from a float64 run of transformers' model is within a small multiple of transformers' own float32 model's
-    (0.7x on this batch, up to 2x over random batches)."""
+    (0.7x on this batch, up to 2x over random batches). Gradients deep in the model meet the same drift (one entry of
+    a second-layer LayerNorm's gradient, 7.6e-5 off at scale 6.5, with 2 threads and transformers 4.40): each is
+    within 1e-5 of its scale, or no further from a float64 run than 3x transformers' own float32 gradient."""
     original = transformers.BertModel.from_pretrained(bundled_path).eval()
     patched = bertembed.patch(copy.deepcopy(original), backend="cpu")
     double = copy.deepcopy(original).double()
@@ -238,11 +240,13 @@ def test_patched_bundled_model_matches_on_a_real_checkpoint(bundled_path):
     weights = torch.linspace(-1, 1, attended.numel() * shape[-1]).view(shape) * attended[..., None]
     out_ref, grads_ref = forward_backward(original, inputs, weights)
     out, grads = forward_backward(patched, inputs, weights)
+    exact, grads_exact = forward_backward(double, inputs, weights.double())
     torch.testing.assert_close(out[attended], out_ref[attended], rtol=0, atol=1e-5)
-    assert_grads_close(grads, grads_ref)
-    with torch.no_grad():
-        exact = double(**inputs).last_hidden_state
     assert (out.double() - exact).abs().max() <= 3 * (out_ref.double() - exact).abs().max()
+    for name, expected in grads_ref.items():  # within 1e-5 of its scale, or as close to float64 as transformers'
+        error, own = (grads[name].double() - grads_exact[name]).abs().max(), (expected - grads_exact[name]).abs().max()
+        scale = max(1.0, float(expected.abs().max()))
+        assert float((grads[name] - expected).abs().max()) <= 1e-5 * scale or error <= 3 * own, (name, error, own)
 
 
 def test_patched_sentence_transformers_all_minilm_matches_with_gradients(bundled_path):
