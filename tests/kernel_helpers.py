@@ -17,7 +17,8 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the gpu or dev extra)"))
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON,
+                                                         reason="triton is not installed (the gpu or dev extra)"))
 
 
 @pytest.fixture
