@@ -182,14 +182,9 @@ def test_backward_is_deterministic():
 
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 2, 9), (384, 1, 3, 1), (768, 2, 2, 512), (1024, 3, 4, 40), (200, 2, 16, 128)])
-@pytest.mark.parametrize("streamed", [False, True])
-def test_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length, streamed, monkeypatch):
+def test_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length):
     """Training (the autograd Function) and inference (the forward kernel alone), serial and parallel, with hidden
-    sizes whose rows do not start on a cache line (97, 200); `streamed`: the parallel kernel's float32 rows written
-    by non-temporal stores (forced here for small outputs; whole lines, the unaligned head and tail by ordinary
-    stores)."""
-    if streamed:
-        monkeypatch.setattr(cpu, "_STREAM_FROM", 0)
+    sizes whose rows do not start on a cache line (97, 200)."""
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)
     _check_on_threads(ref, fused, ids, threads)
