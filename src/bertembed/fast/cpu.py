@@ -8,6 +8,7 @@ Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segmen
 from __future__ import annotations
 
 import os
+import weakref
 
 import numba
 import numpy as np
@@ -292,25 +293,47 @@ def _add_row(grad, row, dx, wanted):
 
 
 _TYPESTR = {torch.float32: "<f4", torch.bfloat16: "<u2", torch.int64: "<i8"}  # (bfloat16 as uint16 bits)
+_NUMPY = {dtype: np.dtype(typestr) for dtype, typestr in _TYPESTR.items()}
 
 
 class _Memory:
-    """A contiguous CPU tensor's memory under numpy's array interface, holding the tensor."""
+    """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or nothing: a parameter's
+    cached view, checked against the parameter's memory before each use)."""
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": t.shape, "typestr": _TYPESTR[t.dtype],
-                                    "version": 3}
+    def __init__(self, t: torch.Tensor, hold: bool = True, shape=None) -> None:
+        self.tensor = t if hold else None
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": shape or t.shape,
+                                    "typestr": _TYPESTR[t.dtype], "version": 3}
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+_views: dict[int, tuple] = {}  # id(parameter) -> (weak reference, (address, shape, dtype), view)
+
+
+def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """A numpy view of a CPU tensor (made contiguous) sharing its memory (bfloat16 as uint16 bits). Not by
     `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
-    storage to nothing."""
+    storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory stays where it is: making one costs a sentence's
+    forward more than its kernel."""
     t = t.contiguous()
-    return np.asarray(_Memory(t)) if t.numel() else np.zeros(t.shape, _TYPESTR[t.dtype])
+    if not t.numel():
+        return np.zeros(shape or t.shape, _NUMPY[t.dtype])
+    if type(t) is not torch.nn.Parameter:
+        return np.asarray(_Memory(t, shape=shape))
+    key, kept = (t.data_ptr(), t.shape, t.dtype), _views.get(id(t))
+    if kept is None or kept[0]() is not t or kept[1] != key:
+        if len(_views) > 256:  # (parameters that were freed)
+            _views.clear()
+        kept = _views[id(t)] = (weakref.ref(t), key, np.asarray(_Memory(t, hold=False)))
+    return kept[2]
+
+
+def _empty(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """(a new tensor, the numpy array that owns its memory): cheaper than a view of a tensor torch made."""
+    array = np.empty(shape, _NUMPY[dtype])
+    tensor = torch.from_numpy(array)
+    return (tensor if dtype != torch.bfloat16 else tensor.view(dtype)), array
 
 
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
@@ -337,13 +360,15 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     be None. Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or
     None and None with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
-    out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
-    mean, rstd = (torch.empty(n), torch.empty(n)) if stats else (None, None)
+    out, out_np = _empty(shape or (n, h), word.dtype) if out is None else (out, _np(out))
+    if stats:
+        (mean, mean_np), (rstd, rstd_np) = _empty(n, torch.float32), _empty(n, torch.float32)
+    else:
+        (mean_np, rstd_np), mean, rstd = np.empty((2, n), np.float32), None, None
     threads = _threads(n * h)
-    args = (_np(ids.view(-1)), _np(tts.view(-1)), _np(pids.view(-1)), _np(word), _np(seg),
-            _np(word[:0] if pos is None else pos),
-            _np(gamma.float()), _np(beta.float()), float(eps), dropout_threshold(p), dropout_scale(p), np.uint64(seed),
-            _np(out.view(n, h)), *((_np(mean), _np(rstd)) if stats else np.empty((2, n), np.float32)))
+    args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg),
+            _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(beta.float()), float(eps),
+            dropout_threshold(p), dropout_scale(p), np.uint64(seed), out_np.reshape(n, h), mean_np, rstd_np)
     if threads > 1:
         found = forward(*args, max(1, min(n, 4 * threads)))  # (four chunks a thread: a late thread holds up less)
     else:
