@@ -212,11 +212,12 @@ class BertEmbeddings(Pretrained, nn.Module):
         return (m["word_embeddings"].weight, None if segments is None else segments.weight,
                 None if positions is None else positions.weight, norm.weight, norm.bias)
 
-    def _checked_ids(self, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length,
-                     mask, attention_mask, cu_seqlens):
-        """Check `forward`'s arguments against the tables as they are now (ValueErrors that name the bad value and the
-        fix) and return (input_ids, inputs_embeds, token_type_ids, position_ids, mask), the missing ids made as the
-        member makes them. The ids' values are checked where the tables are read (`_rows`, or the fused kernels)."""
+    def _checked_ids(self, modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds,
+                     past_key_values_length, cache_length, mask, attention_mask, cu_seqlens):
+        """Check `forward`'s arguments against the submodules and `tables` as they are now (ValueErrors that name the
+        bad value and the fix) and return (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding),
+        the missing ids made as the member makes them, `padding` the word and position tables' padding rows (or None).
+        The ids' values are checked where the tables are read (`_rows`, or the fused kernels)."""
         if mask is not None and attention_mask is not None:
             raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
         mask = attention_mask if mask is None else mask
@@ -224,11 +225,11 @@ class BertEmbeddings(Pretrained, nn.Module):
             raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
                              f"DeBERTa's multiplies its output by the mask); leave it out")
         past_key_values_length = offset_given(past_key_values_length, cache_length)
-        tables = self.tables()
         check_table_shapes(tables, self.config.output_width)
-        for table, weight in ((self.word_embeddings, tables[0]), (self.position_embeddings, tables[2])):
-            if weight is not None:  # (set after construction: F.embedding only asserts, the kernels would read it)
-                check_padding_idx(getattr(table, "padding_idx", None), weight.shape[0])
+        # (a padding_idx set after construction: F.embedding only asserts, the kernels would read it)
+        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), len(tables[0])),
+                   None if tables[2] is None else
+                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), len(tables[2])))
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
                                                                   past_key_values_length)
@@ -244,7 +245,7 @@ class BertEmbeddings(Pretrained, nn.Module):
             position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
         if token_type_ids is None and tables[1] is not None:
             token_type_ids = self._default_ids("token_type_ids", 0, length)
-        return input_ids, inputs_embeds, token_type_ids, position_ids, mask
+        return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding
 
     def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
         """The member's default position ids (`functional.default_positions`), from the buffer where they count from
@@ -294,7 +295,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         missing (a patched layer has only the buffers of the transformers layer it replaced)."""
         buffer = self._buffers.get(name)
         if buffer is not None and start + length <= buffer.shape[-1]:
-            return buffer[:, start:start + length]
+            return buffer.narrow(1, start, length)
         ids = default_positions(length, start, device=self.tables()[0].device)
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
@@ -338,15 +339,17 @@ class BertEmbeddings(Pretrained, nn.Module):
             [B, L, W]: LayerNorm of the summed rows, with dropout while the dropout module is in training mode; W is
             E, or H where the member projects before its norm (`config.output_width`).
         """
-        input_ids, inputs_embeds, token_type_ids, position_ids, mask = self._checked_ids(
-            input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length, mask,
-            attention_mask, cu_seqlens)
+        modules = self.submodules()
+        tables = self.tables(modules)
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding = self._checked_ids(
+            modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
+            cache_length, mask, attention_mask, cu_seqlens)
         check_dropout(getattr(self.dropout, "p", 0.0), "layer.dropout.p")  # (every backend alike, as nn.Dropout runs)
         out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
             from bertembed.fast import run
 
-            out = run(self, input_ids, token_type_ids, position_ids, inputs_embeds)
+            out = run(self, modules, tables, padding, input_ids, token_type_ids, position_ids, inputs_embeds)
         if out is None:
             _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
             out = self.dropout(out if mask is None else _masked(out, mask))
@@ -394,9 +397,10 @@ class BertEmbeddings(Pretrained, nn.Module):
         `output` equals `forward(...)` in eval mode exactly, and `(sum - mean) / std * LayerNorm.weight +
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
-        input_ids, inputs_embeds, token_type_ids, position_ids, mask = self._checked_ids(
-            input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length, cache_length, mask,
-            attention_mask, cu_seqlens)
+        modules = self.submodules()
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask, _ = self._checked_ids(
+            modules, self.tables(modules), input_ids, token_type_ids, position_ids, inputs_embeds,
+            past_key_values_length, cache_length, mask, attention_mask, cu_seqlens)
         word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
         total, output = self._normalised(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)

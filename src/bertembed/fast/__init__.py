@@ -172,31 +172,28 @@ def _fall_back(reason: str) -> None:
         log.info("bertembed: running the reference layer instead of the fused kernel: %s", reason)
 
 
-def run(layer: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
-        inputs_embeds: Tensor | None) -> Tensor | None:
+def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_ids: Tensor, token_type_ids: Tensor,
+        position_ids: Tensor, inputs_embeds: Tensor | None) -> Tensor | None:
     """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
-    run. The layer has checked its inputs' shapes and dtypes and made its ids explicit: input_ids [B, L], segment and
+    run. The layer has read its `modules` (`layer.submodules()`) and `tables` (`layer.tables()`) once, checked its
+    inputs' shapes and dtypes, the tables' `padding` rows, and made its ids explicit: input_ids [B, L], segment and
     position ids of any shape that broadcasts to it. Their values are checked after the CPU kernel (which skips and
-    reports a bad id), before the Triton one (unless `layer.id_checks` is "device"). Read on each call: the tables,
-    LayerNorm's eps, the dropout module's own flag and p, `layer.deterministic`. Word rows the kernel cannot read from
-    the table itself (`inputs_embeds`, a word module with hooks, a wrapper, a sharded table) come `gathered_rows`."""
-    modules = layer.submodules()
-    word = modules["word_embeddings"]
+    reports a bad id), before the Triton one (unless `layer.id_checks` is "device"). Word rows the kernel cannot read
+    from the table itself (`inputs_embeds`, a word module with hooks, a wrapper, a sharded table) come
+    `gathered_rows`."""
+    word, norm = modules["word_embeddings"], modules["LayerNorm"]
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
     reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
     if reason is None:
-        norm, positions, segments = (modules[k] for k in ("LayerNorm", "position_embeddings", "token_type_embeddings"))
-        lead = word.weight if inputs_embeds is None else inputs_embeds  # (what sets the kernels' dtype and device)
-        tables = (lead, None if segments is None else segments.weight, None if positions is None else positions.weight,
-                  norm.weight, norm.bias)  # (word.weight read once: a parametrized table computes it on each read)
+        if inputs_embeds is not None:  # (what sets the kernels' dtype and device)
+            tables = (inputs_embeds, *tables[1:])
         backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
         reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
     if reason:
         _fall_back(reason)
         return None
-    padding = (None if gathered else check_padding_idx(word.padding_idx, len(tables[0])),  # (-1: the last row)
-               check_padding_idx(getattr(positions, "padding_idx", None), 0 if positions is None else len(tables[2])))
     if gathered:
+        padding = (None, padding[1])
         rows, input_ids = gathered_rows(word, input_ids, token_type_ids, position_ids, inputs_embeds, tables)
         if rows.dtype != tables[0].dtype or rows.device != tables[0].device:  # a wrapper that cast them: no kernel
             _fall_back(f"word_embeddings gave {rows.dtype} rows on {rows.device} from a {tables[0].dtype} table")
