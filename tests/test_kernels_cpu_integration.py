@@ -248,29 +248,6 @@ def test_whole_layer_traces_without_a_graph_break(backend):
     check_traced_whole_layer(backend)
 
 
-def test_eager_training_skips_the_op_and_compile_keeps_it(monkeypatch):
-    """Eager autograd runs `EagerEmbeddings` (the custom op's dispatch is slower); torch.compile traces the
-    op. Each is replaced by something that fails, in turn, and the other mode must still train correctly."""
-    from bertembed.fast import function
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("this mode must not run this path")
-
-    ref, fused = twins(64, "cpu")
-    ids = awkward_ids(2, 9, ref.config.vocab_size)
-    with monkeypatch.context() as patch:
-        patch.setattr(function, "embeddings_op", refuse)
-        out_ref, out = run_both(ref, fused, input_ids=ids)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-    ref, fused = twins(64, "cpu")
-    torch._dynamo.reset()
-    monkeypatch.setattr(function.EagerEmbeddings, "apply", refuse)
-    out_ref, out = run_both(ref, torch.compile(fused), input_ids=ids)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-
-
 def test_frozen_tables_get_no_gradient():
     """Fine-tuning with frozen word and position tables: no dense gradient is built for them, the rest still match."""
     ref, fused = twins(48, "cpu")

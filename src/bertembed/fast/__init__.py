@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
-from bertembed.fast.function import EagerEmbeddings, embeddings_op, kernel_forward
+from bertembed.fast.function import embeddings_op, kernel_forward
 from bertembed.functional import default_positions, embed
 from bertembed.validation import (
     ID_CHECKS,
@@ -250,10 +250,10 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
     compiling = is_compiling()
     if out is not None or not _needs_autograd(tables) and not compiling:
         return kernel_forward(backend, input_ids, token_type_ids, position_ids, *tables, eps, p, seed, out, False)[0]
-    apply = embeddings_op if compiling else EagerEmbeddings.apply  # the op only where it is traced
     pad, position_pad = (-1 if i is None else int(i) for i in padding)
-    return apply(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed, pad,
-                 position_pad, backend, deterministic or torch.are_deterministic_algorithms_enabled())[0]
+    return embeddings_op(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
+                         pad, position_pad, backend, deterministic or torch.are_deterministic_algorithms_enabled(),
+                         not compiling)[0]  # (strict in eager mode: the reference runs instead)
 
 
 def _check_out(out: Tensor, ids_shape, tables) -> None:

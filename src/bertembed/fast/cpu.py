@@ -314,8 +314,8 @@ _views: dict[int, tuple] = {}  # id(parameter) -> (weak reference, (address, sha
 def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """A numpy view of a CPU tensor (made contiguous) sharing its memory (bfloat16 as uint16 bits). Not by
     `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
-    storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory stays where it is: making one costs a sentence's
-    forward more than its kernel."""
+    storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory
+    stays where it is: making one costs a sentence's forward more than its kernel."""
     t = t.contiguous()
     if not t.numel():
         return np.zeros(shape or t.shape, _NUMPY[t.dtype])

@@ -1,6 +1,5 @@
 """The fused layer as custom ops (`bertembed::embeddings` and its backward) that autograd and `torch.compile` see as
-one node; in eager mode the same forward and backward run as `EagerEmbeddings`, a plain autograd.Function, which
-skips the custom op's dispatch (slower than a sentence's kernels).
+one node, in eager mode and traced alike.
 
 Dimension letters: B batch, L length, H hidden, V vocabulary, P positions, T segments.
 """
@@ -13,6 +12,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from bertembed.validation import in_torch_func
 
@@ -74,15 +74,6 @@ def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, 
     return word.new_empty((batch, length, word.shape[1])), stats, stats.new_empty((batch, length))
 
 
-def _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-               padding_idx, backend, deterministic, need_word, need_position):
-    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
-    return backend_module(backend).run_backward(
-        grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
-        segment.contiguous(), None if position is None else position.contiguous(), weight, mean.reshape(-1),
-        rstd.reshape(-1), p, seed, padding_idx, need_word=need_word, need_pos=need_position, **kwargs)
-
-
 @torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
 def embeddings_backward_op(
     grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
@@ -90,9 +81,11 @@ def embeddings_backward_op(
     backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
-    return _own_storage(_gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position,
-                                   weight, mean, rstd, p, seed, padding_idx, backend, deterministic, need_word,
-                                   need_position))
+    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
+    return _own_storage(backend_module(backend).run_backward(
+        grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
+        segment.contiguous(), None if position is None else position.contiguous(), weight, mean.reshape(-1),
+        rstd.reshape(-1), p, seed, padding_idx, need_word=need_word, need_pos=need_position, **kwargs))
 
 
 def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -125,30 +118,32 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.options = (p, seed, padding_idx, backend, deterministic, position_pad, eps)
 
 
-def _backward_with(gradients, twice: bool = False):
-    """The backward of the layer, computing the table gradients with `gradients` (the op, or its body in eager).
-    `twice`: under `create_graph=True` (double backward) or a batched backward (`is_grads_batched`, run under vmap),
-    the gradients come from torch's own ops (`_gradients_with_graph`), which can be differentiated again and read
-    wrapped tensors; the kernels' gradients would silently be constants."""
-    def backward(ctx, grad, _grad_mean, _grad_rstd):
-        if twice and (torch.is_grad_enabled() or in_torch_func() or torch._C._functorch.is_legacy_batchedtensor(grad)):
-            return _gradients_with_graph(ctx, grad)
-        input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
-        p, seed, padding_idx, backend, deterministic, position_pad, _eps = ctx.options
-        need = ctx.needs_input_grad[3:8]  # word, segment, position, LayerNorm weight, bias
-        dword, dseg, dpos, dweight, dbias = gradients(
-            grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-            padding_idx, backend, deterministic, need[0], position is not None and need[2])
-        if position is not None and need[2] and position_pad >= 0:
-            dpos[position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
-        return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
-                dpos if position is not None and need[2] else None, dweight if need[3] else None,
-                dbias if need[4] else None, None, None, None, None, None, None, None)
-
-    return backward
+# for the op's arguments past the tables (eps ... strict)
+_NO_GRADIENTS = (None,) * 8
 
 
-embeddings_op.register_autograd(_backward_with(embeddings_backward_op), setup_context=_setup_context)
+def _backward(ctx, grad, _grad_mean, _grad_rstd):
+    """The layer's backward: the kernels' table gradients (`embeddings_backward_op`). Under `create_graph=True`
+    (double backward) or a batched backward (`is_grads_batched`, run under vmap) in eager mode, the gradients come
+    from torch's own ops instead (`_gradients_with_graph`), which can be differentiated again and read wrapped tensors;
+    the kernels' gradients would silently be constants."""
+    if not is_compiling() and (torch.is_grad_enabled() or in_torch_func()
+                               or torch._C._functorch.is_legacy_batchedtensor(grad)):
+        return _gradients_with_graph(ctx, grad)
+    input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd = ctx.saved_tensors
+    p, seed, padding_idx, backend, deterministic, position_pad, _eps = ctx.options
+    need = ctx.needs_input_grad[3:8]  # word, segment, position, LayerNorm weight, bias
+    dword, dseg, dpos, dweight, dbias = embeddings_backward_op(
+        grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
+        padding_idx, backend, deterministic, need[0], position is not None and need[2])
+    if position is not None and need[2] and position_pad >= 0:
+        dpos[position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
+    return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
+            dpos if position is not None and need[2] else None, dweight if need[3] else None,
+            dbias if need[4] else None, *_NO_GRADIENTS)
+
+
+embeddings_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _gradients_with_graph(ctx, grad):
@@ -176,18 +171,4 @@ def _gradients_with_graph(ctx, grad):
     found = iter(torch.autograd.grad(out, leaves, grad, create_graph=graph, materialize_grads=True) if leaves else ())
     tables = [None if t is None else next(found) for t in wanted]
     dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[7] else None
-    return (None, None, None, *tables, dbias, None, None, None, None, None, None, None)
-
-
-class EagerEmbeddings(torch.autograd.Function):
-    """The op's forward and backward as a plain autograd.Function, for eager mode (the custom op's dispatch costs
-    more than a sentence's kernels): `apply` takes the op's arguments and returns its three outputs."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # the old style, with ctx: a separate setup_context makes apply bind the signature
-        output = _forward(*inputs, strict=True)
-        _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
-
-    backward = staticmethod(_backward_with(_gradients, twice=True))
+    return (None, None, None, *tables, dbias, *_NO_GRADIENTS)
