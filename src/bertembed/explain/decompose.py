@@ -8,9 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Result, load_layer, source_and_tokenizer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
-from bertembed.numpy_layer import NumpyEmbeddings
+from bertembed.explain._common import PART_COLOURS, Figure, Result, axes, load_layer, token_axis
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -149,19 +147,7 @@ def plot_variance_shares(dec: TextDecomposition, ax=None):
     return fig
 
 
-def recipe(config) -> tuple[tuple[str, ...], str]:
-    """The parts a member's layer adds (of PARTS) and its recipe in words, in the member's own order of the sum:
-    BERT's "LayerNorm(word + segment + position)", DeBERTa v3's "LayerNorm(word)"."""
-    parts = tuple(p for p in PARTS if p == "word" or (config.position_embedding_type != "none" if p == "position"
-                                                       else config.type_vocab_size > 0))
-    order = ("word", "position", "segment") if config.sum_order == "position_first" else ("word", "segment", "position")
-    total = " + ".join(p for p in order if p in parts)
-    total = f"({total}) @ projection" if config.projection == "before_norm" else total
-    return parts, f"LayerNorm({total})"  # (ALBERT's and ELECTRA's projection is outside the layer: layer.project)
-
-
-def explain_text(text: str, text_b: str | None = None, model=None, *,
-                 engine: str = "numpy") -> TextDecomposition:
+def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with `model`'s tokenizer and decompose its embedding. ValueError
     for a text that gives no tokens, or one longer than the position table (never truncated)."""
     from bertembed.tokenizer import check_not_blank
@@ -169,28 +155,33 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
-    source, tokenizer = source_and_tokenizer(model)  # (the tokenizer first: a text it refuses costs no table read)
-    enc = tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
+    layer = load_layer(model)
+    enc = layer.encode(text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
-        layer = load_layer(model if isinstance(model, NumpyEmbeddings) else source, tokenizer)
-        parts, config, tensors = layer.decompose(ids, types), layer.config, layer.tensors
+        parts, config, tensors = layer.numpy.decompose(ids, types), layer.config, layer.tensors
     else:
         import torch
 
         from bertembed.embeddings import BertEmbeddings
 
-        module = BertEmbeddings.from_pretrained(source)
+        module = BertEmbeddings.from_pretrained(layer.source)
         with torch.no_grad():
             parts = vars(module.decompose(torch.from_numpy(ids), torch.from_numpy(types)))
         parts = {k: v.float().numpy() for k, v in parts.items()}
         config, tensors = module.config, {k: v.float().numpy() for k, v in module.state_dict().items()}
     gamma = tensors["LayerNorm.weight"]
     beta = tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
-    has, written = recipe(config)
+    # the parts the member adds, and its recipe in its own order of the sum: BERT's "LayerNorm(word + segment +
+    # position)", DeBERTa v3's "LayerNorm(word)" (ALBERT's and ELECTRA's projection is outside: layer.project)
+    has = tuple(p for p in PARTS if p == "word" or (config.position_embedding_type != "none" if p == "position"
+                                                    else config.type_vocab_size > 0))
+    order = ("word", "position", "segment") if config.sum_order == "position_first" else ("word", "segment", "position")
+    total = " + ".join(p for p in order if p in has)
+    total = f"({total}) @ projection" if config.projection == "before_norm" else total
     return TextDecomposition(
-        source=source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
+        source=layer.source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
         segments=list(enc.token_type_ids),
         positions=list(range(config.first_position, config.first_position + len(enc.input_ids))),
         **{k: parts[k][0] for k in ("word", "position", "segment", "sum", "mean", "std", "output")},
-        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=written)
+        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=f"LayerNorm({total})")

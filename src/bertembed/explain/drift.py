@@ -8,8 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms
-from bertembed.explain.figures import Figure, axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",

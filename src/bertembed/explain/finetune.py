@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, source_and_tokenizer
-from bertembed.explain.figures import Figure, axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer
 from bertembed.sources import Source
 
 SENTENCES = (
@@ -174,7 +173,8 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
         raise ValueError(f"lr={lr}: the learning rate must be positive, e.g. 1e-3")
     if save is not None:
         check_save_folder(save)
-    source, tokenizer = source_and_tokenizer(model)
+    checkpoint = load_layer(model)
+    source, tokenizer = checkpoint.source, checkpoint.tokenizer
     base = BertEmbeddings.from_pretrained(source)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
     for i, (sentence, _) in enumerate(sentences):

@@ -9,8 +9,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import STRUCTURAL, ModelArg, Result, load_layer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_layer
 from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
@@ -82,7 +81,7 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
-    enc = tokenize_whole(layer.tokenizer, text)
+    enc = layer.encode(text)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape

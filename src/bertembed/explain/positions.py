@@ -8,8 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
@@ -202,7 +201,7 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     if k < 1:
         raise ValueError(f"k={k}: fit at least 1 low-frequency cosine")
     layer = load_layer(model)
-    learned = table(layer, "position")
+    learned = layer.table("position")
     count = learned.shape[0]
     if count < 3:
         raise ValueError(f"the position table has {count} rows; at least 3 are needed to compare structures")

@@ -8,8 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
+from bertembed.config import NotInThisMember
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms, token_axis
 from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
@@ -80,24 +80,24 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
 
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
-    seg = table(layer, "segment")
-    enc = tokenize_whole(layer.tokenizer, text)
+    seg = layer.table("segment")
+    enc = layer.encode(text)
     # the pair, one sequence: refused, as the text alone, where it has no tokens or more than the positions
-    pair = tokenize_whole(layer.tokenizer, text, text_b) if text_b is not None else None
+    pair = layer.encode(text, text_b) if text_b is not None else None
     ids = np.array([enc.input_ids, enc.input_ids])
-    parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
+    parts = layer.numpy.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
     try:
-        median_position_norm = float(np.median(row_norms(table(layer, "position"))))
+        median_position_norm = float(np.median(row_norms(layer.table("position"))))
     except NotInThisMember:
         median_position_norm = float("nan")  # (no position table: nothing to compare the segment rows with)
     return SegmentReport(
         source=layer.source, vectors=seg, norms=[float(n) for n in norms],
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
         cosine=float(seg[0] @ seg[1] / max(norms[0] * norms[1], 1e-30)),
-        median_word_norm=float(np.median(row_norms(table(layer, "word")))), median_position_norm=median_position_norm,
+        median_word_norm=float(np.median(row_norms(layer.table("word")))), median_position_norm=median_position_norm,
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),

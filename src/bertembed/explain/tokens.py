@@ -8,8 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -119,7 +118,7 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         raise ValueError(f"k={k}: ask for at least 1 neighbour")
     layer = load_layer(model)
     tokenizer = layer.tokenizer
-    words = table(layer, "word")
+    words = layer.table("word")
     entries, note = _entries(tokenizer, token)
     norms = row_norms(words)
     k = min(k, len(norms) - 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg, load_layer, source_and_tokenizer, tokenize_whole
+from bertembed.explain._common import ModelArg, load_layer
 from bertembed.sources import Source
 
 
@@ -105,10 +105,11 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)
-    source, tokenizer = source_and_tokenizer(model)
-    tokenize_whole(tokenizer, text, text_b)  # (no tokens, or more than the positions: refused)
-    layer = BertEmbeddings.from_pretrained(source, dtype=torch.float32)
-    space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
+    checkpoint = load_layer(model)
+    checkpoint.encode(text, text_b)  # (no tokens, or more than the positions: refused)
+    layer = BertEmbeddings.from_pretrained(checkpoint.source, dtype=torch.float32)
+    space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": checkpoint.tokenizer, "text": text,
+                             "text_b": text_b,
                              "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
     results = []
     for step in steps(layer.config):
@@ -120,7 +121,7 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
         results.append(_result(step, space, values, rows))
     tokens = space["enc"].tokens
     _note_repeats(results[1], tokens, space["ids"][0].tolist())
-    return Walkthrough(source, layer.config.model_type, tokens, results)
+    return Walkthrough(checkpoint.source, layer.config.model_type, tokens, results)
 
 
 def _result(step: Step, space: dict, values: int, rows: int) -> Step:
@@ -203,7 +204,7 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     from bertembed.atomic import check_output, write_atomic
 
     layer = load_layer(model)
-    tokenize_whole(layer.tokenizer, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
+    layer.encode(text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
     cells = notebook_cells(model, layer, text, text_b)
     book = nbformat.v4.new_notebook()
