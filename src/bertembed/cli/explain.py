@@ -21,9 +21,9 @@ def plotting(plot: str | None):
     return user_errors(plot, needs=("matplotlib",) if plot is not None else ())
 
 
-def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None, title: str = "",
+def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None = None, title: str = "",
          sources: tuple = ()) -> None:
-    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and rows,
+    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and `rows`,
     under `title`) as rich tables or JSON, and write its figures to `plot`."""
     from bertembed.explain._common import label
 
@@ -34,16 +34,14 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
 
         write_atomic(plot, combined_png(result))
     if as_json:
-        print_json({"summary": summary, "rows": extra_rows or []})
-        return
+        return print_json({"summary": summary, "rows": rows or []})
     for source in sources or (result.source,):
         say_model(source)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
-            for k, v in summary.items()]
-    console.print(rows_table(result.question, rows))
-    if extra_rows:
-        console.print(rows_table(title, extra_rows))
+    console.print(rows_table(result.question, [{"measure": label(k), "value": ", ".join(map(str, v)) if
+                                                isinstance(v, list) else v} for k, v in summary.items()]))
+    if rows:
+        console.print(rows_table(title, rows))
     if verdict:
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     if warning:

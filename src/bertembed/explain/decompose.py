@@ -4,7 +4,6 @@ output, and LayerNorm(word + position + segment) recomputed by hand in float64. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
@@ -105,46 +104,44 @@ class TextDecomposition(Result):
                   f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
                   f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "
                   f"equals the layer's output to {self.max_abs_diff:.1e}.")
-        return [Figure("decomposition_norms", "Norms per token", norms, partial(plot_decomposition_norms, self)),
-                Figure("variance_shares", "Variance shares", shares, partial(plot_variance_shares, self))]
+        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms),
+                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares)]
+
+    def plot_norms(self, ax=None):
+        """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
+        fig, ax = axes(ax)
+        norms, x = self.norms(), np.arange(len(self.tokens))
+        _shade_segment_b(ax, self.segments)
+        width = 0.8 / len(self.parts)
+        for j, name in enumerate(self.parts):
+            ax.bar(x + (j - (len(self.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
+                   label=f"{name} vector")
+        token_axis(ax, self.tokens)
+        ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
+        ax.legend(fontsize=8, ncols=4, loc="upper right")
+        return fig
+
+    def plot_variance_shares(self, ax=None):
+        """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
+        fig, ax = axes(ax)
+        shares, x = self.variance_shares(), np.arange(len(self.tokens))
+        _shade_segment_b(ax, self.segments)
+        pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
+        for name in self.parts:
+            value = shares[name]
+            ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
+            pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        token_axis(ax, self.tokens)
+        ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
+        ax.legend(fontsize=8, ncols=4, loc="lower right")
+        return fig
 
 
 def _shade_segment_b(ax, segments) -> None:
     b = [i for i, s in enumerate(segments) if s == 1]
     if b:
         ax.axvspan(b[0] - 0.5, b[-1] + 0.5, color="#f3e6c4", zorder=0, label="segment B (shaded)")
-
-
-def plot_decomposition_norms(dec: TextDecomposition, ax=None):
-    """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
-    fig, ax = axes(ax)
-    norms, x = dec.norms(), np.arange(len(dec.tokens))
-    _shade_segment_b(ax, dec.segments)
-    width = 0.8 / len(dec.parts)
-    for j, name in enumerate(dec.parts):
-        ax.bar(x + (j - (len(dec.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
-               label=f"{name} vector")
-    token_axis(ax, dec.tokens)
-    ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
-    ax.legend(fontsize=8, ncols=4, loc="upper right")
-    return fig
-
-
-def plot_variance_shares(dec: TextDecomposition, ax=None):
-    """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
-    fig, ax = axes(ax)
-    shares, x = dec.variance_shares(), np.arange(len(dec.tokens))
-    _shade_segment_b(ax, dec.segments)
-    pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
-    for name in dec.parts:
-        value = shares[name]
-        ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
-        pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
-    ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    token_axis(ax, dec.tokens)
-    ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
-    ax.legend(fontsize=8, ncols=4, loc="lower right")
-    return fig
 
 
 def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:

@@ -4,7 +4,6 @@ it moved and which rows moved most. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
@@ -72,7 +71,23 @@ class DriftReport(Result):
         top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
             if word else ""
         caption = f"From {self.source_a.name} to {self.source_b.name}, per tensor: " + "; ".join(parts) + "." + top
-        return [Figure("drift", "Drift per tensor", caption, partial(plot_drift, self))]
+        return [Figure("drift", "Drift per tensor", caption, self.plot)]
+
+    def plot(self, ax=None):
+        """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
+        labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
+        fig, ax = axes(ax, size=(6.5, 3.4))
+        values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in self.tables]
+        bars = ax.bar([t.table for t in self.tables], values, color="0.45")
+        ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
+                                   else "" for t in self.tables], fontsize=7)
+        ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
+               ylabel="median |Δ row| / |row|, rows that moved",
+               title="Drift per tensor between two checkpoints (label: change, rows moved)")
+        if not any(v == v for v in values):
+            ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
+        ax.tick_params(axis="x", labelsize=8)
+        return fig
 
 
 def _labeller(layer, name: str):
@@ -126,20 +141,3 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
     tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)
               for name, key in DRIFT_TABLES.items() if key in a.tensors]
     return DriftReport(a.source, b.source, tables)
-
-
-def plot_drift(report, ax=None):
-    """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
-    labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
-    fig, ax = axes(ax, size=(6.5, 3.4))
-    values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in report.tables]
-    bars = ax.bar([t.table for t in report.tables], values, color="0.45")
-    ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
-                               else "" for t in report.tables], fontsize=7)
-    ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
-           ylabel="median |Δ row| / |row|, rows that moved",
-           title="Drift per tensor between two checkpoints (label: change, rows moved)")
-    if not any(v == v for v in values):
-        ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
-    ax.tick_params(axis="x", labelsize=8)
-    return fig
