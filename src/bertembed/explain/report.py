@@ -100,12 +100,6 @@ def check_folder(folder: str | Path) -> Path:
     return folder
 
 
-def write_plots(drawn: list[Drawn], folder: str | Path) -> list[Path]:
-    """One PNG per figure, named after it (e.g. position_similarity.png), each written atomically."""
-    folder = check_folder(folder)
-    return [write_atomic(folder / f"{figure.name}.png", png) for figures in drawn for figure, png in figures]
-
-
 def combined_png(result: Any) -> bytes:
     """All figures of one result stacked vertically into one PNG (for `--plot FILE`)."""
     import matplotlib.image as mpimg
