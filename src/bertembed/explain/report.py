@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bertembed.atomic import write_atomic
 from bertembed.config import NotInThisMember
 from bertembed.explain._common import Figure, ModelArg, NotMeasured, figure_html, html_table, summary_rows
 
