@@ -27,11 +27,10 @@ PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 class Tables:
     """A checkpoint resolved once for the analyses, which hand it on: its tokenizer and its tables (`numpy`, float32
-    arrays), each read on first use, so that a text the tokenizer refuses costs no table read."""
+    arrays), each read on first use, so that a text the tokenizer refuses costs no table read. `model`: a hub id,
+    folder or weights file, None for the bundled default, its `Source`, or a loaded `NumpyEmbeddings`."""
 
     def __init__(self, model: ModelArg = None):
-        """`model`: a hub id, folder or weights file, None for the bundled default, its `Source`, or a loaded
-        `NumpyEmbeddings` (not read again)."""
         if isinstance(model, NumpyEmbeddings):
             self.numpy, model = model, model.source
         self.source = resolve(model)
@@ -73,8 +72,7 @@ class Tables:
 
     def table(self, name: str) -> np.ndarray:
         """One table ("word", "position", "segment") as [rows, E] float64: the rows tokens use (a RoBERTa-style
-        position table's reserved rows skipped; a sinusoidal one computed). NotInThisMember where the member has no
-        such table."""
+        position table's reserved rows skipped; a sinusoidal one computed), or NotInThisMember."""
         cfg, member = self.config, f"{self.source.name} ({self.config.model_type})"
         if name == "position":
             if cfg.position_embedding_type == "none":
@@ -155,8 +153,7 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One figure of a result: its name (the PNG's, for --plots DIR), its title, its caption (the measured numbers in
-    words) and `draw()`, which returns a new matplotlib Figure."""
+    """One figure of a result: the PNG's name, its title, its caption (the numbers in words), and `draw()`."""
 
     name: str
     title: str
@@ -196,8 +193,7 @@ def figure_html(figure: Figure, png: bytes) -> str:
 
 
 class Result:
-    """What every analysis returns: its data, a `summary()` for JSON and tables, and its own figures; it renders in
-    notebooks."""
+    """What every analysis returns: its data, a `summary()` for JSON and tables, its figures; notebooks render it."""
 
     question = ""  # the question it answers: the title of its table and of its report section
     answer = ""  # the report section's one-line answer; "" for the summary's verdict

@@ -74,8 +74,7 @@ class DriftReport(Result):
         return [Figure("drift", "Drift per tensor", caption, self.plot)]
 
     def plot(self, ax=None):
-        """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
-        labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
+        """Per tensor, the median |row B - row A| / |row A| over the rows that moved (it does not shrink with size)."""
         fig, ax = axes(ax, size=(6.5, 3.4))
         values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in self.tables]
         bars = ax.bar([t.table for t in self.tables], values, color="0.45")
@@ -102,12 +101,10 @@ def _labeller(layer, name: str):
         name, lambda i: f"[{i}]")
 
 
-def _rows_where(mask: np.ndarray) -> np.ndarray:
-    """Indices of the rows of a [N, H] mask (or the elements of an [N] one) that hold any True."""
-    return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
-
-
 def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> TableDrift:
+    def rows_where(mask):  # the rows of a [N, H] mask (the elements of an [N] one) that hold any True
+        return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
+
     a64, delta = a.astype(np.float64), b.astype(np.float64) - a
     per_row = row_norms(delta) if delta.ndim == 2 else np.abs(delta)
     base = row_norms(a64) if delta.ndim == 2 else np.abs(a64)
@@ -115,11 +112,11 @@ def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> Ta
     relative = per_row / np.maximum(base, 1e-30)
     moved = (per_row > 0) & np.isfinite(relative)  # unchanged rows, NaN or inf drop out
     order = np.argsort(-np.where(moved, relative, -1.0), kind="stable")[:int(moved.sum())][:top]
-    non_finite = {side: _rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
+    non_finite = {side: rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
     return TableDrift(
         table=name, shape=list(a.shape), relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64),
                                                                                           1e-30)),
-        max_abs_change=float(np.abs(delta).max()), rows_changed=len(_rows_where(differs)),
+        max_abs_change=float(np.abs(delta).max()), rows_changed=len(rows_where(differs)),
         median_row_change=float(np.median(relative[moved])) if moved.any() else 0.0,
         top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]),
               "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order],

@@ -249,20 +249,16 @@ def check_save_folder(folder: str | Path) -> Path:
 
 def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
     """Save an embedding layer with its checkpoint's tokenizer files into `folder`, all or nothing
-    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary."""
+    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary; an OSError names `folder`."""
     from bertembed.atomic import atomic_folder
     from bertembed.checkpoint import checkpoint_writer
 
     folder = check_save_folder(folder)
     write = checkpoint_writer(layer, folder)
-    try:
-        with atomic_folder(folder, keep_others=False) as staging:
-            write(staging)
-            for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                path = source.file(name)
-                if path is not None:
-                    shutil.copyfile(path, staging / name)
-    except OSError as err:  # the disk filled up, a folder with files appeared meanwhile: nothing was written
-        why = err.strerror or str(err)
-        raise ValueError(why if why.startswith("cannot ") else f"cannot save to {folder}: {why}") from err
+    with atomic_folder(folder, keep_others=False) as staging:
+        write(staging)
+        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            path = source.file(name)
+            if path is not None:
+                shutil.copyfile(path, staging / name)
     return folder

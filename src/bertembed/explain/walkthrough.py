@@ -14,8 +14,7 @@ from bertembed.sources import Source
 
 @dataclass
 class Step:
-    """One step: a title, why, its code, the name it defines, the layer's own value it is checked against; once run,
-    what it gave."""
+    """One step: a title, why, its code, the value it defines and what that is checked against; once run, results."""
 
     title: str
     why: str
