@@ -47,10 +47,8 @@ def test_every_figure_draws_with_a_numeric_caption(results, monkeypatch):
 def test_single_panel_plots_draw_into_a_given_ax(results):
     import matplotlib.pyplot as plt
 
-    from bertembed.explain.decompose import plot_decomposition_norms
-
     fig, ax = plt.subplots()
-    assert plot_decomposition_norms(results[0], ax=ax) is fig
+    assert results[0].plot_norms(ax=ax) is fig
     assert len(ax.patches) >= 3 * len(results[0].tokens)  # three bars per token
     plt.close(fig)
 
@@ -64,10 +62,9 @@ def test_results_render_in_notebooks(results):
 def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
     """The shaded band is frequencies 1..k, the band whose share the caption and the summary quote."""
     from bertembed.explain import analyze_positions
-    from bertembed.explain.positions import plot_position_spectrum
 
     report = analyze_positions()
-    ax = plot_position_spectrum(report).axes[0]
+    ax = report.plot_spectrum().axes[0]
     (band,) = [p for p in ax.patches if p.get_label().startswith("frequencies 1-")]
     extent = band.get_extents().transformed(ax.transData.inverted())  # (display back to data coordinates)
     assert (extent.x0, extent.x1) == pytest.approx((0.5, report.k + 0.5))
@@ -76,12 +73,12 @@ def test_the_spectrum_figure_shades_the_band_its_numbers_cover():
 
 
 def test_the_rows_moved_figure_draws_no_bar_for_zero_on_its_log_axis(results):
-    from bertembed.explain.finetune import FinetuneReport, plot_finetune_rows
+    from bertembed.explain.finetune import FinetuneReport
 
     report = next(r for r in results if isinstance(r, FinetuneReport))
     frozen = [t for run in report.runs for t in run.tables if t.moved == 0]
     assert frozen, "the demo has a run with a frozen table (no row moved)"
-    ax = plot_finetune_rows(report).axes[0]
+    ax = report.plot_rows().axes[0]
     heights = [bar.get_height() for bar in ax.patches]
     assert all(h > 0 for h in heights if h == h)  # (NaN: no bar)
     assert sum(h != h for h in heights) == len(frozen)

@@ -14,6 +14,7 @@ from bertembed.cli.app import JsonOpt, ModelOpt, PlotOpt, app, console, print_js
 inspect_app = typer.Typer(help="Measure one part of the embedding layer: positions, segments, tokens, one-hot.",
                           no_args_is_help=True)
 app.add_typer(inspect_app, name="inspect")
+FOX = "The quick brown fox jumps over the lazy dog"
 
 
 def plotting(plot: str | None):
@@ -21,9 +22,9 @@ def plotting(plot: str | None):
     return user_errors(plot, needs=("matplotlib",) if plot is not None else ())
 
 
-def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | None = None, title: str = "",
+def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None = None, title: str = "",
          sources: tuple = ()) -> None:
-    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and rows,
+    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and `rows`,
     under `title`) as rich tables or JSON, and write its figures to `plot`."""
     from bertembed.explain._common import label
 
@@ -34,16 +35,14 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
 
         write_atomic(plot, combined_png(result))
     if as_json:
-        print_json({"summary": summary, "rows": extra_rows or []})
-        return
+        return print_json({"summary": summary, "rows": rows or []})
     for source in sources or (result.source,):
         say_model(source)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    rows = [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else v}
-            for k, v in summary.items()]
-    console.print(rows_table(result.question, rows))
-    if extra_rows:
-        console.print(rows_table(title, extra_rows))
+    console.print(rows_table(result.question, [{"measure": label(k), "value": ", ".join(map(str, v)) if
+                                                isinstance(v, list) else v} for k, v in summary.items()]))
+    if rows:
+        console.print(rows_table(title, rows))
     if verdict:
         console.print(f"[bold]verdict:[/bold] {escape(verdict)}")
     if warning:
@@ -54,16 +53,21 @@ def emit(result: Any, as_json: bool, plot: str | None, extra_rows: list[dict] | 
         console.print(f"figures written to {plot}")
 
 
-def rows_table(title: str, rows: list[dict]):
+def rows_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]] | None = None, caption: str = ""):
+    """`rows` as a rich table: each key a column named as people read it, numbers to 4 digits; or the `columns`
+    given as (header, key, format)."""
     from rich.table import Table
 
     from bertembed.explain._common import label
 
-    table = Table(title=title or None, title_justify="left")
-    for col in rows[0]:
+    table = Table(title=title or None, title_justify="left", caption=caption or None, caption_justify="left")
+    for header, _, _ in columns or []:
+        table.add_column(header, justify="left" if header == "token" else "right", no_wrap=header != "token")
+    for col in [] if columns else rows[0]:
         table.add_column(label(str(col)), overflow="fold")
-    for row in rows:
-        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
+    for row in rows:  # (escaped: tokens like [unused0] are not rich markup)
+        table.add_row(*(escape(fmt.format(row[key])) for _, key, fmt in columns) if columns else
+                      (f"{v:.4g}" if isinstance(v, float) else escape(str(v)) for v in row.values()))
     return table
 
 
@@ -106,8 +110,7 @@ def explain(
         from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
 
-        if plots is not None:
-            reporting.check_folder(plots)
+        folder = reporting.check_folder(plots) if plots is not None else None
         if finetune and not figures:
             raise ValueError("--finetune adds the fine-tune demo to --report or --plots; give one of them (or run "
                              "bertembed finetune-demo)")
@@ -121,8 +124,8 @@ def explain(
                                                  progress=None if as_json else progress)
             dec = explain_text(text, text_b, results[0].source, engine=engine) if use_torch else results[0]
             drawn = [reporting.render_figures(r) for r in results]
-            if plots is not None:
-                written = reporting.write_plots(drawn, plots)
+            if folder is not None:  # one PNG per figure, named after it (e.g. position_similarity.png)
+                written = [write_atomic(folder / f"{f.name}.png", png) for figures in drawn for f, png in figures]
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")
             if report is not None:
@@ -131,33 +134,21 @@ def explain(
                     console.print(f"report written to {report}")
     rows = dec.rows()
     if as_json:
-        print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine, "tokens": rows,
-                    "max_abs_diff": dec.max_abs_diff})
-        return
+        return print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
+                           "tokens": rows, "max_abs_diff": dec.max_abs_diff})
     say_model(dec.source)
-    console.print(_token_table(rows, dec))
-    verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
-    console.print(f"check: {dec.recipe} by hand in float64 is {verdict} to the layer's output ({dec.engine}): "
-                  f"max |diff| = {dec.max_abs_diff:.2e}")
-
-
-def _token_table(rows: list[dict], dec):
-    """The rows as a table titled with the member's recipe, a column for each part it has (no |s| for DeBERTa v3)."""
-    from rich.table import Table
-
+    # a column for each part the member has (no |s| for DeBERTa v3)
     norms = [(f"|{part[0]}|", f"{part}_norm", "{:.3f}") for part in dec.parts]
     named = " and ".join(filter(None, (", ".join(dec.parts[:-1]), dec.parts[-1])))
-    table = Table(title=f"{dec.recipe}, one row per token", title_justify="left", caption_justify="left",
-                  caption=f"{' '.join(h for h, _, _ in norms)}: norms of the {named} vectors; mean, std: LayerNorm's "
-                          f"statistics of their sum; |out|: norm of the output")
     columns = [("pos", "position", "{}"), ("token", "token", "{}"), ("id", "id", "{}"),
                *[("seg", "segment", "{}")] * ("segment" in dec.parts), *norms, ("mean", "ln_mean", "{:+.4f}"),
                ("std", "ln_std", "{:.4f}"), ("|out|", "output_norm", "{:.2f}")]
-    for header, _, _ in columns:
-        table.add_column(header, justify="left" if header == "token" else "right", no_wrap=header != "token")
-    for row in rows:
-        table.add_row(*(escape(fmt.format(row[key])) for _, key, fmt in columns))  # tokens like [unused0]
-    return table
+    console.print(rows_table(f"{dec.recipe}, one row per token", rows, columns, f"{' '.join(h for h, _, _ in norms)}: "
+                             f"norms of the {named} vectors; mean, std: LayerNorm's statistics of their sum; |out|: "
+                             f"norm of the output"))
+    verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
+    console.print(f"check: {dec.recipe} by hand in float64 is {verdict} to the layer's output ({dec.engine}): "
+                  f"max |diff| = {dec.max_abs_diff:.2e}")
 
 
 @app.command()
@@ -194,8 +185,7 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
 
 @app.command()
 def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
-             text: Annotated[str, typer.Option(help="the text the notebook starts with")] =
-             "The quick brown fox jumps over the lazy dog") -> None:
+             text: Annotated[str, typer.Option(help="the text the notebook starts with")] = FOX) -> None:
     """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
     with user_errors(needs=("nbformat",)):
         from bertembed.explain.walkthrough import write_notebook
@@ -217,8 +207,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
 
 
 @inspect_app.command()
-def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segment A, then in B")] =
-             "The quick brown fox jumps over the lazy dog",
+def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segment A, then in B")] = FOX,
              text_b: Annotated[Optional[str], typer.Option("--text-b", help="a second text: also show the pair "
                                                            "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:

@@ -1,29 +1,43 @@
-"""What the analyses share: the checkpoint read once and handed on, a table as they measure it, the base of their
-results (summary, figures, notebook HTML), and JSON. Nothing here imports torch or matplotlib at import time."""
+"""What the analyses share: the checkpoint resolved once and handed on, a table as they measure it, the base of their
+results (summary, figures, notebook HTML), figures and JSON. Nothing here imports torch or matplotlib at import time:
+matplotlib is imported when a figure is drawn (Agg backend), and plots return the figure, never calling `show()`."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import html
+import io
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
 
 from bertembed.config import NotInThisMember
-from bertembed.explain.figures import Figure, figure_html, figure_png
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 from bertembed.sources import DEFAULT_MODEL, Source, resolve
 
 ModelArg = Union[str, Path, None, Source, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
+PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 
-class Tables(NumpyEmbeddings):
-    """A checkpoint read once for the analyses, which hand it on: its tables as float32 numpy arrays and, read on
-    first use, its tokenizer."""
+class Tables:
+    """A checkpoint resolved once for the analyses, which hand it on: its tokenizer and its tables (`numpy`, float32
+    arrays), each read on first use, so that a text the tokenizer refuses costs no table read. `model`: a hub id,
+    folder or weights file, None for the bundled default, its `Source`, or a loaded `NumpyEmbeddings`."""
+
+    def __init__(self, model: ModelArg = None):
+        if isinstance(model, NumpyEmbeddings):
+            self.numpy, model = model, model.source
+        self.source = resolve(model)
+
+    @functools.cached_property
+    def numpy(self) -> NumpyEmbeddings:
+        return NumpyEmbeddings.from_pretrained(self.source)
 
     @functools.cached_property
     def tokenizer(self):
@@ -31,66 +45,53 @@ class Tables(NumpyEmbeddings):
 
         return Tokenizer.from_pretrained(self.source)
 
+    @property
+    def config(self):
+        return self.numpy.config
 
-def load_layer(model: ModelArg = None, tokenizer=None) -> Tables:
-    """`model` read: a hub id, folder or weights file, None for the bundled default, its `Source`, or a loaded
-    `NumpyEmbeddings`. `tokenizer`: the checkpoint's, where it was read already."""
-    if isinstance(model, Tables):
-        return model
-    if isinstance(model, NumpyEmbeddings):
-        layer = Tables(model.config, model.tensors, model.source)
-    else:
-        layer = Tables.from_pretrained(model)
-    if tokenizer is not None:
-        layer.tokenizer = tokenizer  # (the cached value, not read again)
-    return layer
+    @property
+    def tensors(self) -> dict[str, np.ndarray]:
+        return self.numpy.tensors
+
+    def encode(self, text: str, text_b: str | None = None, names: tuple[str, str] = ("the text", "text_b")):
+        """`text` and `text_b` encoded whole. ValueError for a text that gives no tokens, or one longer than the
+        position table (saying how to shorten or window it)."""
+        tokenizer = self.tokenizer
+        tokenizer.require_tokens(text, names[0], text_b, names[1])
+        enc = tokenizer(text, text_b, truncation=False, padding=False)
+        count, limit = len(enc.input_ids), tokenizer.max_length
+        if count > limit:
+            stride = limit // 4
+            windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
+            raise ValueError(f"the text is {count} tokens with its special tokens, but the model has {limit} "
+                             f"positions: shorten it by {count - limit} tokens, or take it in windows: "
+                             f"Tokenizer(...)(text, return_overflowing_tokens=True, stride={stride}) gives "
+                             f"{len(windows)} windows of at most {limit} tokens, each with its own specials, "
+                             f"neighbours sharing {stride}; or extend the positions (layer.extend_positions)")
+        return enc
+
+    def table(self, name: str) -> np.ndarray:
+        """One table ("word", "position", "segment") as [rows, E] float64: the rows tokens use (a RoBERTa-style
+        position table's reserved rows skipped; a sinusoidal one computed), or NotInThisMember."""
+        cfg, member = self.config, f"{self.source.name} ({self.config.model_type})"
+        if name == "position":
+            if cfg.position_embedding_type == "none":
+                raise NotInThisMember(f"{member} has no position table: its positions enter in attention (rotary, "
+                                      f"ALiBi or relative), so there are no position vectors here to measure")
+            if cfg.position_embedding_type == "sinusoidal":
+                return sinusoidal_table_np(cfg.max_position_embeddings, cfg.table_width)
+            return self.tensors["position_embeddings.weight"][cfg.first_position:].astype(np.float64)
+        if name == "segment" and cfg.type_vocab_size < 2:
+            what = "no segment table: it has no token types" if not cfg.type_vocab_size else \
+                "one segment row: every token gets the same segment vector, so segments A and B cannot differ"
+            raise NotInThisMember(f"{member} has {what}")
+        key = {"word": "word_embeddings.weight", "segment": "token_type_embeddings.weight"}[name]
+        return self.tensors[key].astype(np.float64)
 
 
-def source_and_tokenizer(model: ModelArg):
-    """(`Source`, tokenizer) of `model` as `load_layer` takes it, its tables left unread: for the torch analyses."""
-    if isinstance(model, NumpyEmbeddings):
-        tables = load_layer(model)
-        return tables.source, tables.tokenizer
-    from bertembed.tokenizer import Tokenizer
-
-    source = resolve(model)
-    return source, Tokenizer.from_pretrained(source)
-
-
-def tokenize_whole(tokenizer, text: str, text_b: str | None = None, names: tuple[str, str] = ("the text", "text_b")):
-    """`text` and `text_b` encoded whole. ValueError for a text that gives no tokens, or one longer than the position
-    table (saying how to shorten or window it)."""
-    tokenizer.require_tokens(text, names[0], text_b, names[1])
-    enc = tokenizer(text, text_b, truncation=False, padding=False)
-    count, limit = len(enc.input_ids), tokenizer.max_length
-    if count > limit:
-        stride = limit // 4
-        windows = tokenizer(text, text_b, padding=False, stride=stride, return_overflowing_tokens=True).input_ids
-        raise ValueError(f"the text is {count} tokens with its special tokens, but the model has {limit} positions: "
-                         f"shorten it by {count - limit} tokens, or take it in windows: Tokenizer(...)(text, "
-                         f"return_overflowing_tokens=True, stride={stride}) gives {len(windows)} windows of at most "
-                         f"{limit} tokens, each with its own specials, neighbours sharing {stride}; or extend the "
-                         f"positions (layer.extend_positions)")
-    return enc
-
-
-def table(layer: NumpyEmbeddings, name: str) -> np.ndarray:
-    """One table ("word", "position", "segment") as [rows, E] float64: the rows tokens use (a RoBERTa-style position
-    table's reserved rows skipped; a sinusoidal one computed). NotInThisMember where the member has no such table."""
-    cfg, member = layer.config, f"{layer.source.name} ({layer.config.model_type})"
-    if name == "position":
-        if cfg.position_embedding_type == "none":
-            raise NotInThisMember(f"{member} has no position table: its positions enter in attention (rotary, ALiBi "
-                                  f"or relative), so there are no position vectors here to measure")
-        if cfg.position_embedding_type == "sinusoidal":
-            return sinusoidal_table_np(cfg.max_position_embeddings, cfg.table_width)
-        return layer.tensors["position_embeddings.weight"][cfg.first_position:].astype(np.float64)
-    if name == "segment" and cfg.type_vocab_size < 2:
-        what = "no segment table: it has no token types" if not cfg.type_vocab_size else \
-            "one segment row: every token gets the same segment vector, so segments A and B cannot differ"
-        raise NotInThisMember(f"{member} has {what}")
-    key = {"word": "word_embeddings.weight", "segment": "token_type_embeddings.weight"}[name]
-    return layer.tensors[key].astype(np.float64)
+def load_layer(model: ModelArg | Tables = None) -> Tables:
+    """`model` as `Tables`, resolved once (a `Tables` is handed on as it is)."""
+    return model if isinstance(model, Tables) else Tables(model)
 
 
 def row_norms(matrix: np.ndarray) -> np.ndarray:
@@ -137,23 +138,62 @@ def to_jsonable(value: Any) -> Any:
 
 
 def html_table(rows: list[dict], caption: str = "") -> str:
-    """A small HTML table of dicts (the keys of the first row are the columns)."""
+    """A small HTML table of dicts (the keys of the first row are the columns), numbers to 4 digits."""
     if not rows:
         return "<p>(no rows)</p>"
-    cols = list(rows[0])
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
+
+    def cell(v):
+        return html.escape(f"{v:.4g}" if isinstance(v, (float, np.floating)) else str(v))
+
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in rows[0]) + "</tr>" for r in rows)
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, (float, np.floating)) else str(value)
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One figure of a result: the PNG's name, its title, its caption (the numbers in words), and `draw()`."""
+
+    name: str
+    title: str
+    caption: str
+    draw: Callable[[], Any]
+
+    def png(self) -> bytes:
+        """The figure drawn and rendered to PNG bytes (the matplotlib figure closed)."""
+        import matplotlib.pyplot as plt
+
+        fig, buf = self.draw(), io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        return buf.getvalue()
+
+
+def axes(ax=None, size=(7.5, 3.6), panels=1):
+    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, panels, figsize=size, layout="constrained") if ax is None else (ax.figure, ax)
+
+
+def token_axis(ax, tokens) -> None:
+    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(tokens) - 0.4)
+
+
+def figure_html(figure: Figure, png: bytes) -> str:
+    """A figure: its PNG inline (a base64 data URI, so the page needs no other file), then its caption."""
+    data, title = base64.b64encode(png).decode("ascii"), html.escape(figure.title)
+    return (f'<figure><img alt="{title}" src="data:image/png;base64,{data}"><figcaption><b>{title}.</b> '
+            f"{html.escape(figure.caption)}</figcaption></figure>")
 
 
 class Result:
-    """What every analysis returns: its data, a `summary()` for JSON and tables, and its own figures; it renders in
-    notebooks."""
+    """What every analysis returns: its data, a `summary()` for JSON and tables, its figures; notebooks render it."""
 
     question = ""  # the question it answers: the title of its table and of its report section
     answer = ""  # the report section's one-line answer; "" for the summary's verdict
@@ -177,7 +217,7 @@ class Result:
                          "embeddings), not bert-base-uncased</p>")
         parts.append(html_table(summary_rows(summary)))
         try:
-            parts += [figure_html(f.title, figure_png(f.draw()), f.caption) for f in self.figures()]
+            parts += [figure_html(f, f.png()) for f in self.figures()]
         except ImportError:
             parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
         if self.rows_title:

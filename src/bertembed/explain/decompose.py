@@ -4,13 +4,10 @@ output, and LayerNorm(word + position + segment) recomputed by hand in float64. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import Result, load_layer, source_and_tokenizer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
-from bertembed.numpy_layer import NumpyEmbeddings
+from bertembed.explain._common import PART_COLOURS, Figure, Result, axes, load_layer, token_axis
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -107,8 +104,38 @@ class TextDecomposition(Result):
                   f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
                   f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "
                   f"equals the layer's output to {self.max_abs_diff:.1e}.")
-        return [Figure("decomposition_norms", "Norms per token", norms, partial(plot_decomposition_norms, self)),
-                Figure("variance_shares", "Variance shares", shares, partial(plot_variance_shares, self))]
+        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms),
+                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares)]
+
+    def plot_norms(self, ax=None):
+        """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
+        fig, ax = axes(ax)
+        norms, x = self.norms(), np.arange(len(self.tokens))
+        _shade_segment_b(ax, self.segments)
+        width = 0.8 / len(self.parts)
+        for j, name in enumerate(self.parts):
+            ax.bar(x + (j - (len(self.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
+                   label=f"{name} vector")
+        token_axis(ax, self.tokens)
+        ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
+        ax.legend(fontsize=8, ncols=4, loc="upper right")
+        return fig
+
+    def plot_variance_shares(self, ax=None):
+        """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
+        fig, ax = axes(ax)
+        shares, x = self.variance_shares(), np.arange(len(self.tokens))
+        _shade_segment_b(ax, self.segments)
+        pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
+        for name in self.parts:
+            value = shares[name]
+            ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
+            pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        token_axis(ax, self.tokens)
+        ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
+        ax.legend(fontsize=8, ncols=4, loc="lower right")
+        return fig
 
 
 def _shade_segment_b(ax, segments) -> None:
@@ -117,51 +144,7 @@ def _shade_segment_b(ax, segments) -> None:
         ax.axvspan(b[0] - 0.5, b[-1] + 0.5, color="#f3e6c4", zorder=0, label="segment B (shaded)")
 
 
-def plot_decomposition_norms(dec: TextDecomposition, ax=None):
-    """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
-    fig, ax = axes(ax)
-    norms, x = dec.norms(), np.arange(len(dec.tokens))
-    _shade_segment_b(ax, dec.segments)
-    width = 0.8 / len(dec.parts)
-    for j, name in enumerate(dec.parts):
-        ax.bar(x + (j - (len(dec.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
-               label=f"{name} vector")
-    token_axis(ax, dec.tokens)
-    ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
-    ax.legend(fontsize=8, ncols=4, loc="upper right")
-    return fig
-
-
-def plot_variance_shares(dec: TextDecomposition, ax=None):
-    """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
-    fig, ax = axes(ax)
-    shares, x = dec.variance_shares(), np.arange(len(dec.tokens))
-    _shade_segment_b(ax, dec.segments)
-    pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
-    for name in dec.parts:
-        value = shares[name]
-        ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
-        pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
-    ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    token_axis(ax, dec.tokens)
-    ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
-    ax.legend(fontsize=8, ncols=4, loc="lower right")
-    return fig
-
-
-def recipe(config) -> tuple[tuple[str, ...], str]:
-    """The parts a member's layer adds (of PARTS) and its recipe in words, in the member's own order of the sum:
-    BERT's "LayerNorm(word + segment + position)", DeBERTa v3's "LayerNorm(word)"."""
-    parts = tuple(p for p in PARTS if p == "word" or (config.position_embedding_type != "none" if p == "position"
-                                                       else config.type_vocab_size > 0))
-    order = ("word", "position", "segment") if config.sum_order == "position_first" else ("word", "segment", "position")
-    total = " + ".join(p for p in order if p in parts)
-    total = f"({total}) @ projection" if config.projection == "before_norm" else total
-    return parts, f"LayerNorm({total})"  # (ALBERT's and ELECTRA's projection is outside the layer: layer.project)
-
-
-def explain_text(text: str, text_b: str | None = None, model=None, *,
-                 engine: str = "numpy") -> TextDecomposition:
+def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with `model`'s tokenizer and decompose its embedding. ValueError
     for a text that gives no tokens, or one longer than the position table (never truncated)."""
     from bertembed.tokenizer import check_not_blank
@@ -169,28 +152,33 @@ def explain_text(text: str, text_b: str | None = None, model=None, *,
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
-    source, tokenizer = source_and_tokenizer(model)  # (the tokenizer first: a text it refuses costs no table read)
-    enc = tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
+    layer = load_layer(model)
+    enc = layer.encode(text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
-        layer = load_layer(model if isinstance(model, NumpyEmbeddings) else source, tokenizer)
-        parts, config, tensors = layer.decompose(ids, types), layer.config, layer.tensors
+        parts, config, tensors = layer.numpy.decompose(ids, types), layer.config, layer.tensors
     else:
         import torch
 
         from bertembed.embeddings import BertEmbeddings
 
-        module = BertEmbeddings.from_pretrained(source)
+        module = BertEmbeddings.from_pretrained(layer.source)
         with torch.no_grad():
             parts = vars(module.decompose(torch.from_numpy(ids), torch.from_numpy(types)))
         parts = {k: v.float().numpy() for k, v in parts.items()}
         config, tensors = module.config, {k: v.float().numpy() for k, v in module.state_dict().items()}
     gamma = tensors["LayerNorm.weight"]
     beta = tensors.get("LayerNorm.bias", np.zeros_like(gamma))  # (ModernBERT's norm has no bias)
-    has, written = recipe(config)
+    # the parts the member adds, and its recipe in its own order of the sum: BERT's "LayerNorm(word + segment +
+    # position)", DeBERTa v3's "LayerNorm(word)" (ALBERT's and ELECTRA's projection is outside: layer.project)
+    has = tuple(p for p in PARTS if p == "word" or (config.position_embedding_type != "none" if p == "position"
+                                                    else config.type_vocab_size > 0))
+    order = ("word", "position", "segment") if config.sum_order == "position_first" else ("word", "segment", "position")
+    total = " + ".join(p for p in order if p in has)
+    total = f"({total}) @ projection" if config.projection == "before_norm" else total
     return TextDecomposition(
-        source=source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
+        source=layer.source, engine=engine, tokens=list(enc.tokens), ids=list(enc.input_ids),
         segments=list(enc.token_type_ids),
         positions=list(range(config.first_position, config.first_position + len(enc.input_ids))),
         **{k: parts[k][0] for k in ("word", "position", "segment", "sum", "mean", "std", "output")},
-        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=written)
+        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=f"LayerNorm({total})")

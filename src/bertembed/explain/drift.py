@@ -4,12 +4,10 @@ it moved and which rows moved most. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms
-from bertembed.explain.figures import Figure, axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
@@ -73,7 +71,22 @@ class DriftReport(Result):
         top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
             if word else ""
         caption = f"From {self.source_a.name} to {self.source_b.name}, per tensor: " + "; ".join(parts) + "." + top
-        return [Figure("drift", "Drift per tensor", caption, partial(plot_drift, self))]
+        return [Figure("drift", "Drift per tensor", caption, self.plot)]
+
+    def plot(self, ax=None):
+        """Per tensor, the median |row B - row A| / |row A| over the rows that moved (it does not shrink with size)."""
+        fig, ax = axes(ax, size=(6.5, 3.4))
+        values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in self.tables]
+        bars = ax.bar([t.table for t in self.tables], values, color="0.45")
+        ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
+                                   else "" for t in self.tables], fontsize=7)
+        ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
+               ylabel="median |Δ row| / |row|, rows that moved",
+               title="Drift per tensor between two checkpoints (label: change, rows moved)")
+        if not any(v == v for v in values):
+            ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
+        ax.tick_params(axis="x", labelsize=8)
+        return fig
 
 
 def _labeller(layer, name: str):
@@ -88,12 +101,10 @@ def _labeller(layer, name: str):
         name, lambda i: f"[{i}]")
 
 
-def _rows_where(mask: np.ndarray) -> np.ndarray:
-    """Indices of the rows of a [N, H] mask (or the elements of an [N] one) that hold any True."""
-    return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
-
-
 def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> TableDrift:
+    def rows_where(mask):  # the rows of a [N, H] mask (the elements of an [N] one) that hold any True
+        return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
+
     a64, delta = a.astype(np.float64), b.astype(np.float64) - a
     per_row = row_norms(delta) if delta.ndim == 2 else np.abs(delta)
     base = row_norms(a64) if delta.ndim == 2 else np.abs(a64)
@@ -101,11 +112,11 @@ def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> Ta
     relative = per_row / np.maximum(base, 1e-30)
     moved = (per_row > 0) & np.isfinite(relative)  # unchanged rows, NaN or inf drop out
     order = np.argsort(-np.where(moved, relative, -1.0), kind="stable")[:int(moved.sum())][:top]
-    non_finite = {side: _rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
+    non_finite = {side: rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
     return TableDrift(
         table=name, shape=list(a.shape), relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64),
                                                                                           1e-30)),
-        max_abs_change=float(np.abs(delta).max()), rows_changed=len(_rows_where(differs)),
+        max_abs_change=float(np.abs(delta).max()), rows_changed=len(rows_where(differs)),
         median_row_change=float(np.median(relative[moved])) if moved.any() else 0.0,
         top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]),
               "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order],
@@ -127,20 +138,3 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
     tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)
               for name, key in DRIFT_TABLES.items() if key in a.tensors]
     return DriftReport(a.source, b.source, tables)
-
-
-def plot_drift(report, ax=None):
-    """Per tensor, how far a moved row moved (the median over the rows that changed of |row B - row A| / |row A|),
-    labelled with how many rows moved: a measure that does not shrink with the table's size (log scale)."""
-    fig, ax = axes(ax, size=(6.5, 3.4))
-    values = [t.median_row_change if t.median_row_change > 0 else np.nan for t in report.tables]
-    bars = ax.bar([t.table for t in report.tables], values, color="0.45")
-    ax.bar_label(bars, labels=[f"{t.median_row_change:.2g}, {t.rows_changed} of {t.shape[0]}" if t.rows_changed
-                               else "" for t in report.tables], fontsize=7)
-    ax.set(yscale="log" if any(v == v for v in values) else "linear", xlabel="tensor",
-           ylabel="median |Δ row| / |row|, rows that moved",
-           title="Drift per tensor between two checkpoints (label: change, rows moved)")
-    if not any(v == v for v in values):
-        ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
-    ax.tick_params(axis="x", labelsize=8)
-    return fig

@@ -8,13 +8,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, source_and_tokenizer
-from bertembed.explain.figures import Figure, axes
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer
 from bertembed.sources import Source
 
 SENTENCES = (
@@ -105,9 +103,43 @@ class FinetuneReport(Result):
                      f"0-{max(self.occurred['position'])} (the longest sentence) move and every later row stays "
                      f"exactly equal (change 0); AdamW's decay nudges every row; freezing the word table does not "
                      f"stop the position table from training.")
-        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, partial(plot_finetune_rows, self)),
+        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, self.plot_rows),
                 Figure("finetune_positions", "Position rows after fine-tuning", positions,
-                       partial(plot_finetune_positions, self))]
+                       self.plot_positions)]
+
+    def plot_rows(self, ax=None):
+        """Rows moved per table in each run (log scale), with the table sizes for reference."""
+        fig, ax = axes(ax)
+        tables = [t.table for t in self.runs[0].tables]
+        width = 0.8 / len(self.runs)
+        for i, run in enumerate(self.runs):
+            offset = (i - (len(self.runs) - 1) / 2) * width
+            x = np.arange(len(tables)) + offset
+            moved = [t.moved for t in run.tables]
+            # a log axis has no 0: a table with no row moved gets no bar, only its "0" label at the axis
+            bars = ax.bar(x, [m if m > 0 else np.nan for m in moved], width, label=run.spec.name)
+            ax.bar_label(bars, labels=[str(m) if m > 0 else "" for m in moved], fontsize=7)
+            for xi, m in zip(x, moved, strict=True):
+                if m == 0:
+                    ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in self.runs[0].tables])
+        ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {self.steps} steps: rows moved")
+        ax.legend(fontsize=8)
+        return fig
+
+    def plot_positions(self, ax=None, first: int = 24):
+        """|change| of the first position rows in each run: only positions that occurred move under Adam."""
+        fig, ax = axes(ax)
+        for run, style in zip(self.runs, ("-o", "--s", ":^", "-.d"), strict=False):
+            change = run.row_change.get("position")
+            if change is not None:
+                ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
+        ax.axvline(max(self.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
+        ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
+               yscale="symlog", ylim=(0, None))
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.legend(fontsize=8)
+        return fig
 
 
 def _run(spec: RunSpec, start: dict, config, enc, labels, occurred: dict, steps: int, lr: float, seed: int,
@@ -174,7 +206,8 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
         raise ValueError(f"lr={lr}: the learning rate must be positive, e.g. 1e-3")
     if save is not None:
         check_save_folder(save)
-    source, tokenizer = source_and_tokenizer(model)
+    checkpoint = load_layer(model)
+    source, tokenizer = checkpoint.source, checkpoint.tokenizer
     base = BertEmbeddings.from_pretrained(source)
     start = {k: v.detach().clone() for k, v in base.state_dict().items()}
     for i, (sentence, _) in enumerate(sentences):
@@ -216,56 +249,16 @@ def check_save_folder(folder: str | Path) -> Path:
 
 def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
     """Save an embedding layer with its checkpoint's tokenizer files into `folder`, all or nothing
-    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary."""
+    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary; an OSError names `folder`."""
     from bertembed.atomic import atomic_folder
     from bertembed.checkpoint import checkpoint_writer
 
     folder = check_save_folder(folder)
     write = checkpoint_writer(layer, folder)
-    try:
-        with atomic_folder(folder, keep_others=False) as staging:
-            write(staging)
-            for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                path = source.file(name)
-                if path is not None:
-                    shutil.copyfile(path, staging / name)
-    except OSError as err:  # the disk filled up, a folder with files appeared meanwhile: nothing was written
-        why = err.strerror or str(err)
-        raise ValueError(why if why.startswith("cannot ") else f"cannot save to {folder}: {why}") from err
+    with atomic_folder(folder, keep_others=False) as staging:
+        write(staging)
+        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            path = source.file(name)
+            if path is not None:
+                shutil.copyfile(path, staging / name)
     return folder
-
-
-def plot_finetune_rows(report, ax=None):
-    """Rows moved per table in each run (log scale), with the table sizes for reference."""
-    fig, ax = axes(ax)
-    tables = [t.table for t in report.runs[0].tables]
-    width = 0.8 / len(report.runs)
-    for i, run in enumerate(report.runs):
-        offset = (i - (len(report.runs) - 1) / 2) * width
-        x = np.arange(len(tables)) + offset
-        moved = [t.moved for t in run.tables]
-        # a log axis has no 0: a table with no row moved gets no bar, only its "0" label at the axis
-        bars = ax.bar(x, [m if m > 0 else np.nan for m in moved], width, label=run.spec.name)
-        ax.bar_label(bars, labels=[str(m) if m > 0 else "" for m in moved], fontsize=7)
-        for xi, m in zip(x, moved, strict=True):
-            if m == 0:
-                ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in report.runs[0].tables])
-    ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {report.steps} steps: rows moved")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def plot_finetune_positions(report, ax=None, first: int = 24):
-    """|change| of the first position rows in each run: only positions that occurred move under Adam."""
-    fig, ax = axes(ax)
-    for run, style in zip(report.runs, ("-o", "--s", ":^", "-.d"), strict=False):
-        change = run.row_change.get("position")
-        if change is not None:
-            ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
-    ax.axvline(max(report.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
-    ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
-           yscale="symlog", ylim=(0, None))
-    ax.set_yscale("symlog", linthresh=1e-6)
-    ax.legend(fontsize=8)
-    return fig

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import timeit
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import STRUCTURAL, ModelArg, Result, load_layer, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_layer
 from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
@@ -55,7 +53,19 @@ class OneHotReport(Result):
                    f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x)"
                    f" and touched {self.onehot_bytes / 1e6:.3g} MB, because it reads all {self.vocab_size} rows of "
                    f"the table.")
-        return [Figure("onehot", "One-hot vs lookup", caption, partial(plot_onehot, self))]
+        return [Figure("onehot", "One-hot vs lookup", caption, self.plot)]
+
+    def plot(self):
+        """Time and memory of the lookup and of the one-hot product (log scale)."""
+        fig, panels = axes(size=(8, 3.2), panels=2)
+        for ax, values, unit, title in zip(panels, ([self.lookup_seconds * 1e6, self.onehot_seconds * 1e6],
+                                                    [self.lookup_bytes / 1e3, self.onehot_bytes / 1e3]),
+                                           ("microseconds", "kB touched"), ("time (median)", "memory"), strict=True):
+            bars = ax.bar(["lookup W[ids]", "one_hot(ids) @ W"], values, color=[PART_COLOURS["word"], "0.45"])
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
+            ax.set(yscale="log", ylabel=unit, title=title)
+        fig.suptitle(f"Same result ({'identical' if self.equal else 'DIFFERENT'}), {len(self.ids)} tokens")
+        return fig
 
 
 def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -82,7 +92,7 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
-    enc = tokenize_whole(layer.tokenizer, text)
+    enc = layer.encode(text)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape
@@ -101,16 +111,3 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> On
         lookup_seconds=_median_time(lambda: words[ids], repeats),
         onehot_seconds=_median_time(lambda: one_hot(ids, vocab) @ words, repeats),
         lookup_bytes=tokens * hidden * 4, onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden)
-
-
-def plot_onehot(report):
-    """Time and memory of the lookup and of the one-hot product (log scale)."""
-    fig, panels = axes(size=(8, 3.2), panels=2)
-    for ax, values, unit, title in zip(panels, ([report.lookup_seconds * 1e6, report.onehot_seconds * 1e6],
-                                                [report.lookup_bytes / 1e3, report.onehot_bytes / 1e3]),
-                                       ("microseconds", "kB touched"), ("time (median)", "memory"), strict=True):
-        bars = ax.bar(["lookup W[ids]", "one_hot(ids) @ W"], values, color=[PART_COLOURS["word"], "0.45"])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set(yscale="log", ylabel=unit, title=title)
-    fig.suptitle(f"Same result ({'identical' if report.equal else 'DIFFERENT'}), {len(report.ids)} tokens")
-    return fig

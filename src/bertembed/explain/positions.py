@@ -4,12 +4,10 @@ by entry, in structure, in smoothness, and its seams (docs/how-bert-embeddings-w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
@@ -40,11 +38,7 @@ def spectrum(matrix: np.ndarray) -> np.ndarray:
     """The share of the variance over positions at each frequency (cycles over the P positions), pooled over the
     columns of [P, H]: [P//2 + 1], summing to 1 (Parseval: the bins between 0 and Nyquist count twice)."""
     power = _power(matrix).sum(1)
-    weights = np.full(len(power), 2.0)
-    weights[0] = 1.0
-    if matrix.shape[0] % 2 == 0:
-        weights[-1] = 1.0
-    power = power * weights
+    power[1:len(power) - (matrix.shape[0] % 2 == 0)] *= 2  # (the bins strictly between 0 and Nyquist)
     return power / max(power.sum(), 1e-300)
 
 
@@ -115,13 +109,41 @@ class PositionReport(Result):
     sinusoid_peaks: np.ndarray = field(default=None, repr=False)  # [H] the same for the sinusoidal table
     seams: list[dict] = field(default_factory=list)  # from `find_seams`
     first: int = 0  # the first position a token uses (RoBERTa-style tables reserve the rows before it)
-    noise_like: bool = False  # no more structure than a random table: an untrained one?
-    verdict: str = ""
 
     @property
     def adjacent_cosine(self) -> float:
         """The mean cosine of neighbouring positions."""
         return float(np.diag(self.similarity, 1).mean())
+
+    @property
+    def noise_like(self) -> bool:
+        """No more structure than a random table: an untrained one?"""
+        return bool(abs(float(np.median(np.diag(self.similarity, 1)))) < 0.2
+                    and self.lowfreq_share < 3 * self.lowfreq_share_noise)
+
+    @property
+    def verdict(self) -> str:
+        if self.structure_correlation > 0.95:
+            return (f"Yes, in structure: its similarity pattern matches the sinusoidal table's (r = "
+                    f"{self.structure_correlation:.2f}).")
+        if self.noise_like:
+            return (f"This table is no different from noise: neighbouring positions have cosine "
+                    f"{self.adjacent_cosine:.2f}, the first 10 principal components hold {self.pca_share_10:.0%} of "
+                    f"its variance and frequencies 1-{self.k} {self.lowfreq_share:.0%} (white noise: "
+                    f"{self.lowfreq_share_noise:.0%}). An untrained (random) table looks like this; there is no code "
+                    f"of position in it to compare with sin/cos.")
+        text = (f"Entry by entry the learned and sin/cos tables correlate r = {self.entrywise_correlation:+.3f}, but "
+                f"that is the wrong test: a table rotated in the hidden space works as well, and no training would "
+                f"pick the formula's axes. In structure (which positions are alike) they correlate r = "
+                f"{self.structure_correlation:.2f}. The learned table is low-dimensional and smooth: 2 principal "
+                f"components hold {self.pca_share_2:.0%} of its variance over positions and 10 hold "
+                f"{self.pca_share_10:.0%}, and frequencies 1-{self.k} hold {self.lowfreq_share:.0%} (sin/cos "
+                f"{self.lowfreq_share_sinusoid:.0%}, noise {self.lowfreq_share_noise:.0%}): order is encoded along a "
+                f"smooth curve, not by the formula (compare {WANG_AND_CHEN}, who find BERT's table far less "
+                f"sinusoidal than GPT-2's).")
+        return text + "".join(map(describe_seam, self.seams)) + (
+            " Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the training "
+            "length; a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
 
     def summary(self) -> dict:
         return {"model": self.model, "positions": len(self.norms), "first_position": self.first,
@@ -153,11 +175,64 @@ class PositionReport(Result):
                f"positions): they hold {self.pca_share_2:.0%} of the variance, the first ten {self.pca_share_10:.0%}. "
                f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
                f"directions of the hidden space, whatever their rotation.")
-        return [Figure("position_similarity", "Position similarity", similarity,
-                       partial(plot_position_similarity, self)),
-                Figure("position_norms", "Position norms", norms, partial(plot_position_norms, self)),
-                Figure("position_spectrum", "Position spectrum", spectrum, partial(plot_position_spectrum, self)),
-                Figure("position_pca", "Positions on two principal components", pca, partial(plot_position_pca, self))]
+        return [Figure("position_similarity", "Position similarity", similarity, self.plot_similarity),
+                Figure("position_norms", "Position norms", norms, self.plot_norms),
+                Figure("position_spectrum", "Position spectrum", spectrum, self.plot_spectrum),
+                Figure("position_pca", "Positions on two principal components", pca, self.plot_pca)]
+
+    def plot_similarity(self):
+        """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
+        fig, panels = axes(size=(10, 4.6), panels=2)
+        for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity),
+                                     ("learned position vectors", "sinusoidal table, same size"), strict=True):
+            image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+            ax.set(xlabel="position j", ylabel="position i", title=title)
+        fig.colorbar(image, ax=list(panels), label="cosine similarity", shrink=0.85)
+        fig.suptitle(f"Position-position similarity (structure correlation r = {self.structure_correlation:.2f})")
+        return fig
+
+    def plot_norms(self, ax=None):
+        """Norm of each position vector and the cosine with the next position; a line at each seam found."""
+        fig, ax = axes(ax)
+        count, first = len(self.norms), self.first
+        ax.plot(range(first, first + count), self.norms, color=PART_COLOURS["position"], lw=1.2,
+                label="norm of position vector")
+        ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
+        twin = ax.twinx()
+        twin.plot(range(first, first + count - 1), np.diag(self.similarity, 1), color="0.45", lw=0.8,
+                  label="cosine with next position")
+        twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(self.similarity, 1).min())), 1.05))
+        for seam in self.seams:
+            ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
+            ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
+        lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
+        return fig
+
+    def plot_spectrum(self, ax=None):
+        """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
+        fig, ax = axes(ax)
+        freqs = np.arange(len(self.spectrum))
+        ax.semilogy(freqs[1:], self.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
+        ax.semilogy(freqs[1:], self.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
+        ax.axhline(2 / (2 * len(freqs) - 3), color="0.6", ls=":", label="white noise (flat)")
+        ax.axvspan(0.5, self.k + 0.5, color="#eeeeee", zorder=0,
+                   label=f"frequencies 1-{self.k}: {self.lowfreq_share:.0%} of the learned table's variance")
+        ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
+               title="Spectrum over positions, pooled over hidden dimensions", xscale="log")
+        ax.legend(fontsize=8)
+        return fig
+
+    def plot_pca(self, ax=None):
+        """The positions on the table's first two principal components, coloured by position."""
+        fig, ax = axes(ax, size=(6, 5))
+        x, y = self.pca_coords[:, 0], self.pca_coords[:, 1]
+        ax.plot(x, y, color="0.8", lw=0.6, zorder=1)
+        points = ax.scatter(x, y, c=np.arange(self.first, self.first + len(x)), cmap="viridis", s=8, zorder=2)
+        fig.colorbar(points, ax=ax, label="position")
+        ax.set(xlabel="first principal component", ylabel="second principal component",
+               title=f"Positions on two components ({self.pca_share_2:.0%} of the variance)")
+        return fig
 
 
 def describe_seam(seam: dict) -> str:
@@ -173,36 +248,13 @@ def describe_seam(seam: dict) -> str:
                    f"rows past them trained less; the model's training recipe would tell.")
 
 
-def _verdict(r: PositionReport) -> str:
-    if r.structure_correlation > 0.95:
-        return (f"Yes, in structure: its similarity pattern matches the sinusoidal table's (r = "
-                f"{r.structure_correlation:.2f}).")
-    if r.noise_like:
-        return (f"This table is no different from noise: neighbouring positions have cosine "
-                f"{r.adjacent_cosine:.2f}, the first 10 principal components hold "
-                f"{r.pca_share_10:.0%} of its variance and frequencies 1-{r.k} {r.lowfreq_share:.0%} (white noise: "
-                f"{r.lowfreq_share_noise:.0%}). An untrained (random) table looks like this; there is no code of "
-                f"position in it to compare with sin/cos.")
-    text = (f"Entry by entry the learned and sin/cos tables correlate r = {r.entrywise_correlation:+.3f}, but that is "
-            f"the wrong test: a table rotated in the hidden space works as well, and no training would pick the "
-            f"formula's axes. In structure (which positions are alike) they correlate r = "
-            f"{r.structure_correlation:.2f}. The learned table is low-dimensional and smooth: 2 principal components "
-            f"hold {r.pca_share_2:.0%} of its variance over positions and 10 hold {r.pca_share_10:.0%}, and "
-            f"frequencies 1-{r.k} hold {r.lowfreq_share:.0%} (sin/cos {r.lowfreq_share_sinusoid:.0%}, noise "
-            f"{r.lowfreq_share_noise:.0%}): order is encoded along a smooth curve, not by the formula "
-            f"(compare {WANG_AND_CHEN}, who find BERT's table far less sinusoidal than GPT-2's).")
-    return text + "".join(map(describe_seam, r.seams)) + (
-        " Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the training length; "
-        "a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
-
-
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     """Measure the position table of `model`: the rows tokens use. NotInThisMember where the member has none;
     ValueError for k < 1; a k past the table's P // 2 frequencies is lowered to it (the report's `k` is used)."""
     if k < 1:
         raise ValueError(f"k={k}: fit at least 1 low-frequency cosine")
     layer = load_layer(model)
-    learned = table(layer, "position")
+    learned = layer.table("position")
     count = learned.shape[0]
     if count < 3:
         raise ValueError(f"the position table has {count} rows; at least 3 are needed to compare structures")
@@ -211,73 +263,12 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     sim, sin_sim = cosine_matrix(learned), cosine_matrix(sinus)
     u, singular, _ = np.linalg.svd(learned - learned.mean(0), full_matrices=False)  # principal components
     shares, coords = singular ** 2 / max((singular ** 2).sum(), 1e-300), u[:, :2] * singular[:2]
-    noise = min(1.0, 2 * k / (count - 1))
-    report = PositionReport(
+    return PositionReport(
         source=layer.source, similarity=sim, sinusoid_similarity=sin_sim, norms=row_norms(learned),
         entrywise_correlation=float(np.corrcoef(learned.ravel(), sinus.ravel())[0, 1]),
         structure_correlation=structure_correlation(sim, sin_sim), pca_share_2=float(shares[:2].sum()),
         pca_share_10=float(shares[:10].sum()), pca_coords=coords, k=k, lowfreq_share=lowfreq_share(learned, k),
-        lowfreq_share_sinusoid=lowfreq_share(sinus, k), lowfreq_share_noise=noise, spectrum=spectrum(learned),
-        sinusoid_spectrum=spectrum(sinus), peaks=peak_frequencies(learned), sinusoid_peaks=peak_frequencies(sinus),
+        lowfreq_share_sinusoid=lowfreq_share(sinus, k), lowfreq_share_noise=min(1.0, 2 * k / (count - 1)),
+        spectrum=spectrum(learned), sinusoid_spectrum=spectrum(sinus), peaks=peak_frequencies(learned),
+        sinusoid_peaks=peak_frequencies(sinus),
         seams=find_seams(learned, layer.config.first_position), first=layer.config.first_position)
-    report.noise_like = bool(abs(float(np.median(np.diag(sim, 1)))) < 0.2 and report.lowfreq_share < 3 * noise)
-    report.verdict = _verdict(report)
-    return report
-
-
-def plot_position_similarity(report):
-    """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
-    fig, panels = axes(size=(10, 4.6), panels=2)
-    for ax, matrix, title in zip(panels, (report.similarity, report.sinusoid_similarity),
-                                 ("learned position vectors", "sinusoidal table, same size"), strict=True):
-        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
-        ax.set(xlabel="position j", ylabel="position i", title=title)
-    fig.colorbar(image, ax=list(panels), label="cosine similarity", shrink=0.85)
-    fig.suptitle(f"Position-position similarity (structure correlation r = {report.structure_correlation:.2f})")
-    return fig
-
-
-def plot_position_norms(report, ax=None):
-    """Norm of each position vector and the cosine with the next position; a line at each seam found in the table."""
-    fig, ax = axes(ax)
-    count, first = len(report.norms), report.first
-    ax.plot(range(first, first + count), report.norms, color=PART_COLOURS["position"], lw=1.2,
-            label="norm of position vector")
-    ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
-    twin = ax.twinx()
-    twin.plot(range(first, first + count - 1), np.diag(report.similarity, 1), color="0.45", lw=0.8,
-              label="cosine with next position")
-    twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(report.similarity, 1).min())), 1.05))
-    for seam in report.seams:
-        ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
-        ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
-    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
-    return fig
-
-
-def plot_position_spectrum(report, ax=None):
-    """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
-    fig, ax = axes(ax)
-    freqs = np.arange(len(report.spectrum))
-    ax.semilogy(freqs[1:], report.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
-    ax.semilogy(freqs[1:], report.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
-    ax.axhline(2 / (2 * len(freqs) - 3), color="0.6", ls=":", label="white noise (flat)")
-    ax.axvspan(0.5, report.k + 0.5, color="#eeeeee", zorder=0,
-               label=f"frequencies 1-{report.k}: {report.lowfreq_share:.0%} of the learned table's variance")
-    ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
-           title="Spectrum over positions, pooled over hidden dimensions", xscale="log")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def plot_position_pca(report, ax=None):
-    """The positions on the table's first two principal components, coloured by position."""
-    fig, ax = axes(ax, size=(6, 5))
-    x, y = report.pca_coords[:, 0], report.pca_coords[:, 1]
-    ax.plot(x, y, color="0.8", lw=0.6, zorder=1)
-    points = ax.scatter(x, y, c=np.arange(report.first, report.first + len(x)), cmap="viridis", s=8, zorder=2)
-    fig.colorbar(points, ax=ax, label="position")
-    ax.set(xlabel="first principal component", ylabel="second principal component",
-           title=f"Positions on two components ({report.pca_share_2:.0%} of the variance)")
-    return fig

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bertembed.atomic import write_atomic
-from bertembed.explain._common import ModelArg, NotInThisMember, NotMeasured, html_table, summary_rows
-from bertembed.explain.figures import Figure, figure_html, figure_png
+from bertembed.config import NotInThisMember
+from bertembed.explain._common import Figure, ModelArg, NotMeasured, figure_html, html_table, summary_rows
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
@@ -29,22 +28,20 @@ INTRO = ("Before any attention layer runs, the model turns text into vectors: ea
 Drawn = list[tuple[Figure, bytes]]  # one result's figures with their PNGs
 
 
-def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
-                 finetune: bool = False, steps: int = 12,
-                 progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
+def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, finetune: bool = False,
+                 steps: int = 12, progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
     """All analyses of one text, on one checkpoint read once: decomposition, positions, segments, tokens, one-hot;
     with `finetune`, the fine-tune demo too (needs torch; seconds)."""
     from bertembed import explain
-    from bertembed.explain._common import load_layer, source_and_tokenizer, tokenize_whole
-    from bertembed.numpy_layer import NumpyEmbeddings
+    from bertembed.explain._common import load_layer
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
-    source, tokenizer = source_and_tokenizer(model)  # (the tokenizer first: a text it refuses costs no table read)
-    tokenize_whole(tokenizer, text, text_b, ("TEXT", "TEXT_B"))
-    layer = load_layer(model if isinstance(model, NumpyEmbeddings) else source, tokenizer)
-    dec = explain.explain_text(text, text_b, layer)
-    token = token or _first_word(dec.tokens)
+    layer = load_layer(model)
+    dec = explain.explain_text(text, text_b, layer)  # (the tokenizer first: a text it refuses costs no table read)
+    # the neighbours of the text's first whole word (not special, not a ## piece)
+    token = next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
+                 dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")
     results = [dec, _or_why("Positions", explain.analyze_positions, layer),
                _or_why("Segments", explain.analyze_segments, text, text_b, layer),
                explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer)]
@@ -61,15 +58,9 @@ def _or_why(title: str, analysis: Callable, *args) -> Any:
         return NotMeasured(title, str(err))
 
 
-def _first_word(tokens: list[str]) -> str:
-    """The first whole-word token of a text (not special, not a ## piece), for the neighbours analysis."""
-    return next((t for t in tokens[1:] if t.isalpha() and not t.startswith("##")), tokens[1] if len(tokens) > 2
-                else "[CLS]")
-
-
 def render_figures(result: Any) -> Drawn:
     """Every figure of one result, with its PNG."""
-    return [(f, figure_png(f.draw())) for f in result.figures()]
+    return [(f, f.png()) for f in result.figures()]
 
 
 def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
@@ -91,7 +82,7 @@ def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
         body += [f'<h2 id="s{i}">{html.escape(result.question)}<span class="tag">{html.escape(result.tag)}</span></h2>',
                  f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
                  f'<div class="scroll">{html_table(rows)}</div>']
-        body += [figure_html(f.title, png, f.caption) for f, png in figures]
+        body += [figure_html(f, png) for f, png in figures]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")
 
@@ -106,12 +97,6 @@ def check_folder(folder: str | Path) -> Path:
     except OSError as err:
         raise ValueError(f"--plots {folder}: cannot create the folder ({err.strerror})") from err
     return folder
-
-
-def write_plots(drawn: list[Drawn], folder: str | Path) -> list[Path]:
-    """One PNG per figure, named after it (e.g. position_similarity.png), each written atomically."""
-    folder = check_folder(folder)
-    return [write_atomic(folder / f"{figure.name}.png", png) for figures in drawn for figure, png in figures]
 
 
 def combined_png(result: Any) -> bytes:

@@ -4,12 +4,11 @@ vectors and by how the output changes when one text moves from segment A to B. T
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, NotInThisMember, Result, load_layer, row_norms, table, tokenize_whole
-from bertembed.explain.figures import PART_COLOURS, Figure, axes, token_axis
+from bertembed.config import NotInThisMember
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms, token_axis
 from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
@@ -69,8 +68,30 @@ class SegmentReport(Result):
                   f"{self.output_norm:.2f}), output cosine {self.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] "
                   f"take segment A and B [SEP] take segment B: one sequence, processed in parallel, told apart only by "
                   f"this added vector.")
-        return [Figure("segments", "Segment vectors", vectors, partial(plot_segments, self)),
-                Figure("segment_effect", "Segment A vs B", effect, partial(plot_segment_effect, self))]
+        return [Figure("segments", "Segment vectors", vectors, self.plot_vectors),
+                Figure("segment_effect", "Segment A vs B", effect, self.plot_effect)]
+
+    def plot_vectors(self, ax=None):
+        """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
+        fig, ax = axes(ax, size=(6.5, 3.4))
+        labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
+        values = [*self.norms[:2], self.difference_norm, self.median_word_norm, self.median_position_norm]
+        colours = [*SEGMENT_COLOURS, "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
+        bars = ax.bar(labels, values, color=colours)
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+        ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {self.cosine:.2f}")
+        return fig
+
+    def plot_effect(self, ax=None):
+        """Per token: how far the output moves when the same text is put in segment B instead of A."""
+        fig, ax = axes(ax)
+        ax.bar(range(len(self.tokens)), self.output_change, color=SEGMENT_COLOURS[1],
+               label="|output(B) - output(A)|")
+        ax.axhline(self.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {self.output_norm:.2f}")
+        token_axis(ax, self.tokens)
+        ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
+        ax.legend(fontsize=8)
+        return fig
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
@@ -80,24 +101,24 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
 
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
-    seg = table(layer, "segment")
-    enc = tokenize_whole(layer.tokenizer, text)
+    seg = layer.table("segment")
+    enc = layer.encode(text)
     # the pair, one sequence: refused, as the text alone, where it has no tokens or more than the positions
-    pair = tokenize_whole(layer.tokenizer, text, text_b) if text_b is not None else None
+    pair = layer.encode(text, text_b) if text_b is not None else None
     ids = np.array([enc.input_ids, enc.input_ids])
-    parts = layer.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
+    parts = layer.numpy.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
     try:
-        median_position_norm = float(np.median(row_norms(table(layer, "position"))))
+        median_position_norm = float(np.median(row_norms(layer.table("position"))))
     except NotInThisMember:
         median_position_norm = float("nan")  # (no position table: nothing to compare the segment rows with)
     return SegmentReport(
         source=layer.source, vectors=seg, norms=[float(n) for n in norms],
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
         cosine=float(seg[0] @ seg[1] / max(norms[0] * norms[1], 1e-30)),
-        median_word_norm=float(np.median(row_norms(table(layer, "word")))), median_position_norm=median_position_norm,
+        median_word_norm=float(np.median(row_norms(layer.table("word")))), median_position_norm=median_position_norm,
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),
@@ -123,27 +144,3 @@ def _literal_separator(tokenizer, text: str) -> str | None:
             return (f"the text holds a literal {sep}: it becomes the separator token but stays in segment A, one "
                     f"text; two texts make a pair (inspect segments TEXT --text-b B, or tok(a, b))")
     return None
-
-
-def plot_segments(report: SegmentReport, ax=None):
-    """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
-    fig, ax = axes(ax, size=(6.5, 3.4))
-    labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
-    values = [*report.norms[:2], report.difference_norm, report.median_word_norm, report.median_position_norm]
-    colours = [*SEGMENT_COLOURS, "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
-    bars = ax.bar(labels, values, color=colours)
-    ax.bar_label(bars, fmt="%.3f", fontsize=8)
-    ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {report.cosine:.2f}")
-    return fig
-
-
-def plot_segment_effect(report: SegmentReport, ax=None):
-    """Per token: how far the output moves when the same text is put in segment B instead of A."""
-    fig, ax = axes(ax)
-    ax.bar(range(len(report.tokens)), report.output_change, color=SEGMENT_COLOURS[1],
-           label="|output(B) - output(A)|")
-    ax.axhline(report.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {report.output_norm:.2f}")
-    token_axis(ax, report.tokens)
-    ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
-    ax.legend(fontsize=8)
-    return fig

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
-from bertembed.explain._common import ModelArg, Result, load_layer, row_norms, table
-from bertembed.explain.figures import PART_COLOURS, Figure, axes
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -62,8 +60,35 @@ class TokenReport(Result):
         near = (f"{self.token!r} is row {self.token_id} (norm {self.token_norm:.3f}). Its nearest rows by cosine: "
                 f"{_listed(self.neighbours)}. The table is a dictionary of learned vectors; neighbours share meaning "
                 f"before any context is added.")
-        return [Figure("token_norms", "Token norms", norms, partial(plot_token_norms, self)),
-                Figure("neighbours", "Nearest neighbours", near, partial(plot_neighbours, self))]
+        return [Figure("token_norms", "Token norms", norms, self.plot_norms),
+                Figure("neighbours", "Nearest neighbours", near, self.plot_neighbours)]
+
+    def plot_norms(self, ax=None):
+        """Norm of every word-table row against its id; special tokens marked."""
+        fig, ax = axes(ax)
+        ids = np.arange(len(self.norms))
+        ax.plot(ids, self.norms, ",", alpha=0.3, color=PART_COLOURS["word"], label="one token")  # (pixels: fast)
+        edges = np.unique(np.linspace(0, len(ids), 61).astype(int))
+        spans = list(zip(edges[:-1], edges[1:], strict=True))
+        ax.plot([(a + b) / 2 for a, b in spans], [np.median(self.norms[a:b]) for a, b in spans], color="k",
+                lw=1.2, label="median per bin")
+        for s in self.special:
+            ax.annotate(s["token"], (s["id"], s["norm"]), fontsize=7, color="crimson")
+        if self.rank_start is not None:
+            ax.axvline(self.rank_start, color="crimson", ls=":", lw=0.8, label="frequency-ordered words start")
+        ax.set(xlabel="token id (after the specials: roughly frequency rank)", ylabel="L2 norm of row",
+               title="Word vectors: norm by vocabulary id")
+        ax.legend(fontsize=8, markerscale=6)
+        return fig
+
+    def plot_neighbours(self, ax=None):
+        """The token's nearest rows in the word table by cosine."""
+        fig, ax = axes(ax, size=(6, 3.6))
+        names = [n["token"] for n in self.neighbours][::-1]
+        ax.barh(names, [n["cosine"] for n in self.neighbours][::-1], color=PART_COLOURS["word"])
+        ax.set(xlabel="cosine similarity", ylabel="token", xlim=(min(0, *(n["cosine"] for n in self.neighbours)), 1),
+               title=f"Nearest neighbours of {self.token!r} in the word table")
+        return fig
 
 
 def _listed(neighbours: list[dict]) -> str:
@@ -119,7 +144,7 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         raise ValueError(f"k={k}: ask for at least 1 neighbour")
     layer = load_layer(model)
     tokenizer = layer.tokenizer
-    words = table(layer, "word")
+    words = layer.table("word")
     entries, note = _entries(tokenizer, token)
     norms = row_norms(words)
     k = min(k, len(norms) - 1)
@@ -143,32 +168,3 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
         rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms)
-
-
-def plot_token_norms(report, ax=None):
-    """Norm of every word-table row against its id; special tokens marked."""
-    fig, ax = axes(ax)
-    ids = np.arange(len(report.norms))
-    ax.plot(ids, report.norms, ",", alpha=0.3, color=PART_COLOURS["word"], label="one token")  # (pixels: fast)
-    edges = np.unique(np.linspace(0, len(ids), 61).astype(int))
-    spans = list(zip(edges[:-1], edges[1:], strict=True))
-    ax.plot([(a + b) / 2 for a, b in spans], [np.median(report.norms[a:b]) for a, b in spans], color="k",
-            lw=1.2, label="median per bin")
-    for s in report.special:
-        ax.annotate(s["token"], (s["id"], s["norm"]), fontsize=7, color="crimson")
-    if report.rank_start is not None:
-        ax.axvline(report.rank_start, color="crimson", ls=":", lw=0.8, label="frequency-ordered words start")
-    ax.set(xlabel="token id (after the specials: roughly frequency rank)", ylabel="L2 norm of row",
-           title="Word vectors: norm by vocabulary id")
-    ax.legend(fontsize=8, markerscale=6)
-    return fig
-
-
-def plot_neighbours(report, ax=None):
-    """The token's nearest rows in the word table by cosine."""
-    fig, ax = axes(ax, size=(6, 3.6))
-    names = [n["token"] for n in report.neighbours][::-1]
-    ax.barh(names, [n["cosine"] for n in report.neighbours][::-1], color=PART_COLOURS["word"])
-    ax.set(xlabel="cosine similarity", ylabel="token", xlim=(min(0, *(n["cosine"] for n in report.neighbours)), 1),
-           title=f"Nearest neighbours of {report.token!r} in the word table")
-    return fig

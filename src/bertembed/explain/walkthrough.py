@@ -3,20 +3,18 @@ intermediate. `bertembed walkthrough` runs the steps' code; `bertembed notebook`
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg, load_layer, source_and_tokenizer, tokenize_whole
+from bertembed.explain._common import ModelArg, load_layer
 from bertembed.sources import Source
 
 
 @dataclass
 class Step:
-    """One step: a title, why, its code, the name it defines, the layer's own value it is checked against; once run,
-    what it gave."""
+    """One step: a title, why, its code, the value it defines and what that is checked against; once run, results."""
 
     title: str
     why: str
@@ -95,8 +93,7 @@ def steps(config: EmbeddingConfig) -> list[Step]:
     ]
 
 
-def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *, values: int = 4,
-                rows: int = 3) -> Walkthrough:
+def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None) -> Walkthrough:
     """Run the steps on `text` (and `text_b`) with `model`'s tensors, checking each against the layer's `decompose`
     (bit for bit where the operations are the same, else to float32 rounding)."""
     import torch
@@ -105,11 +102,11 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, text_b=text_b)
-    source, tokenizer = source_and_tokenizer(model)
-    tokenize_whole(tokenizer, text, text_b)  # (no tokens, or more than the positions: refused)
-    layer = BertEmbeddings.from_pretrained(source, dtype=torch.float32)
-    space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": tokenizer, "text": text, "text_b": text_b,
-                             "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
+    checkpoint = load_layer(model)
+    checkpoint.encode(text, text_b)  # (no tokens, or more than the positions: refused)
+    layer = BertEmbeddings.from_pretrained(checkpoint.source, dtype=torch.float32)
+    space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": checkpoint.tokenizer, "text": text,
+                             "text_b": text_b, "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
     results = []
     for step in steps(layer.config):
         exec(step.code, space)  # noqa: S102  (the steps' own code, the same the notebook shows)
@@ -117,13 +114,14 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None, *,
             with torch.no_grad():
                 space["parts"] = layer.decompose(space["ids"], space["types"] if layer.config.type_vocab_size
                                                  else None)
-        results.append(_result(step, space, values, rows))
+        results.append(_result(step, space))
     tokens = space["enc"].tokens
     _note_repeats(results[1], tokens, space["ids"][0].tolist())
-    return Walkthrough(source, layer.config.model_type, tokens, results)
+    return Walkthrough(checkpoint.source, layer.config.model_type, tokens, results)
 
 
-def _result(step: Step, space: dict, values: int, rows: int) -> Step:
+def _result(step: Step, space: dict, values: int = 4, rows: int = 3) -> Step:
+    """`step` run: its shape, its first `rows` tokens' first `values` values, and its check."""
     value = space[step.result]
     shape = list(value.shape)
     tokens = space["enc"].tokens
@@ -139,23 +137,24 @@ def _result(step: Step, space: dict, values: int, rows: int) -> Step:
     if step.against is None:
         why = "the tokenizer's output, the layer's input" if step.result == "ids" else \
             "not compared: the layer shows this part projected to H (DeBERTa)"
-        return dataclasses.replace(step, shape=shape, preview=preview, check=why)
+        return replace(step, shape=shape, preview=preview, check=why)
     expected = eval(step.against, space)  # noqa: S307  (an expression of the steps above)
     diff = float((value.double() - expected.double()).abs().max())
     if step.exact:
         check = f"equal to {step.against} bit for bit" if diff == 0 else f"differs from {step.against} by {diff:.3g}"
     else:
         check = f"equal to {step.against} to float32 rounding: max |diff| = {diff:.2g}"
-    return dataclasses.replace(step, shape=shape, preview=preview, check=check, max_abs_diff=diff)
+    return replace(step, shape=shape, preview=preview, check=check, max_abs_diff=diff)
 
 
 def _note_repeats(result: Step, tokens: list[str], ids: list[int]) -> None:
     """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
     places: dict[int, list[int]] = {}
     for i, token_id in enumerate(ids):
-        places.setdefault(token_id, []).append(i)
-    for first, second in sorted((p[:2] for p in places.values() if len(p) > 1), key=lambda p: p[1]):
-        result.notes.append(f"{tokens[second]} at {first} and {second}: the same id, so the same row, in any sentence")
+        if len(places.setdefault(token_id, [])) == 1:  # (its second place)
+            result.notes.append(f"{tokens[i]} at {places[token_id][0]} and {i}: the same id, so the same row, in "
+                                f"any sentence")
+        places[token_id].append(i)
     if not result.notes:
         result.notes.append(f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup")
 
@@ -203,7 +202,7 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = "The 
     from bertembed.atomic import check_output, write_atomic
 
     layer = load_layer(model)
-    tokenize_whole(layer.tokenizer, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
+    layer.encode(text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
     cells = notebook_cells(model, layer, text, text_b)
     book = nbformat.v4.new_notebook()
