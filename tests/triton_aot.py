@@ -24,14 +24,14 @@ _SIZES = dict(N="i32", H="i32", V="i32", T="i32", P="i32", seed="i32", p="fp32")
 def _forward(table: str, **constants) -> tuple:
     runtime = _IDS | _SIZES | dict(word=table, seg=table, pos=table, gamma=table, beta=table, out=table,
                                    mean="*fp32", rstd="*fp32", eps="fp32")
-    base = dict(HAS_POS=True, DROPOUT=False, STATS=False, COUNT=False, EVICT=True, R=1, BLOCK=1024)
+    base = dict(DROPOUT=False, STATS=False, COUNT=False, EVICT=True, R=1, BLOCK=1024)
     return kernels._forward_kernel, runtime, base | constants
 
 
 def _backward(table: str, **constants) -> tuple:
     runtime = _IDS | _SIZES | dict(grad=table, word=table, seg=table, pos=table, gamma=table, mean="*fp32",
                                    rstd="*fp32", dx_buf="*fp32", dword="*fp32", dpos="*fp32", part="*fp32", pad="i32")
-    base = dict(ROWS=4, HAS_POS=True, DROPOUT=True, ATOMIC=True, WANT_WORD=True, WANT_POS=True, COUNT=False,
+    base = dict(ROWS=4, DROPOUT=True, ATOMIC=True, WANT_WORD=True, WANT_POS=True, COUNT=False,
                 BLOCK=1024)
     return kernels._backward_kernel, runtime, base | constants
 
@@ -39,13 +39,13 @@ def _backward(table: str, **constants) -> tuple:
 CASES = {
     "forward, inference, float32": _forward("*fp32"),
     "forward, training (statistics, dropout), H 384": _forward("*fp32", STATS=True, DROPOUT=True, BLOCK=512),
-    "forward, bfloat16, 2 rows a program, no positions, no hints": _forward("*bf16", R=2, HAS_POS=False, EVICT=False),
+    "forward, bfloat16, 2 rows a program, no hints": _forward("*bf16", R=2, EVICT=False),
     "forward, float16": _forward("*fp16"),
     "backward, float32, atomics, dropout": _backward("*fp32"),
     "backward, bfloat16, deterministic, frozen word and position tables": _backward(
         "*bf16", ATOMIC=False, DROPOUT=False, WANT_WORD=False, WANT_POS=False),
-    "backward, float16, one row a program, no positions, bad ids counted": _backward(
-        "*fp16", ROWS=1, HAS_POS=False, WANT_POS=False, COUNT=True),
+    "backward, float16, one row a program, no position gradient, bad ids counted": _backward(
+        "*fp16", ROWS=1, WANT_POS=False, COUNT=True),
 }
 
 

@@ -239,12 +239,14 @@ def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids
     """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd Function
     for training, the custom op under torch.compile. `padding`: the word and position tables' padding rows or None."""
     word, segment, position, weight, bias = tables
-    if segment is None:  # no segment table (DistilBERT, MPNet, ModernBERT): one zero row, which adds nothing
+    # no segment table (DistilBERT, MPNet, ModernBERT) or position table (ModernBERT, DeBERTa's relative positions):
+    # one zero row, which adds nothing
+    if segment is None:
         segment, token_type_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
+    if position is None:
+        position, position_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
     if bias is None:  # a LayerNorm without bias (ModernBERT)
         bias = weight.new_zeros(weight.shape)
-    if position is None:
-        position_ids = input_ids.new_zeros((1, 1))  # (not read)
     tables = (word, segment, position, weight, bias)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     compiling = is_compiling()

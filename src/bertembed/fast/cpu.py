@@ -99,8 +99,8 @@ def _write_row_impl(y, out, i):
 
 
 @njit(cache=True, inline="always")
-def _ids_ok(w, s, q, v, t, p, has_pos):
-    return 0 <= w < v and 0 <= s < t and (not has_pos or 0 <= q < p)
+def _ids_ok(w, s, q, v, t, p):
+    return 0 <= w < v and 0 <= s < t and 0 <= q < p
 
 
 @njit(cache=True, inline="always")
@@ -109,42 +109,23 @@ def _add_rounded(v, row, j):
     return round_like(row, v + widen(row[j]))
 
 
-@njit(cache=True, inline="always")
-def _token_rows(word, seg, pos, w, s, q, has_pos):
-    """The token's three table rows as 1-D views, which vectorise where 2-D indexing does not (`seg`'s row stands in
-    for an absent position row, never read)."""
-    srow = seg[s]
-    return word[w], srow, pos[q] if has_pos else srow
-
-
 # `reassoc` lets the float32 sums vectorise; the tests hold `_add_rounded` to the reference's roundings.
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _sum_row(word, seg, pos, w, s, q, has_pos, x):
+def _sum_row(word, seg, pos, w, s, q, x):
     """x[:] = (word[w] + seg[s]) + pos[q] in float32, rounded after each add as the tables' dtype rounds; returns x's
     mean and biased variance, in one pass around a shift, or two where the shift lies far from the mean."""
-    wrow, srow, prow = _token_rows(word, seg, pos, w, s, q, has_pos)
+    wrow, srow, prow = word[w], seg[s], pos[q]  # (1-D rows vectorise where 2-D indexing does not)
     head = min(x.size, _SHIFT_FROM)
     shift = np.float32(0.0)
-    if has_pos:  # (a loop per case: a branch inside the loop kept the bfloat16 loops from vectorising)
-        for j in range(head):
-            shift += _add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j)
-    else:
-        for j in range(head):
-            shift += _add_rounded(widen(wrow[j]), srow, j)
+    for j in range(head):
+        shift += _add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j)
     shift = np.float32(shift / head)
     total, squares = np.float32(0.0), np.float32(0.0)
-    if has_pos:
-        for j in range(x.size):
-            x[j] = v = _add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j)
-            d = v - shift
-            total += d
-            squares += d * d
-    else:
-        for j in range(x.size):
-            x[j] = v = _add_rounded(widen(wrow[j]), srow, j)
-            d = v - shift
-            total += d
-            squares += d * d
+    for j in range(x.size):
+        x[j] = v = _add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j)
+        d = v - shift
+        total += d
+        squares += d * d
     m = np.float32(total / x.size)
     var = np.float32(squares / x.size - m * m)
     if not m * m <= np.float32(0.25) * var:  # (NaN too)
@@ -163,12 +144,12 @@ def _moments(x, shift, total):
 
 
 @njit(cache=True, inline="always", fastmath={"contract"})
-def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
+def _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
     """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
     dropout into x, then x into out[i]; returns whether the moments are not finite (a NaN or inf in the rows, or a
     variance, or a mean's square, past float32's range)."""
     h = x.size
-    m, var = _sum_row(word, seg, pos, w, s, q, has_pos, x)
+    m, var = _sum_row(word, seg, pos, w, s, q, x)
     m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
     mean[i], rstd[i] = m32, r32
     if threshold == 0:
@@ -186,13 +167,12 @@ def _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, thresh
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
     """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read), plus _ODD times how
     many had moments that are not finite."""
-    has_pos = pos.shape[0] > 0
     x = np.empty(out.shape[1], np.float32)
     bad, odd = 0, 0
     for i in range(lo, hi):
         w, s, q = ids[i], tts[i], pids[i]
-        if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
-            odd += _forward_token(i, w, s, q, word, seg, pos, has_pos, gamma, beta, eps, threshold, scale, seed, x, out,
+        if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
+            odd += _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out,
                                   mean, rstd)
         else:
             bad += 1
@@ -203,7 +183,7 @@ def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, thr
 def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
     """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
 
-    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H] (P = 0: no position row), out [N, H]: float32, or
+    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H], out [N, H]: float32, or
     uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
     tokens, a few per thread. Returns as `_forward_chunk`.
     """
@@ -216,17 +196,13 @@ def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, 
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
+def _row_backward(word, seg, pos, w, s, q, gout, i, m, r, gamma, threshold, scale, seed, dgamma, dbeta, x, dx):
     """LayerNorm (and dropout) backward of token i, in float32: dx[:] = d loss / d sum, with xhat recomputed from the
     tables into x; adds into the dgamma, dbeta [H] float32 partials."""
     h = x.size
-    wrow, srow, prow = _token_rows(word, seg, pos, w, s, q, has_pos)
-    if has_pos:
-        for j in range(h):
-            x[j] = (_add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j) - m) * r
-    else:
-        for j in range(h):
-            x[j] = (_add_rounded(widen(wrow[j]), srow, j) - m) * r
+    wrow, srow, prow = word[w], seg[s], pos[q]
+    for j in range(h):
+        x[j] = (_add_rounded(_add_rounded(widen(wrow[j]), srow, j), prow, j) - m) * r
     if threshold > 0:
         for j in range(h):
             dx[j] = widen(gout[i, j]) * scale if keep(seed, i * h + j, threshold) else np.float32(0.0)
@@ -267,17 +243,17 @@ def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean,
 def _backward_chunk(c, order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale,
                     seed, pad, dword, dseg, dpos, dgamma, dbeta):
     h = gout.shape[1]
-    has_pos, want_word = pos.shape[0] > 0, dword.shape[0] > 0
+    want_word = dword.shape[0] > 0
     x, dx = np.empty(h, np.float32), np.empty(h, np.float32)
     dgamma, dbeta, dseg, dpos = dgamma[c], dbeta[c], dseg[c], dpos[c]
     bad = 0
     for k in range(bounds[c], bounds[c + 1]):
         i = order[k]
         w, s, q = ids[i], tts[i], pids[i]
-        if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0], has_pos):
+        if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
             bad += 1
             continue
-        _row_backward(word, seg, pos, w, s, q, has_pos, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
+        _row_backward(word, seg, pos, w, s, q, gout, i, mean[i], rstd[i], gamma, threshold, np.float32(scale),
                       seed, dgamma, dbeta, x, dx)
         _add_row(dword, w, dx, want_word and w != pad)  # (the [PAD] row keeps a zero gradient)
         _add_row(dseg, s, dx, True)
@@ -356,9 +332,9 @@ def _threads(elements: int) -> int:
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, shape=None, strict: bool = False):
-    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous; pos may
-    be None. Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or
-    None and None with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
+    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous.
+    Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or None and None
+    with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
     out, out_np = _empty(shape or (n, h), word.dtype) if out is None else (out, _np(out))
     if stats:
@@ -367,7 +343,7 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
         (mean_np, rstd_np), mean, rstd = np.empty((2, n), np.float32), None, None
     threads = _threads(n * h)
     args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg),
-            _np(word[:0] if pos is None else pos), _np(gamma.float()), _np(beta.float()), float(eps),
+            _np(pos), _np(gamma.float()), _np(beta.float()), float(eps),
             dropout_threshold(p), dropout_scale(p), np.uint64(seed), out_np.reshape(n, h), mean_np, rstd_np)
     if threads > 1:
         found = forward(*args, max(1, min(n, 4 * threads)))  # (four chunks a thread: a late thread holds up less)
@@ -413,13 +389,12 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
     order = np.argsort(ids_np, kind="stable")
     bounds = chunk_bounds(ids_np[order], chunks, pad)
     dword = _zeros(word.shape[0] if need_word else 0, h)  # (only the rows of the batch's ids are touched)
-    want_pos = need_pos and pos is not None
-    lo, hi = (int(pids_np.min()), int(pids_np.max())) if want_pos and n else (0, -1)
+    lo, hi = (int(pids_np.min()), int(pids_np.max())) if need_pos and n else (0, -1)
     if chunks == 1 and hi >= lo:  # one writer: the kernel adds straight into the whole position gradient
         lo, hi = 0, pos.shape[0] - 1
     dseg, dpos, dgamma, dbeta = _zeros(chunks, seg.shape[0], h), _zeros(chunks, hi - lo + 1, h), _zeros(chunks, h), \
         _zeros(chunks, h)
-    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(word[:0] if pos is None else pos),
+    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(pos),
             _np(gamma.float()), _np(mean), _np(rstd), _np(grad), dropout_threshold(p),
             dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
     bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
@@ -427,10 +402,10 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         raise skipped_ids_error(bad, "bertembed cpu backward")
     if chunks == 1:  # one chunk's partials are the sums
         dseg, dgamma, dbeta = dseg[0], dgamma[0], dbeta[0]
-        full_pos = dpos[0] if hi >= lo else _zeros(pos.shape[0] if want_pos else 0, h)
+        full_pos = dpos[0] if hi >= lo else _zeros(pos.shape[0] if need_pos else 0, h)
     else:
         dseg, dgamma, dbeta = dseg.sum(0), dgamma.double().sum(0), dbeta.double().sum(0)
-        full_pos = _zeros(pos.shape[0] if want_pos else 0, h)
+        full_pos = _zeros(pos.shape[0] if need_pos else 0, h)
         if hi >= lo:
             full_pos[lo:hi + 1] = dpos.sum(0)
     dtype = word.dtype

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -41,13 +40,13 @@ def kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segme
     `strict`: RowsOverflowed where a token's moments are not finite, for the caller to run the reference instead."""
     return backend_module(backend).run_forward(
         *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-        None if position is None else position.contiguous(), weight, bias, eps, p, seed, out=out, stats=stats,
+        position.contiguous(), weight, bias, eps, p, seed, out=out, stats=stats,
         shape=(*input_ids.shape, word.shape[1]), strict=strict)
 
 
 def _forward(
     input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
-    position: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
+    position: Tensor, weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
     position_pad: int, backend: str, deterministic: bool, strict: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
@@ -77,14 +76,14 @@ def _(input_ids, token_type_ids, position_ids, word, segment, position, weight, 
 @torch.library.custom_op("bertembed::embeddings_backward", mutates_args=())
 def embeddings_backward_op(
     grad: Tensor, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, word: Tensor, segment: Tensor,
-    position: Optional[Tensor], weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
+    position: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, p: float, seed: int, padding_idx: int,
     backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
     kwargs = {"deterministic": deterministic} if backend == "triton" else {}
     return _own_storage(backend_module(backend).run_backward(
         grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
-        segment.contiguous(), None if position is None else position.contiguous(), weight, mean.reshape(-1),
+        segment.contiguous(), position.contiguous(), weight, mean.reshape(-1),
         rstd.reshape(-1), p, seed, padding_idx, need_word=need_word, need_pos=need_position, **kwargs))
 
 
@@ -103,7 +102,7 @@ def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed, padding_idx,
       backend, deterministic, need_word, need_position):
     hidden = word.shape[1]
-    rows_pos = position.shape[0] if position is not None and need_position else 0
+    rows_pos = position.shape[0] if need_position else 0
     return (word.new_empty((word.shape[0] if need_word else 0, hidden)), segment.new_empty(segment.shape),
             word.new_empty((rows_pos, hidden)), weight.new_empty(weight.shape), weight.new_empty(weight.shape))
 
@@ -135,11 +134,11 @@ def _backward(ctx, grad, _grad_mean, _grad_rstd):
     need = ctx.needs_input_grad[3:8]  # word, segment, position, LayerNorm weight, bias
     dword, dseg, dpos, dweight, dbias = embeddings_backward_op(
         grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p, seed,
-        padding_idx, backend, deterministic, need[0], position is not None and need[2])
-    if position is not None and need[2] and position_pad >= 0:
+        padding_idx, backend, deterministic, need[0], need[2])
+    if need[2] and position_pad >= 0:
         dpos[position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
     return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
-            dpos if position is not None and need[2] else None, dweight if need[3] else None,
+            dpos if need[2] else None, dweight if need[3] else None,
             dbias if need[4] else None, *_NO_GRADIENTS)
 
 

@@ -30,32 +30,28 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS: tl.constexpr,
-              EVICT: tl.constexpr):
+def _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, EVICT: tl.constexpr):
     """(x [R, BLOCK] float32 = (word[w] + seg[s]) + pos[q], ok [R]: the row's ids are valid, w, s, q [R]) for token
     rows `rows` [R]; invalid ids load nothing. EVICT: the word rows are the first to leave the L2 cache."""
     w = tl.load(ids + rows)
     s = tl.load(tts + rows)
     q = tl.load(pids + rows)
     # each row is masked by its own id alone, so a load waits for no other id (the position row for none at all)
-    ok_w, ok_s = (w >= 0) & (w < V), (s >= 0) & (s < T)
-    ok = ok_w & ok_s
+    ok_w, ok_s, ok_q = (w >= 0) & (w < V), (s >= 0) & (s < T), (q >= 0) & (q < P)
+    ok = ok_w & ok_s & ok_q
     c, cm = cols[None, :], cmask[None, :]
     x = tl.load(word + w[:, None] * H + c, mask=ok_w[:, None] & cm, other=0.0,
                 eviction_policy="evict_first" if EVICT else "")
     x = x.to(tl.float32) + tl.load(seg + s[:, None] * H + c, mask=ok_s[:, None] & cm, other=0.0).to(tl.float32)
     x = _round_to(x, word.dtype.element_ty)  # (each sum in the tables' dtype, as torch adds them)
-    if HAS_POS:
-        ok_q = (q >= 0) & (q < P)
-        ok = ok & ok_q
-        x = x + tl.load(pos + q[:, None] * H + c, mask=ok_q[:, None] & cm, other=0.0).to(tl.float32)
-        x = _round_to(x, word.dtype.element_ty)
+    x = x + tl.load(pos + q[:, None] * H + c, mask=ok_q[:, None] & cm, other=0.0).to(tl.float32)
+    x = _round_to(x, word.dtype.element_ty)
     return x, ok, w, s, q
 
 
 @triton.jit
 def _forward_kernel(ids, tts, pids, word, seg, pos, bad, N, H, V, T, P, p, seed, gamma, beta, out, mean, rstd, eps,
-                    HAS_POS: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, STATS: tl.constexpr,
+                    DROPOUT: tl.constexpr, COUNT: tl.constexpr, STATS: tl.constexpr,
                     EVICT: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
     """R token rows. COUNT adds each token with a bad id to bad[0], and each whose moments are not finite (a NaN or
     inf in its rows, a variance or a mean's square past float32's range) to bad[1]. STATS stores the rows' mean and
@@ -65,7 +61,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, bad, N, H, V, T, P, p, seed,
     rows = tl.minimum(rows, N - 1)  # the last program's spare rows recompute row N - 1 and store nothing
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
-    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS, EVICT)
+    x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, EVICT)
     shift = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)  # (x[:, 0]: a constant row's mean comes out exact)
     mu = shift + tl.sum(tl.where(cmask[None, :], x - shift[:, None], 0.0), axis=1) / H
     d = tl.where(cmask[None, :], x - mu[:, None], 0.0)
@@ -90,7 +86,7 @@ def _forward_kernel(ids, tts, pids, word, seg, pos, bad, N, H, V, T, P, p, seed,
 
 @triton.jit
 def _backward_kernel(ids, tts, pids, word, seg, pos, bad, N, H, V, T, P, p, seed, grad, gamma, mean, rstd, dx_buf,
-                     dword, dpos, part, pad, HAS_POS: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr,
+                     dword, dpos, part, pad, DROPOUT: tl.constexpr, COUNT: tl.constexpr,
                      ROWS: tl.constexpr, ATOMIC: tl.constexpr, WANT_WORD: tl.constexpr, WANT_POS: tl.constexpr,
                      BLOCK: tl.constexpr):
     """ROWS token rows per program, one at a time (as [1, BLOCK] blocks). Each program owns a [T + 2, H] slab of
@@ -111,7 +107,7 @@ def _backward_kernel(ids, tts, pids, word, seg, pos, bad, N, H, V, T, P, p, seed
         rows = prog * ROWS + k + tl.arange(0, 1)
         live = rows < N
         rows = tl.minimum(rows, N - 1)
-        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, HAS_POS, False)
+        x, ok, w, s, q = _sum_rows(ids, tts, pids, word, seg, pos, rows, cols, cmask, H, V, T, P, False)
         m = (ok & live)[:, None] & cm
         xhat = tl.where(cm, (x - tl.load(mean + rows)[:, None]) * tl.load(rstd + rows)[:, None], 0.0)
         at = rows[:, None] * H + c
@@ -145,9 +141,8 @@ def _launch(kernel, programs: int, name: str, ids, tts, pids, word, seg, pos, p:
     cpu = word.device.type == "cpu"
     bad = torch.zeros(2, dtype=torch.int32, device=word.device) if cpu else ids  # (ids, word: stand-ins, never written)
     if ids.numel():
-        kernel[(programs,)](ids, tts, pids, word, seg, word if pos is None else pos, bad, ids.numel(), word.shape[1],
-                            word.shape[0], seg.shape[0], 0 if pos is None else pos.shape[0], p, seed, *args,
-                            HAS_POS=pos is not None, DROPOUT=p > 0, COUNT=cpu,
+        kernel[(programs,)](ids, tts, pids, word, seg, pos, bad, ids.numel(), word.shape[1], word.shape[0],
+                            seg.shape[0], pos.shape[0], p, seed, *args, DROPOUT=p > 0, COUNT=cpu,
                             BLOCK=triton.next_power_of_2(word.shape[1]), **options)
     skipped, odd = bad.tolist() if cpu else (0, 0)
     if skipped:
@@ -180,24 +175,23 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
     """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
-    want_pos = need_pos and pos is not None
     f32 = dict(dtype=torch.float32, device=word.device)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
     # A table's gradient not summed by atomics gets one row, never used: a kernel argument must point at real memory
     dword = torch.zeros(word.shape[0] if need_word and not deterministic else 1, h, **f32)
-    dpos = torch.zeros(pos.shape[0] if want_pos and not deterministic else 1, h, **f32)
+    dpos = torch.zeros(pos.shape[0] if need_pos and not deterministic else 1, h, **f32)
     types = seg.shape[0]
     part = (torch.empty if n else torch.zeros)(programs, types + 2, h, **f32)  # each program's slab, filled by it
     dx = torch.empty(n if deterministic else 1, h, **f32)
     _launch(_backward_kernel, programs, "backward", ids, tts, pids, word, seg, pos, p, seed, grad.contiguous(), gamma,
             mean, rstd, dx, dword, dpos, part, pad, ROWS=rows, ATOMIC=not deterministic, WANT_WORD=need_word,
-            WANT_POS=want_pos, num_warps=4)
+            WANT_POS=need_pos, num_warps=4)
     if deterministic:  # torch's embedding backward sums dx by id (a bad id's row is zero: clamped, it adds nothing)
         dense = torch.ops.aten.embedding_dense_backward
         dword = dense(dx, ids.clamp(0, word.shape[0] - 1), word.shape[0], pad, False) if need_word else dword
-        dpos = dense(dx, pids.clamp(0, pos.shape[0] - 1), pos.shape[0], -1, False) if want_pos else dpos
-    dword, dpos = dword if need_word else dword[:0], dpos if want_pos else dpos[:0]
+        dpos = dense(dx, pids.clamp(0, pos.shape[0] - 1), pos.shape[0], -1, False) if need_pos else dpos
+    dword, dpos = dword if need_word else dword[:0], dpos if need_pos else dpos[:0]
     sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
     # views of one buffer; the custom op copies them apart (`function.embeddings_backward_op`), eager autograd need not
     return dword.to(word.dtype), sums[:types].to(word.dtype), dpos.to(word.dtype), sums[types].to(gamma.dtype), \
