@@ -48,8 +48,7 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
 
     framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). `word_reader` reads the word
     table from safetensors' slice of it (`get_slice`), part of it say (`bertembed.parallel.rank_reader`); its result
-    stands for the table (with its shape). A local folder that a save replaces while it is read is read again, so
-    config and tensors always come from one version. Raises ValueError or FileNotFoundError naming the file and fix.
+    stands for the table (with its shape). Raises ValueError or FileNotFoundError naming the file and fix.
     """
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
@@ -72,24 +71,19 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
 
 @contextlib.contextmanager
 def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
-    """Yield a test of whether a local folder is still the one that was there at the start: a save switches in a new
-    folder (a new inode), and the old one, held open here, keeps its inode number from being reused. The hub's cache
-    and the bundled default are never replaced, and Windows cannot open a folder: both always pass."""
+    """Yield a test of whether a local folder is still the one there at the start: a save switches in a new folder (a
+    new inode), and the old one, held open here, keeps its inode number from being reused. The hub's cache and the
+    bundled default are never replaced, and Windows cannot open a folder: there it always passes."""
     if source.kind not in ("folder", "file") or os.name != "posix":
         yield lambda: True
         return
-    try:
-        fd = os.open(source.folder, os.O_RDONLY)
-    except OSError:  # gone already: whatever the read finds is no version at all
-        yield lambda: False
-        return
+    fd = os.open(source.folder, os.O_RDONLY)
 
     def unchanged() -> bool:
         try:
-            now, then = os.stat(source.folder), os.fstat(fd)
-        except OSError:
+            return os.path.samestat(os.fstat(fd), os.stat(source.folder))
+        except OSError:  # (no folder there: between the two renames of a switch without the exchange)
             return False
-        return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
 
     try:
         yield unchanged
@@ -159,17 +153,12 @@ def _shard(source: Source, index: Path, name: str) -> Path:
     path = source.file(name)
     if path is None:
         raise FileNotFoundError(f"{index} lists shard {name}, which is missing; re-download the checkpoint")
-    if source.kind != "hub" and not _inside(path, source.folder):
-        raise ValueError(f"{index} names shard {name!r}, a link to {path.resolve()}, outside the checkpoint's folder "
+    real, root = path.resolve(), source.folder.resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root  # (a hub cache's snapshot)
+    if source.kind != "hub" and not (real.is_relative_to(root) or real.is_relative_to(blobs)):
+        raise ValueError(f"{index} names shard {name!r}, a link to {real}, outside the checkpoint's folder "
                          f"{source.folder}; it is not followed: copy the shard into the folder")
     return path
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path`, links followed, lies in `folder` (or in ../../blobs for a hub cache snapshot folder)."""
-    real, root = path.resolve(), folder.resolve()
-    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root
-    return real.is_relative_to(root) or real.is_relative_to(blobs)
 
 
 def _select(files: list[Path], index: dict[str, Path], framework: str, member: str,
