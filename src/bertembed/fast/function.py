@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from bertembed.tensor_files import unshared
 from bertembed.validation import in_torch_func
 
 log = logging.getLogger("bertembed.fast")
@@ -90,20 +91,10 @@ def embeddings_backward_op(
     backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
-    return _own_storage(_gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position,
-                                   weight, mean, rstd, p, seed, padding_idx, backend, deterministic, need_word,
-                                   need_position))
-
-
-def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """`tensors` with each one that shares storage with an earlier one copied: a custom op's outputs may not alias
-    (the kernels return some gradients as views of one buffer, which eager autograd takes as they are)."""
-    seen, own = set(), []
-    for t in tensors:
-        storage = t.untyped_storage().data_ptr()
-        own.append(t.clone() if storage in seen else t)
-        seen.add(storage)
-    return tuple(own)
+    grads = _gradients(grad, input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd, p,
+                       seed, padding_idx, backend, deterministic, need_word, need_position)
+    # a custom op's outputs may not alias (the kernels return some gradients as views of one buffer)
+    return tuple(unshared(dict(enumerate(grads))).values())
 
 
 @embeddings_backward_op.register_fake
