@@ -92,16 +92,14 @@ def _remove(folder: Path) -> None:
 
 
 def _carry_over(old: Path, new: Path) -> None:
-    """Link (or copy) into `new` the entries of `old` that `new` lacks, recursing into folders both have."""
+    """Link (or copy) into `new` the entries of `old` that `new` lacks."""
     for entry in old.iterdir():
-        dest = new / entry.name
-        if not os.path.lexists(dest):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
-            else:
-                _link_or_copy(entry, dest)
-        elif all(p.is_dir() and not p.is_symlink() for p in (entry, dest)):
-            _carry_over(entry, dest)
+        if os.path.lexists(dest := new / entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
 
 
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
