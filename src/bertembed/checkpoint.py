@@ -91,7 +91,7 @@ def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
         os.close(fd)
 
 
-def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
+def _read(source: Source, framework: str, word_reader) -> Checkpoint:
     config_path = source.file("config.json")
     # the config first: an unsupported member is refused before any weights are read (or downloaded)
     config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
@@ -162,7 +162,7 @@ def _shard(source: Source, index: Path, name: str) -> Path:
 
 
 def _select(files: list[Path], index: dict[str, Path], framework: str, member: str,
-            word_reader=None) -> dict[str, Any]:
+            word_reader) -> dict[str, Any]:
     """Read the embedding tensors of one model from the files, choosing one model prefix if several share them."""
     handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
