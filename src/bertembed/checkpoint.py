@@ -5,11 +5,10 @@ What is read, checked and refused: docs/checkpoints.md. With framework="np" torc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
@@ -54,41 +53,33 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
     source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
     # A save may switch a new version in between config.json and the weights, which would load one version's config
-    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again.
+    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again. The
+    # folder is held open while it is read, so that its inode number, which tells a new folder from it, is not reused
+    # meanwhile. (The hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
+    pin = source.kind in ("folder", "file") and os.name == "posix"
     for attempt in range(5):
-        with _pinned(source) as unchanged:
-            try:
-                checkpoint = _read(source, framework, word_reader)
-            except (OSError, ValueError):
-                if unchanged() or attempt == 4:  # (else the failure may come from a mix of two versions)
-                    raise
-                continue
-            if unchanged():
+        fd = os.open(source.folder, os.O_RDONLY) if pin else None
+        try:
+            checkpoint = _read(source, framework, word_reader)
+        except (OSError, ValueError):
+            if _unchanged(fd, source.folder) or attempt == 4:  # (else the failure may come from a mix of two versions)
+                raise
+        else:
+            if _unchanged(fd, source.folder):
                 return checkpoint
+        finally:
+            if fd is not None:
+                os.close(fd)
     raise ValueError(f"{name_or_path} was replaced while being read, five times in a row; is something saving to it "
                      f"in a loop? Read it when the saves are done")
 
 
-@contextlib.contextmanager
-def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
-    """Yield a test of whether a local folder is still the one there at the start: a save switches in a new folder (a
-    new inode), and the old one, held open here, keeps its inode number from being reused. The hub's cache and the
-    bundled default are never replaced, and Windows cannot open a folder: there it always passes."""
-    if source.kind not in ("folder", "file") or os.name != "posix":
-        yield lambda: True
-        return
-    fd = os.open(source.folder, os.O_RDONLY)
-
-    def unchanged() -> bool:
-        try:
-            return os.path.samestat(os.fstat(fd), os.stat(source.folder))
-        except OSError:  # (no folder there: between the two renames of a switch without the exchange)
-            return False
-
+def _unchanged(fd: int | None, folder: Path) -> bool:
+    """Whether `folder` is still the folder open as `fd` (a save switches in a new one); True without `fd`."""
     try:
-        yield unchanged
-    finally:
-        os.close(fd)
+        return fd is None or os.path.samestat(os.fstat(fd), os.stat(folder))
+    except OSError:  # (no folder there: between the two renames of a switch without the exchange)
+        return False
 
 
 def _read(source: Source, framework: str, word_reader) -> Checkpoint:
