@@ -16,12 +16,10 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Path]:
-    """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing), on an
-    exception `path` is left as it was. With `keep_others`, entries of the old `path` that the new one lacks are
-    carried over (hard-linked where possible). The old permissions are kept, and a symlink `path` stays a link. Any
-    OSError, the caller's included, comes out as `save_error`'s, naming `path`; a failed save leaves `path` as it was
-    and nothing beside it (a killed one may leave its `.NAME.tmp-*` folder: docs/checkpoints.md, "Saving").
-    """
+    """Yield an empty folder beside `path`; on a clean exit it replaces `path` as a whole (created if missing; the old
+    mode kept, a link kept a link), on an exception `path` is left as it was and nothing beside it. With
+    `keep_others`, entries of the old `path` that the new one lacks are carried over. Any OSError, the caller's
+    included, comes out as `save_error`'s, naming `path`."""
     target = _followed(path)
     if not target.name:
         raise ValueError(f"cannot save to {path}: it is a file system root; pass a folder inside it")
@@ -33,12 +31,11 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
         target.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # (by mkdir, so that the umask applies)
         yield staging
-        _fsync_tree(staging, files=True)  # the caller's files reach the disk before the switch shows them
         if target.is_dir():
             if keep_others:
                 _carry_over(target, staging)
             os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
-            _fsync_tree(staging, files=False)  # (files linked in are on the disk already; their entries not)
+        _fsync_tree(staging)  # on the disk before the switch shows it
         _switch(staging, target)
         made = []
     except OSError as err:
@@ -88,8 +85,6 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
 def _remove(folder: Path) -> None:
     """Delete a temporary folder, read-only folders in it included (a save gives the new folder the old one's mode,
     so after the switch the old one may be 0555): never left behind for the next save to trip on."""
-    if folder.is_symlink():
-        return
     for root, _, _ in os.walk(folder):
         with contextlib.suppress(OSError):
             os.chmod(root, 0o700)
@@ -97,16 +92,14 @@ def _remove(folder: Path) -> None:
 
 
 def _carry_over(old: Path, new: Path) -> None:
-    """Link (or copy) into `new` the entries of `old` that `new` lacks, recursing into folders both have."""
+    """Link (or copy) into `new` the entries of `old` that `new` lacks."""
     for entry in old.iterdir():
-        dest = new / entry.name
-        if not os.path.lexists(dest):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
-            else:
-                _link_or_copy(entry, dest)
-        elif all(p.is_dir() and not p.is_symlink() for p in (entry, dest)):
-            _carry_over(entry, dest)
+        if os.path.lexists(dest := new / entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
 
 
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
@@ -116,14 +109,12 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
         shutil.copy2(src, dst, follow_symlinks=False)
 
 
-def _fsync_tree(folder: Path, files: bool) -> None:
-    """Flush (with `files`, every file and then) every folder under and at `folder` (folders on POSIX only)."""
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file, and on POSIX every folder, under and at `folder`."""
     for root, _, names in os.walk(folder, topdown=False):
-        for path in [os.path.join(root, name) for name in names] if files else ():
+        for path in [os.path.join(root, name) for name in names] + [root] * (os.name == "posix"):
             if not os.path.islink(path):
                 _fsync(path)
-        if os.name == "posix":
-            _fsync(root)
 
 
 def _fsync(path: str | Path) -> None:  # (a folder too: its entries)
@@ -158,10 +149,10 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     import ctypes  # (here, not at the top: the command line imports this module)
 
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is not None and renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, EXCHANGE
-        return True
-    code = ctypes.get_errno() if renameat2 is not None else errno.ENOSYS
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2") and libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:
+        return True  # (-100: AT_FDCWD, 2: RENAME_EXCHANGE)
+    code = ctypes.get_errno() if hasattr(libc, "renameat2") else errno.ENOSYS
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False  # an old kernel or a file system without the exchange: two renames instead
     raise OSError(code, os.strerror(code), str(b))

@@ -5,11 +5,10 @@ What is read, checked and refused: docs/checkpoints.md. With framework="np" torc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
@@ -48,56 +47,42 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
 
     framework="np" gives numpy arrays (bfloat16 tables as float32, which numpy lacks). `word_reader` reads the word
     table from safetensors' slice of it (`get_slice`), part of it say (`bertembed.parallel.rank_reader`); its result
-    stands for the table (with its shape). A local folder that a save replaces while it is read is read again, so
-    config and tensors always come from one version. Raises ValueError or FileNotFoundError naming the file and fix.
+    stands for the table (with its shape). Raises ValueError or FileNotFoundError naming the file and fix.
     """
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
     source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
     # A save may switch a new version in between config.json and the weights, which would load one version's config
-    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again.
+    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again. The
+    # folder is held open while it is read, so that its inode number, which tells a new folder from it, is not reused
+    # meanwhile. (The hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
+    pin = source.kind in ("folder", "file") and os.name == "posix"
     for attempt in range(5):
-        with _pinned(source) as unchanged:
-            try:
-                checkpoint = _read(source, framework, word_reader)
-            except (OSError, ValueError):
-                if unchanged() or attempt == 4:  # (else the failure may come from a mix of two versions)
-                    raise
-                continue
-            if unchanged():
+        fd = os.open(source.folder, os.O_RDONLY) if pin else None
+        try:
+            checkpoint = _read(source, framework, word_reader)
+        except (OSError, ValueError):
+            if _unchanged(fd, source.folder) or attempt == 4:  # (else the failure may come from a mix of two versions)
+                raise
+        else:
+            if _unchanged(fd, source.folder):
                 return checkpoint
+        finally:
+            if fd is not None:
+                os.close(fd)
     raise ValueError(f"{name_or_path} was replaced while being read, five times in a row; is something saving to it "
                      f"in a loop? Read it when the saves are done")
 
 
-@contextlib.contextmanager
-def _pinned(source: Source) -> Iterator[Callable[[], bool]]:
-    """Yield a test of whether a local folder is still the one that was there at the start: a save switches in a new
-    folder (a new inode), and the old one, held open here, keeps its inode number from being reused. The hub's cache
-    and the bundled default are never replaced, and Windows cannot open a folder: both always pass."""
-    if source.kind not in ("folder", "file") or os.name != "posix":
-        yield lambda: True
-        return
+def _unchanged(fd: int | None, folder: Path) -> bool:
+    """Whether `folder` is still the folder open as `fd` (a save switches in a new one); True without `fd`."""
     try:
-        fd = os.open(source.folder, os.O_RDONLY)
-    except OSError:  # gone already: whatever the read finds is no version at all
-        yield lambda: False
-        return
-
-    def unchanged() -> bool:
-        try:
-            now, then = os.stat(source.folder), os.fstat(fd)
-        except OSError:
-            return False
-        return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
-
-    try:
-        yield unchanged
-    finally:
-        os.close(fd)
+        return fd is None or os.path.samestat(os.fstat(fd), os.stat(folder))
+    except OSError:  # (no folder there: between the two renames of a switch without the exchange)
+        return False
 
 
-def _read(source: Source, framework: str, word_reader=None) -> Checkpoint:
+def _read(source: Source, framework: str, word_reader) -> Checkpoint:
     config_path = source.file("config.json")
     # the config first: an unsupported member is refused before any weights are read (or downloaded)
     config = EmbeddingConfig.from_hf_config(config_path) if config_path is not None else None
@@ -159,21 +144,16 @@ def _shard(source: Source, index: Path, name: str) -> Path:
     path = source.file(name)
     if path is None:
         raise FileNotFoundError(f"{index} lists shard {name}, which is missing; re-download the checkpoint")
-    if source.kind != "hub" and not _inside(path, source.folder):
-        raise ValueError(f"{index} names shard {name!r}, a link to {path.resolve()}, outside the checkpoint's folder "
+    real, root = path.resolve(), source.folder.resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root  # (a hub cache's snapshot)
+    if source.kind != "hub" and not (real.is_relative_to(root) or real.is_relative_to(blobs)):
+        raise ValueError(f"{index} names shard {name!r}, a link to {real}, outside the checkpoint's folder "
                          f"{source.folder}; it is not followed: copy the shard into the folder")
     return path
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path`, links followed, lies in `folder` (or in ../../blobs for a hub cache snapshot folder)."""
-    real, root = path.resolve(), folder.resolve()
-    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root
-    return real.is_relative_to(root) or real.is_relative_to(blobs)
-
-
 def _select(files: list[Path], index: dict[str, Path], framework: str, member: str,
-            word_reader=None) -> dict[str, Any]:
+            word_reader) -> dict[str, Any]:
     """Read the embedding tensors of one model from the files, choosing one model prefix if several share them."""
     handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]

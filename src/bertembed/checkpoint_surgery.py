@@ -35,7 +35,7 @@ class WholeCheckpoint:
     keys: dict[str, str]  # the layer's state-dict name -> the checkpoint key of each embedding tensor it has
     weight_files: set[str]  # SRC's weight files and index, replaced by DST's own
     layer: BertEmbeddings
-    target: Path  # DST, checked (`check_destination`)
+    target: Path  # DST, checked
     files: dict[str, str] = field(default_factory=dict)  # text files of DST that replace SRC's (config, tokenizer)
     dropped: set[str] = field(default_factory=set)  # SRC entries DST must not carry (other formats' stale copies)
 
@@ -48,27 +48,22 @@ class WholeCheckpoint:
         self.files[name] = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def check_destination(dst: str | Path, src: Path) -> Path:
-    """DST as an absolute path; ValueError if it exists or lies inside SRC, PermissionError if it cannot be made."""
+def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
+    """DST checked first (ValueError if it exists or lies inside SRC, PermissionError if it cannot be made), then
+    every tensor of checkpoint `src` (a folder or hub id, safetensors or .bin) and its layer."""
+    source = resolve(src)
     target = Path(os.path.abspath(Path(dst).expanduser()))
     if target.exists() or target.is_symlink():
         raise ValueError(f"{target} already exists; surgery writes a new checkpoint and never overwrites one: pass a "
                          f"new folder name, or delete that folder first")
-    if target.is_relative_to(src.resolve()):
-        raise ValueError(f"{target} lies inside the source checkpoint {src}; write the new checkpoint beside it")
+    if target.is_relative_to(source.folder.resolve()):
+        raise ValueError(f"{target} lies inside the source checkpoint {source.folder}; write the new checkpoint "
+                         f"beside it")
     parent = next(p for p in target.parents if p.exists())
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {target}: {parent} is a file, not a folder; pass a path in a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write {target}: {parent} is not writable; pass a folder you can write to")
-    return target
-
-
-def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
-    """DST checked first, then every tensor of checkpoint `src` (a folder or hub id, safetensors or .bin) and its
-    layer."""
-    source = resolve(src)
-    target = check_destination(dst, source.folder)
     if source.kind == "file":
         raise ValueError(f"{source.weights_file} is a single weights file; surgery rewrites a whole checkpoint and "
                          f"needs its folder (config.json, tokenizer files): pass the folder")
@@ -85,8 +80,7 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")
-    with torch.random.fork_rng(devices=[]):  # (building the layer draws; a seed set before the surgery is for it)
-        layer = BertEmbeddings.from_pretrained(folder)
+    layer = BertEmbeddings.from_pretrained(folder)
     files, _ = weight_files(Source("folder", str(folder), folder))  # (every shard; a hub id's from its snapshot)
     tensors = {}
     for path in files:

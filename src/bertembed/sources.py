@@ -102,7 +102,10 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
     except errors.LocalEntryNotFoundError as err:
-        present(_snapshot(repo_id, revision) / filename)  # (a link to a deleted blob: broken, not absent)
+        cache = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+        ref = cache / "refs" / (revision or "main")  # (absent for a commit hash, or nothing cached)
+        commit = ref.read_text().strip() if ref.is_file() else revision
+        present(cache / "snapshots" / str(commit) / filename)  # (a link to a deleted blob: broken, not absent)
         if filename != "config.json":
             return None  # an optional file that is not in the cache: the caller tries the next candidate
         offline = local_files_only or constants.HF_HUB_OFFLINE
@@ -118,14 +121,3 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
     except errors.EntryNotFoundError:
         return None
 
-
-def _snapshot(repo_id: str, revision: str | None) -> Path:
-    """The cache's snapshot folder of a revision, where huggingface_hub looks for its files offline."""
-    from huggingface_hub import constants
-
-    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
-    try:
-        revision = (repo / "refs" / (revision or "main")).read_text().strip()
-    except OSError:  # (a commit hash, or nothing cached)
-        pass
-    return repo / "snapshots" / str(revision)

@@ -1,6 +1,6 @@
-"""Surgery on the layer's tables, in place, config included (docs/surgery.md): more positions (`extend_positions`),
-another vocabulary size (`resize_vocab`). R reserved position rows (RoBERTa's), N usable positions, V vocabulary,
-E table width."""
+"""Surgery on the layer's tables, in place, config included: more positions (`extend_positions`), another vocabulary
+size (`resize_vocab`); the methods and transformers' rules they follow: docs/surgery.md. R reserved position rows
+(RoBERTa's), N usable positions, V vocabulary, E table width."""
 
 from __future__ import annotations
 
@@ -10,20 +10,28 @@ from torch import nn
 METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
 
 
-def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> torch.Tensor:
-    """The position table [R + N_old, E] grown to [R + n, E] by `method`, the R reserved rows kept on top: "copy"
-    tiles the old rows; "interpolate" puts old row i at row f*i (f = n / N_old, whole), linear between, the last row
-    repeated at the end; "repeat_last" repeats the last row; "sinusoidal" adds sin/cos rows scaled to the old rows'
-    mean norm."""
+def extend_positions(layer, n: int, method: str = "copy"):
+    """Let `layer` take sequences of `n` positions (reserved rows not counted): its position table [R + N_old, E]
+    grown to [R + n, E] by `method`, the R reserved rows kept on top; `max_position_embeddings` and the default-id
+    buffers follow."""
     from bertembed.numpy_layer import sinusoidal_table_np
 
-    head, old = table[:reserved], table[reserved:]
+    config, positions = layer.config, layer.position_embeddings
+    if not isinstance(positions, nn.Embedding):
+        kind = "no position table (positions enter in attention)" if positions is None else \
+            "a computed sinusoidal table (build the layer with a larger max_position_embeddings instead)"
+        raise ValueError(f"this {config.model_type} layer has {kind}: there is nothing to extend")
+    table = positions.weight.detach()
+    head, old = table[:config.first_position], table[config.first_position:]
     count = old.shape[0]
+    if not isinstance(n, int) or isinstance(n, bool) or n <= count:
+        raise ValueError(f"n={n!r} must be an integer above the {count} positions the table has now; shrinking a "
+                         f"table is not extending it")
     if method == "copy":
         grown = old[torch.arange(n) % count]
     elif method == "repeat_last":
         grown = torch.cat([old, old[-1:].expand(n - count, -1)])
-    elif method == "interpolate":
+    elif method == "interpolate":  # old row i at row f*i (f = n / count, whole), linear between, the last repeated
         if n % count:
             raise ValueError(f"method='interpolate' places old row i at row f*i: {n} positions must be a whole "
                              f"multiple of the {count} there are now (e.g. {2 * count}); or use method='copy'")
@@ -33,30 +41,14 @@ def extended_rows(table: torch.Tensor, reserved: int, n: int, method: str) -> to
         weight = (at - low)[:, None]
         weight[low == count - 1] = 0.0  # past the last old row: that row, repeated
         grown = (old[low].double() * (1 - weight) + old[high].double() * weight).to(old.dtype)
-    elif method == "sinusoidal":
+    elif method == "sinusoidal":  # sin/cos rows scaled to the old rows' mean norm
         norm = old.double().norm(dim=1).mean()
         fresh = torch.from_numpy(sinusoidal_table_np(n, old.shape[1]))[count:]
         fresh = fresh * (norm / fresh.norm(dim=1, keepdim=True))
         grown = torch.cat([old, fresh.to(old.dtype)])
     else:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
-    return torch.cat([head, grown.to(table.device)])
-
-
-def extend_positions(layer, n: int, method: str = "copy"):
-    """Let `layer` take sequences of `n` positions (reserved rows not counted), its position table grown by `method`
-    (`extended_rows`); `max_position_embeddings` and the default-id buffers follow."""
-    config, positions = layer.config, layer.position_embeddings
-    if not isinstance(positions, nn.Embedding):
-        kind = "no position table (positions enter in attention)" if positions is None else \
-            "a computed sinusoidal table (build the layer with a larger max_position_embeddings instead)"
-        raise ValueError(f"this {config.model_type} layer has {kind}: there is nothing to extend")
-    reserved = config.first_position
-    usable = positions.weight.shape[0] - reserved
-    if not isinstance(n, int) or isinstance(n, bool) or n <= usable:
-        raise ValueError(f"n={n!r} must be an integer above the {usable} positions the table has now; shrinking a "
-                         f"table is not extending it")
-    rows = extended_rows(positions.weight.detach(), reserved, n, method)  # (ValueError for an unknown method)
+    rows = torch.cat([head, grown.to(table.device)])
     layer.position_embeddings = nn.Embedding.from_pretrained(rows, freeze=not positions.weight.requires_grad,
                                                              padding_idx=positions.padding_idx)
     layer.config = config.replace(max_position_embeddings=rows.shape[0])
@@ -79,14 +71,13 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n={n!r} must be a positive number of rows")
     words = layer.word_embeddings
-    old = words.weight.detach()
-    if n == old.shape[0]:
+    if n == words.weight.shape[0]:
         return layer
     if words.padding_idx is not None and words.padding_idx >= n:
         raise ValueError(f"n={n} would drop the padding row {words.padding_idx}: transformers clears padding_idx then "
                          f"but keeps config.pad_token_id outside the table, which no saved checkpoint loads; keep at "
                          f"least {words.padding_idx + 1} rows")
-    rows = grown_rows(old, n, init, layer.config.initializer_range)
+    rows = grown_rows(words.weight.detach(), n, init, layer.config.initializer_range)
     layer.word_embeddings = nn.Embedding.from_pretrained(rows, freeze=not words.weight.requires_grad,
                                                          padding_idx=words.padding_idx)
     layer.config = layer.config.replace(vocab_size=n)
@@ -94,28 +85,23 @@ def resize_vocab(layer, n: int, *, pad_to_multiple_of: int | None = None, init: 
 
 
 def grown_rows(old: torch.Tensor, n: int, init: str, std: float) -> torch.Tensor:
-    """A table of `n` rows: the first rows of `old` [V, E], new rows near the old rows' mean (`init="mean"`) or from
-    normal(0, `std`) (`"normal"`), drawn in transformers' order, so that one seed gives the same rows."""
+    """A table of `n` rows: the first rows of `old` [V, E], new rows from normal(0, `std`) (`init="normal"`) or near
+    the old rows' mean ("mean": a normal with their mean and 1e-9 times their covariance, the plain mean where that
+    is not positive definite), drawn in transformers' order, so that one seed gives the same rows."""
     count, width = old.shape
     resized = nn.Embedding(n, width, device=old.device, dtype=old.dtype)  # (its own init draws, as transformers')
     with torch.no_grad():
         if n > count and init == "normal":
             nn.init.normal_(resized.weight, std=std)
         elif n > count:
-            resized.weight[count:] = _near_the_mean(old, n - count)
+            weights = old.float()
+            mean = weights.mean(0)
+            centred = weights - mean
+            covariance = 1e-9 * (centred.T @ centred / count)  # (in transformers' order: the same bits)
+            if torch.distributions.constraints.positive_definite.check(covariance).all():
+                drawn = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).sample((n - count,))
+            else:
+                drawn = mean[None].repeat(n - count, 1)
+            resized.weight[count:] = drawn.to(old.dtype)
         resized.weight[:min(n, count)] = old[:min(n, count)]
     return resized.weight.detach()
-
-
-def _near_the_mean(old: torch.Tensor, count: int) -> torch.Tensor:
-    """`count` rows from a normal with the old rows' mean and 1e-9 times their covariance (transformers' rule; the
-    plain mean where that is not positive definite)."""
-    weights = old.float()
-    mean = weights.mean(0)
-    centred = weights - mean
-    covariance = centred.T @ centred / weights.shape[0]
-    if torch.distributions.constraints.positive_definite.check(1e-9 * covariance).all():
-        drawn = torch.distributions.MultivariateNormal(mean, covariance_matrix=1e-9 * covariance).sample((count,))
-    else:
-        drawn = mean[None].repeat(count, 1)
-    return drawn.to(old.dtype)

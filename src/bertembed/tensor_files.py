@@ -60,7 +60,8 @@ def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
 
 def unshared(tensors: dict[str, Any]) -> dict[str, Any]:
     """`tensors` (torch), each one that shares memory with an earlier one cloned: safetensors refuses shared tensors,
-    and huggingface_hub's save keeps one name of a tied pair (maybe a head's) and drops the other."""
+    huggingface_hub's save keeps one name of a tied pair (maybe a head's) and drops the other, and a custom op's
+    outputs may not alias."""
     seen: set[int] = set()
     out = {}
     for key, value in tensors.items():
@@ -88,10 +89,7 @@ class _SafetensorsHandle:
 
         self.path, self.framework = path, framework
         self.handle = safe_open(str(path), framework="numpy" if framework == "np" else "pt")
-        self._torch_handle = None  # opened for the first bfloat16 tensor numpy cannot hold
-
-    def keys(self) -> list[str]:
-        return list(self.handle.keys())
+        self.keys = self.handle.keys
 
     def get_dtype(self, key: str) -> str:
         stored = self.handle.get_slice(key).get_dtype()
@@ -99,11 +97,9 @@ class _SafetensorsHandle:
 
     def get_tensor(self, key: str) -> Any:
         if self.framework == "np" and self.get_dtype(key) == "bfloat16":  # numpy has no bfloat16: torch reads it
-            if self._torch_handle is None:
-                from safetensors import safe_open
+            from safetensors import safe_open
 
-                self._torch_handle = safe_open(str(self.path), framework="pt")
-            return self._torch_handle.get_tensor(key)
+            return safe_open(str(self.path), framework="pt").get_tensor(key)
         return self.handle.get_tensor(key)
 
 

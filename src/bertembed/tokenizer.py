@@ -150,9 +150,8 @@ class Tokenizer:
         """Raise ValueError when `text` (or `text_b`, if given) gives no token of its own, so it would be embedded as
         `[CLS] [SEP]` alone: empty, whitespace, or only characters BERT's normalizer drops (U+0000, U+200B, U+FEFF...).
         `__call__` accepts such texts, as transformers does; the analyses call this first."""
-        check_not_blank(text, name, text_b, name_b)
         self.backend.no_truncation()  # (each __call__ sets it again)
-        for value, label in _named(text, name, text_b, name_b):
+        for value, label in check_not_blank(text, name, text_b, name_b):
             if not self.backend.encode(value, add_special_tokens=False).ids:
                 shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
                 shown = shown if len(shown) <= 60 else shown[:60] + "..."
@@ -173,17 +172,15 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
 
-def _named(text: str, name: str, text_b: str | None, name_b: str) -> list[tuple[str, str]]:
-    """(text, its name) for the first text, and for the second when there is one."""
-    return [(text, name)] if text_b is None else [(text, name), (text_b, name_b)]
-
-
-def check_not_blank(text: str, name: str = "the text", text_b: str | None = None, name_b: str = "text_b") -> None:
+def check_not_blank(text: str, name: str = "the text", text_b: str | None = None,
+                    name_b: str = "text_b") -> list[tuple[str, str]]:
     """Raise ValueError for an empty or all-whitespace `text` or `text_b` (when given), before any checkpoint is
-    loaded; see `Tokenizer.require_tokens`."""
-    for value, label in _named(text, name, text_b, name_b):
+    loaded (see `Tokenizer.require_tokens`); else each text given with its name."""
+    named = [(text, name)] if text_b is None else [(text, name), (text_b, name_b)]
+    for value, label in named:
         if not check_text(value, label).strip():
             raise ValueError(f'{label} is empty; give a sentence, e.g. "The quick brown fox"')
+    return named
 
 
 def check_text(value: str, name: str = "the text") -> str:

@@ -46,10 +46,9 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
     added = dict(zip(fresh, ids, strict=True))
     before = whole.layer.config.vocab_size
     rows = max(before, max(ids) + 1)
-    std = float(whole.config.get("initializer_range", whole.layer.config.initializer_range))
     resized = _indexed_by_token(whole, before)
     for key, value in resized.items():
-        whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, std)
+        whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, whole.layer.config.initializer_range)
     whole.files["tokenizer.json"] = json.dumps(dict(json.loads(tokenizer.to_str()), padding=data["padding"],
                                                     truncation=data["truncation"]), ensure_ascii=False)
     whole.set_json("config.json", dict(whole.config, vocab_size=rows))

@@ -26,8 +26,7 @@ def _report(result: dict, as_json: bool, lines: list[str]) -> None:
     if result["dropped_files"]:
         lines.append(f"left out of DST (copies of the old model in other formats, or files this cannot edit): "
                      f"{', '.join(result['dropped_files'])}")
-    for line in lines:
-        console.print(escape(line), soft_wrap=True)
+    console.print(escape("\n".join(lines)), soft_wrap=True)
 
 
 @surgery_app.command("extend-positions")

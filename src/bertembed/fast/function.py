@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
+from bertembed.tensor_files import unshared
 from bertembed.validation import in_torch_func
 
 log = logging.getLogger("bertembed.fast")
@@ -81,21 +82,12 @@ def embeddings_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
     kwargs = {"deterministic": deterministic} if backend == "triton" else {}
-    return _own_storage(backend_module(backend).run_backward(
+    grads = backend_module(backend).run_backward(
         grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
-        segment.contiguous(), position.contiguous(), weight, mean.reshape(-1),
-        rstd.reshape(-1), p, seed, padding_idx, need_word=need_word, need_pos=need_position, **kwargs))
-
-
-def _own_storage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """`tensors` with each one that shares storage with an earlier one copied: a custom op's outputs may not alias
-    (the kernels return some gradients as views of one buffer, which eager autograd takes as they are)."""
-    seen, own = set(), []
-    for t in tensors:
-        storage = t.untyped_storage().data_ptr()
-        own.append(t.clone() if storage in seen else t)
-        seen.add(storage)
-    return tuple(own)
+        segment.contiguous(), position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed, padding_idx,
+        need_word=need_word, need_pos=need_position, **kwargs)
+    # a custom op's outputs may not alias (the kernels return some gradients as views of one buffer)
+    return tuple(unshared(dict(enumerate(grads))).values())
 
 
 @embeddings_backward_op.register_fake
