@@ -10,9 +10,6 @@ from typing import Any
 NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
          "LayerNorm.weight", "LayerNorm.bias", "projection.weight", "projection.bias")
 LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}  # TF-era checkpoints
-# BertConfig's defaults of the keys the layer reads
-BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
-                 "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,5 @@
 """The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter), optionally rewritten to ONNX
-Runtime's fused EmbedLayerNormalization (`fuse_embeddings`, which whole models take too: `bertembed.onnx_whole`);
-docs/onnx.md says what each graph holds. Dimension letters: B batch, L length, E table width.
+Runtime's fused EmbedLayerNormalization (`fuse_embeddings`, whole models' too); docs/onnx.md. B batch, L length.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
 
 
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
-    """ValueError naming why ONNX Runtime's EmbedLayerNormalization (float32 word + position + segment rows, then
-    LayerNorm) cannot compute `config`'s layer."""
+    """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer."""
     member = config.model_type
     if config.position_embedding_type == "none":
         problem = f"this {member} layer has no position table (its positions enter in attention), but the fused " \
@@ -62,9 +60,8 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
 
 
 def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) -> onnx.ModelProto:
-    """`layer` in eval mode as an ONNX graph. Plain operators: torch's export of a reference copy (the fused kernels
-    refuse tracing); `fused=True` then rewrites its embedding subgraph (`fuse_embeddings`); ValueError where the op
-    cannot compute the layer. Only DeBERTa's reads `attention_mask`."""
+    """`layer` in eval mode as an ONNX graph: the export of a reference copy (the fused kernels refuse tracing), its
+    embedding subgraph rewritten by `fuse_embeddings` where `fused`."""
     from bertembed.embeddings import BertEmbeddings
 
     if not isinstance(layer, BertEmbeddings):
@@ -107,7 +104,7 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
 def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int,
                  what: str) -> onnx.ModelProto:
     """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs [B, L] named by `input_names(config)`,
-    both axes dynamic, one output `output`; ValueError naming `what` and the reason where torch cannot export it."""
+    both axes dynamic, one output `output`; ValueError naming `what` where torch cannot export it."""
     import torch
 
     class Exported(torch.nn.Module):  # (torch.export reads the input names off forward's signature)
@@ -155,8 +152,8 @@ def require_onnx():
 
 
 def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
-    """A copy of `model` (from `export_model`) whose embedding LayerNormalization and the Gathers and Adds feeding it
-    are one EmbedLayerNormalization; ValueError where the member or the graph cannot be fused."""
+    """A copy of `model` whose embedding LayerNormalization and the Gathers and Adds feeding it are one
+    EmbedLayerNormalization (docs/onnx.md, "Whole models"); ValueError where the member or the graph cannot be fused."""
     onnx = require_onnx()
     from onnx import helper
     from onnxscript.optimizer import remove_unused_nodes
@@ -191,9 +188,8 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
 
 
 def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
-    """The layer's table name -> the graph's initializer of that table: named as the member's checkpoint key
-    (`layout`, a whole model's graph) or as the layer's own (the layer's). Only the tables: the exporter merges equal
-    initializers, so a fresh model's LayerNorm weights share one name."""
+    """The layer's table name -> the graph's initializer of it: named as the member's checkpoint key (a whole model's
+    graph) or as the layer's own."""
     keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
     names = {}
     for ours, key in keys.items():
@@ -211,9 +207,8 @@ def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
 
 
 def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
-    """(the embedding LayerNormalization: the first whose input is a sum reading the word table, found by its place
-    in the graph; table name -> the Gather that reads it), checking that the sum is of those Gathers alone and that
-    the norm normalises over the last axis with a scale and a bias."""
+    """(the first LayerNormalization over a sum that reads the word table, table name -> the Gather that reads it),
+    checking that the sum is of those Gathers alone and that the norm has a bias and axis -1."""
     producer = {out: node for node in graph.node for out in node.output}
 
     def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
