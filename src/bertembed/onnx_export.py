@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from bertembed.embeddings import BertEmbeddings
 
 OUTPUT = "embeddings"
-AXES = {0: "batch_size", 1: "sequence_length"}
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
+TABLES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight")
 NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
                  "every member")
 
@@ -55,7 +55,7 @@ def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False,
     """Write `layer` in eval mode as an ONNX model to `path`, atomically (`layer_graph`); returns the path."""
     from bertembed.atomic import check_output
 
-    target = check_output(path)
+    target = check_output(path)  # (before the export's seconds are spent)
     return write_model(layer_graph(layer, fused=fused, opset=opset), target)
 
 
@@ -67,17 +67,15 @@ def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
                         f"transformers model use bertembed.onnx_whole.export_whole")
-    opset, config = check_opset(opset), layer.config
-    if fused:  # (refused before the export's seconds are spent)
-        refuse_unfusable(config, layer.tables()[0].dtype)
+    config = layer.config
     reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
     reference.backend = "reference"
 
     def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
         return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
 
-    model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
-    return fuse_embeddings(model, config) if fused else model
+    return torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer", fused,
+                        layer.tables()[0].dtype)
 
 
 def check_opset(opset: Any) -> int:
@@ -101,11 +99,16 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
     return write_atomic(path, model.SerializeToString())
 
 
-def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int,
-                 what: str) -> onnx.ModelProto:
+def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int, what: str,
+                 fused: bool = False, dtype: Any = "float32") -> onnx.ModelProto:
     """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs [B, L] named by `input_names(config)`,
-    both axes dynamic, one output `output`; ValueError naming `what` where torch cannot export it."""
+    both axes dynamic, one output `output`; ValueError naming `what` where torch cannot export it. `fused`: then
+    `fuse_embeddings`, the tables' `dtype` checked first."""
     import torch
+
+    opset = check_opset(opset)
+    if fused:  # (refused before the export's seconds are spent)
+        refuse_unfusable(config, dtype)
 
     class Exported(torch.nn.Module):  # (torch.export reads the input names off forward's signature)
         def __init__(self) -> None:
@@ -117,9 +120,8 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
             return call(self.model, input_ids=input_ids, attention_mask=attention_mask, **given)
 
     ids = torch.full((2, 8), (config.pad_token_id + 1) % config.vocab_size)  # (a token, not padding)
-    example = {name: (ids if name == "input_ids" else torch.ones_like(ids) if name == "attention_mask" else
-                      torch.zeros_like(ids)) for name in input_names(config)}
-    dims = {i: torch.export.Dim(name) for i, name in AXES.items()}
+    example = dict(zip(input_names(config), (ids, torch.ones_like(ids), torch.zeros_like(ids)), strict=False))
+    dims = {0: torch.export.Dim("batch_size"), 1: torch.export.Dim("sequence_length")}
     # the exporter's notes on every export, no fault of the model's (torchvision missing, axis names, deprecations)
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
@@ -139,7 +141,7 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
                          f"{reason}); a newer torch may, else report it with the checkpoint's config.json") from err
     finally:
         registration.setLevel(level)
-    return program.model_proto
+    return fuse_embeddings(program.model_proto, config) if fused else program.model_proto
 
 
 def require_onnx():
@@ -162,20 +164,17 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     graph = fused.graph
-    tables = _table_names(graph, config)
-    norm, gathers = _embedding_subgraph(graph, tables)
+    norm, gathers = _embedding_subgraph(graph, config)
     casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
                                     to=onnx.TensorProto.INT32) for role in gathers}
-    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
-    segment = "token_type_embeddings.weight" in gathers
+    ids = {role: cast.output[0] for role, cast in casts.items()}
+    tables = {role: gather.input[0] for role, gather in gathers.items()}
+    word, position, segment = TABLES
     node = helper.make_node(
-        "EmbedLayerNormalization",
-        [casts["word_embeddings.weight"].output[0], casts["token_type_embeddings.weight"].output[0] if segment
-         else "", tables["word_embeddings.weight"], tables["position_embeddings.weight"],
-         tables["token_type_embeddings.weight"] if segment else "", norm.input[1], norm.input[2],
-         "", casts["position_embeddings.weight"].output[0]],
+        "EmbedLayerNormalization", [ids[word], ids.get(segment, ""), tables[word], tables[position],
+                                    tables.get(segment, ""), norm.input[1], norm.input[2], "", ids[position]],
         [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
-        epsilon=eps)
+        epsilon=next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5))
     at = list(graph.node).index(norm)
     nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
     del graph.node[:]
@@ -187,46 +186,29 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     return fused
 
 
-def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
-    """The layer's table name -> the graph's initializer of it: named as the member's checkpoint key (a whole model's
-    graph) or as the layer's own."""
-    keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
-    names = {}
-    for ours, key in keys.items():
-        for name in (key, ours):
-            found = [i.name for i in graph.initializer if i.name == name or i.name.endswith("." + name)]
-            if found:
-                break
-        if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
-            names[ours] = found[0]
-    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight") if k not in names]
-    if missing:
-        raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
-                         f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
-    return names
-
-
-def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
-    """(the first LayerNormalization over a sum that reads the word table, table name -> the Gather that reads it),
-    checking that the sum is of those Gathers alone and that the norm has a bias and axis -1."""
-    producer = {out: node for node in graph.node for out in node.output}
+def _embedding_subgraph(graph, config: EmbeddingConfig) -> tuple[Any, dict[str, Any]]:
+    """(the first LayerNormalization over a sum that reads the word table; the layer's table name -> the Gather that
+    reads it), checking that the sum is of the tables' Gathers alone and that the norm has a bias and axis -1. A
+    table is an initializer named as the member's checkpoint key (a whole model's) or the layer's own name, after a
+    module path: not the norm's weight, which the exporter may share between equal initializers."""
+    keys, producer = layout(config.model_type), {out: node for node in graph.node for out in node.output}
 
     def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
         node = producer.get(name)
         return [leaf for i in node.input for leaf in leaves(i)] if node is not None and node.op_type == "Add" \
             else [node]
 
-    word = tables["word_embeddings.weight"]
-    sums = [(n, leaves(n.input[0])) for n in graph.node if n.op_type == "LayerNormalization"]  # (in graph order)
-    reads_word = [any(x is not None and x.op_type == "Gather" and x.input[0] == word for x in s) for _, s in sums]
-    norm, summed = sums[reads_word.index(True)] if any(reads_word) else (None, [])
+    def table(node) -> str | None:  # (the layer's table whose rows a Gather reads)
+        if node is None or node.op_type != "Gather" or any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            return None
+        return next((t for t in TABLES for name in (keys[t], t) if f".{node.input[0]}".endswith(f".{name}")), None)
+
+    norms = [(n, {table(x): x for x in leaves(n.input[0])}) for n in graph.node if n.op_type == "LayerNormalization"]
+    norm, gathers = next(((n, g) for n, g in norms if TABLES[0] in g), (None, {}))
     if norm is None or len(norm.input) < 3 or any(a.name == "axis" and a.i != -1 for a in norm.attribute):
-        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of {word}; "
+        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of the word "
+                         f"table; cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    if None in gathers or len(gathers) != len(leaves(norm.input[0])) or TABLES[1] not in gathers:
+        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {list(TABLES)}; "
                          f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    by_table = {n.input[0]: n for n in summed if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
-                not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
-    roles = {ours: by_table.get(name) for ours, name in tables.items()}
-    if len(by_table) != len(summed) or None in roles.values() or len(roles) != len(summed):
-        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
-                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    return norm, roles
+    return norm, gathers

@@ -1,7 +1,4 @@
-"""A whole transformers model as ONNX, its embedding subgraph (Gather, Add, LayerNormalization, which ONNX Runtime
-leaves unfused) optionally replaced by ONNX Runtime's fused EmbedLayerNormalization; docs/onnx.md, "Whole models".
-Dimension letters: B batch, L length, H hidden.
-"""
+"""A whole transformers model as ONNX, its embedding subgraph optionally fused (docs/onnx.md, "Whole models")."""
 
 from __future__ import annotations
 
@@ -9,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import check_output
-from bertembed.onnx_export import check_opset, fuse_embeddings, refuse_unfusable, torch_export, write_model
+from bertembed.onnx_export import check_opset, fuse_embeddings, torch_export, write_model  # noqa: F401
 
 if TYPE_CHECKING:
     import onnx
@@ -21,15 +18,10 @@ OUTPUT = "last_hidden_state"
 
 def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
     """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
-    `path`, atomically; returns the path. Inputs as optimum's (int64 [B, L] `input_ids`, `attention_mask`, and
-    `token_type_ids` where the member takes them), output `last_hidden_state` [B, L, H] float32, B and L dynamic;
-    `fused`: `fuse_embeddings`."""
+    `path`, atomically, with optimum's inputs and its `last_hidden_state` [batch, length, H] float32; returns the
+    path. `fused`: `fuse_embeddings`."""
     target, opset = check_output(path), check_opset(opset)
-    hf, config = load_model(model)
-    if fused:  # (refused before the export's seconds are spent)
-        refuse_unfusable(config)
-    graph = export_model(hf, config, opset)
-    return write_model(fuse_embeddings(graph, config) if fused else graph, target)
+    return write_model(export_model(*load_model(model), opset, fused), target)
 
 
 def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
@@ -58,7 +50,7 @@ def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
     return hf.float().eval(), config
 
 
-def export_model(hf, config: EmbeddingConfig, opset: int = 18) -> onnx.ModelProto:
-    """`torch_export` of transformers model `hf`, its `last_hidden_state` [B, L, H] the one output."""
+def export_model(hf, config: EmbeddingConfig, opset: int = 18, fused: bool = False) -> onnx.ModelProto:
+    """`torch_export` of transformers model `hf`, its `last_hidden_state` the one output."""
     return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, OUTPUT, opset,
-                        f"the {config.model_type} model")
+                        f"the {config.model_type} model", fused)

@@ -25,13 +25,11 @@ TOUR = ("explain", "walkthrough", "notebook", "inspect", "drift", "finetune-demo
 
 
 class _Tour(TyperGroup):
-    def list_commands(self, ctx) -> list[str]:
-        """The commands in TOUR's order, not in the order their modules happened to register them."""
+    def list_commands(self, ctx) -> list[str]:  # (not in the order their modules happened to register them)
         return sorted(super().list_commands(ctx), key=lambda name: TOUR.index(name) if name in TOUR else len(TOUR))
 
 
-app = typer.Typer(help="BERT's input embedding layer: exact, fast, and explained.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False, cls=_Tour)
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_Tour)
 
 
 def _version(asked: bool) -> None:
@@ -58,8 +56,8 @@ EXTRAS = {"matplotlib": "viz", "nbformat": "notebook", "numba": "fast", "onnx": 
 
 
 def make_console(**options) -> Console:
-    """A rich console, 120 columns wide into a pipe or a log (rich's 80 would cut a wide table's numbers to "1…")
-    unless COLUMNS says otherwise."""
+    """A rich console, 120 columns wide into a pipe or a log (rich's 80 cuts a wide table's numbers) unless COLUMNS
+    says otherwise."""
     made = Console(highlight=False, **options)
     if not made.is_terminal and "COLUMNS" not in os.environ:
         made.width = max(made.width, 120)
@@ -97,7 +95,7 @@ def missing(names: list[str], extra: str = "") -> str:
 
 def require(*modules: str, extra: str = "") -> None:
     """Import each of `modules` now, before a command does any work: one ImportError naming the missing ones and the
-    extra that installs them (`extra`, else the first one's in EXTRAS)."""
+    extra that installs them."""
     gone = []
     for name in modules:
         try:
@@ -111,8 +109,8 @@ def require(*modules: str, extra: str = "") -> None:
 @contextlib.contextmanager
 def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: str = "") -> Iterator[None]:
     """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
-    its message and exit status 2; anything else is a bug and keeps its traceback. Each of `outputs` that is given is
-    checked first as writable, then each optional package the command `needs` (`require`, naming `extra`)."""
+    its message and exit status 2; anything else is a bug and keeps its traceback. `outputs` are checked first as
+    writable, then the packages the command `needs`."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
