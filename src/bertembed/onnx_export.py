@@ -1,5 +1,6 @@
-"""The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter), optionally rewritten to ONNX
-Runtime's fused EmbedLayerNormalization (`fuse_embeddings`, whole models' too); docs/onnx.md. B batch, L length.
+"""The embedding layer, or a whole transformers model, as an ONNX graph: plain operators (torch's dynamo exporter),
+optionally rewritten to ONNX Runtime's fused EmbedLayerNormalization (`fuse_embeddings`); docs/onnx.md.
+B batch, L length.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bertembed.family import MEMBERS, layout
+from bertembed.atomic import check_output
+from bertembed.family import MEMBERS, NAMES, layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 OUTPUT = "embeddings"
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
-TABLES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight")
+TABLES = NAMES[:3]  # word, position, segment
 NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
                  "every member")
 
@@ -35,26 +37,21 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
 
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
     """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer."""
-    member = config.model_type
-    if config.position_embedding_type == "none":
-        problem = f"this {member} layer has no position table (its positions enter in attention), but the fused " \
-                  f"op always adds a position row"
-    elif config.projection == "before_norm":
-        problem = f"this {member} layer projects E={config.table_width} -> H={config.hidden_size} before its " \
-                  f"LayerNorm, but the fused op normalises the sum of the rows itself"
-    elif config.mask_output:
-        problem = f"this {member} layer multiplies its output by the attention mask, which the fused op does not"
-    elif str(dtype) not in ("torch.float32", "float32"):
-        problem = f"its tables are {dtype}, but ONNX Runtime's fused op runs float32 on the CPU; convert with .float()"
-    else:
-        return
-    raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+    this = f"this {config.model_type} layer"
+    for refused, problem in (
+            (config.position_embedding_type == "none", f"{this} has no position table (its positions enter in "
+             f"attention), but the fused op always adds a position row"),
+            (config.projection == "before_norm", f"{this} projects E={config.table_width} -> H={config.hidden_size} "
+             f"before its LayerNorm, but the fused op normalises the sum of the rows itself"),
+            (config.mask_output, f"{this} multiplies its output by the attention mask, which the fused op does not"),
+            (str(dtype) not in ("torch.float32", "float32"), f"its tables are {dtype}, but ONNX Runtime's fused op "
+             f"runs float32 on the CPU; convert with .float()")):
+        if refused:
+            raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
     """Write `layer` in eval mode as an ONNX model to `path`, atomically (`layer_graph`); returns the path."""
-    from bertembed.atomic import check_output
-
     target = check_output(path)  # (before the export's seconds are spent)
     return write_model(layer_graph(layer, fused=fused, opset=opset), target)
 
@@ -66,7 +63,7 @@ def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) 
 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
-                        f"transformers model use bertembed.onnx_whole.export_whole")
+                        f"transformers model use bertembed.onnx_export.export_whole")
     config = layer.config
     reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
     reference.backend = "reference"
@@ -76,6 +73,46 @@ def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) 
 
     return torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer", fused,
                         layer.tables()[0].dtype)
+
+
+def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
+    """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
+    `path`, atomically, with optimum's inputs and its `last_hidden_state` [batch, length, H] float32; returns the
+    path. `fused`: `fuse_embeddings`."""
+    target, opset = check_output(path), check_opset(opset)
+    return write_model(export_model(*load_model(model), opset, fused), target)
+
+
+def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
+    """(transformers' base model of the checkpoint in float32 eval mode, the embedding layer's config)."""
+    from bertembed.config import EmbeddingConfig
+    from bertembed.sources import resolve
+
+    source = resolve(model)
+    if source.kind == "file":
+        raise ValueError(f"{source.weights_file} is a single weights file, but exporting the whole model needs its "
+                         f"config.json: give the checkpoint's folder or hub id")
+    config = EmbeddingConfig.from_hf_config(source.file("config.json") or source.folder)
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"exporting the whole model builds it with transformers ({err}); pip install transformers, "
+                          f"or export the embedding layer alone (no --whole)") from err
+
+    where = source.name if source.kind == "hub" else str(source.folder)
+    try:
+        hf = transformers.AutoModel.from_pretrained(where, revision=source.revision,
+                                                    local_files_only=source.local_files_only)
+    except (ValueError, KeyError) as err:  # a member this transformers lacks (ModernBERT before 4.48, nomic_bert)
+        raise ValueError(f"transformers {transformers.__version__} cannot build the {config.model_type} model of "
+                         f"{where} ({str(err)[:200]}); export the embedding layer alone (no --whole)") from err
+    return hf.float().eval(), config
+
+
+def export_model(hf, config: EmbeddingConfig, opset: int = 18, fused: bool = False) -> onnx.ModelProto:
+    """`torch_export` of transformers model `hf`, its `last_hidden_state` the one output."""
+    return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, "last_hidden_state",
+                        opset, f"the {config.model_type} model", fused)
 
 
 def check_opset(opset: Any) -> int:

@@ -1,11 +1,5 @@
-"""Scaling out on PyTorch's own engines (docs/distributed.md): the word table sharded by rows (tensor parallel), and
-read by rank.
-
-    mesh = init_device_mesh("cpu", (world,))              # or "cuda"; after torch.distributed.init_process_group
-    shard_vocab(model, mesh)                              # every word table in `model`: V / world rows per rank
-    layer = BertEmbeddings.from_pretrained(path, device_mesh=mesh)  # each rank reads its own rows, nothing more
-
-Dimension letters: B batch, L length, V vocabulary, E table width.
+"""Scaling out on PyTorch's own engines (docs/distributed.md): `shard_vocab` shards the word tables by rows (tensor
+parallel), `rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
 """
 
 from __future__ import annotations

@@ -86,31 +86,18 @@ def say_model(model) -> None:
                       "Hugging Face cache or hub)[/dim]")
 
 
-def missing(names: list[str], extra: str = "") -> str:
+def missing(names: list[str]) -> str:
     """The one line that says optional packages are missing, and which extra installs them."""
-    extra = extra or EXTRAS.get(names[0], "cli")
+    extra = EXTRAS.get(names[0], "cli")
     return (f'this command needs {", ".join(names)}, not installed here: pip install -e ".[{extra}]" (the {extra} '
             f'extra; ".[cli]" installs what every command needs)')
 
 
-def require(*modules: str, extra: str = "") -> None:
-    """Import each of `modules` now, before a command does any work: one ImportError naming the missing ones and the
-    extra that installs them."""
-    gone = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as err:  # (the package itself, or one it needs: onnxscript needs onnx)
-            gone.append(err.name or name)
-    if gone:
-        raise ImportError(missing(list(dict.fromkeys(gone)), extra))
-
-
 @contextlib.contextmanager
-def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: str = "") -> Iterator[None]:
+def user_errors(*outputs: str | Path | None, needs: Iterable[str] = ()) -> Iterator[None]:
     """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
     its message and exit status 2; anything else is a bug and keeps its traceback. `outputs` are checked first as
-    writable, then the packages the command `needs`."""
+    writable, then the packages the command `needs` are imported (all the missing ones named in one line)."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
@@ -126,7 +113,14 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: s
         for path in outputs:
             if path is not None:
                 check_output(path)
-        require(*needs, extra=extra)
+        gone = []
+        for name in needs:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as err:  # (the package itself, or one it needs: onnxscript needs onnx)
+                gone.append(err.name or name)
+        if gone:
+            raise ImportError(missing(list(dict.fromkeys(gone))))
         yield
     except ModuleNotFoundError as err:  # (one that `needs` did not name: said the same way)
         _fail(missing([err.name]) if err.name in EXTRAS else str(err))
