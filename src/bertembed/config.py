@@ -68,8 +68,7 @@ class EmbeddingConfig:
     # a Linear E -> H: "output" after the layer (ALBERT, ELECTRA: `layer.project`), "before_norm" (DeBERTa)
     projection: str = "none"
     mask_output: bool = False  # DeBERTa multiplies the output by the attention mask
-    # The rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained so transformers
-    # can still build the whole model from a saved folder. Not part of equality.
+    # the rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained; not compared
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
