@@ -13,7 +13,7 @@ the encoder's torch operations (torch's OpenMP pool and numba's are two pools in
 step instead (train mode, forward and backward of a fixed gradient, the gradients then dropped as `zero_grad()` does).
 
 `--onnx`: the bundled model exported by torch.onnx.export (dynamo) in ONNX Runtime, CPU execution provider, default
-graph optimizations, its plain graph against the same graph with the embeddings fused (`bertembed.onnx_whole`); both
+graph optimizations, its plain graph against the same graph with the embeddings fused (`bertembed.onnx_export`); both
 graphs are checked against transformers within 1e-4, and what ORT really runs is counted (its optimizer leaves the
 plain graph's embeddings unfused: it fuses EmbedLayerNormalization only where it also fuses attention).
 
@@ -140,7 +140,7 @@ def onnx_main(args) -> None:
     import onnx
     import onnxruntime as ort
 
-    from bertembed.onnx_whole import export_model, fuse_embeddings, load_model
+    from bertembed.onnx_export import export_model, fuse_embeddings, load_model
     from bertembed.sources import bundled_folder
 
     hf, config = load_model(bundled_folder())

@@ -19,8 +19,7 @@ pytest.importorskip("onnxscript", reason="torch's dynamo ONNX exporter needs onn
 
 from bertembed import BertEmbeddings, EmbeddingConfig, export_onnx  # noqa: E402
 from bertembed.cli.app import app  # noqa: E402
-from bertembed.onnx_export import input_names  # noqa: E402
-from bertembed.onnx_whole import export_model, export_whole, fuse_embeddings, load_model  # noqa: E402
+from bertembed.onnx_export import export_model, export_whole, fuse_embeddings, input_names, load_model  # noqa: E402
 
 LAYER_TOLERANCE, WHOLE_TOLERANCE = 1e-5, 1e-4
 

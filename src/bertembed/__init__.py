@@ -1,9 +1,6 @@
 """bertembed: the input embedding layer of BERT and its family, exact, fast and explained.
 
-    text -> Tokenizer -> ids -> BertEmbeddings (word + segment + position rows, LayerNorm) -> [B, L, H]
-
-Names and submodules (`bertembed.parallel`, ...) are imported on first use, so `import bertembed` (and the command
-line) does not pay for torch until needed.
+Names and submodules (`bertembed.parallel`, ...) are imported on first use: `import bertembed` imports no torch.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from bertembed.family import BERT_DEFAULTS, MEMBERS, SUPPORTED
+from bertembed.family import MEMBERS, SUPPORTED
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,9 @@ _FACTS = ("positions_from_padding", "sum_order", "norm_bias", "norm_in_float32",
 
 
 def implied_facts(model_type: str, embedding_size: int | None, position_embedding_type: str) -> dict[str, Any]:
-    """What `model_type` fixes, given the keys its facts depend on: its row's `facts` over BERT's values (those its
-    config.json holds, as ModernBERT's `norm_bias`, left to it), a `factorised` projection only where E != H (ELECTRA,
-    DeBERTa), and no position counting without a table (transformers 4's relative types)."""
+    """The `_FACTS` that `model_type` fixes: its row's `facts` over BERT's values (those its config.json holds, as
+    ModernBERT's `norm_bias`, left to it), a `factorised` projection only where E != H, and no position counting
+    without a position table."""
     member = MEMBERS[model_type]
     facts = {**{name: getattr(EmbeddingConfig, name) for name in _FACTS if name not in member.defaults}, **member.facts}
     if member.factorised is not None:
@@ -42,10 +42,10 @@ def implied_facts(model_type: str, embedding_size: int | None, position_embeddin
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """Sizes and constants of the embedding layer of BERT or one of its family (`MEMBERS`).
+    """Sizes and constants of the embedding layer of BERT or one of its family (`MEMBERS`, docs/family.md).
 
-    Field names are Hugging Face's config.json keys where BERT has them. The rest are the facts in which the family
-    differs (../shared/FAMILY.md), which the reference layer and the kernels read: the family adds values, not paths.
+    Field names are Hugging Face's config.json keys where BERT has them; the rest are the facts in which the family
+    differs, which every engine reads: the family adds values, not paths.
     """
 
     vocab_size: int = 30522  # WordPiece vocabulary of bert-base-uncased
@@ -68,8 +68,7 @@ class EmbeddingConfig:
     # a Linear E -> H: "output" after the layer (ALBERT, ELECTRA: `layer.project`), "before_norm" (DeBERTa)
     projection: str = "none"
     mask_output: bool = False  # DeBERTa multiplies the output by the attention mask
-    # The rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained so transformers
-    # can still build the whole model from a saved folder. Not part of equality.
+    # the rest of the checkpoint's config.json (layers, heads, ...), written back by save_pretrained; not compared
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,8 +131,7 @@ class EmbeddingConfig:
 
     @property
     def first_position(self) -> int:
-        """The first position row a token uses: pad_token_id + 1 where positions count from the padding, else 0. The
-        rows before it are reserved (RoBERTa's row 0 and its padding row)."""
+        """The first position row a token uses: pad_token_id + 1 where positions count from the padding, else 0."""
         return self.pad_token_id + 1 if self.positions_from_padding else 0
 
     @classmethod
@@ -148,17 +146,16 @@ class EmbeddingConfig:
 
     @classmethod
     def for_member(cls, model_type: str, **keys: Any) -> EmbeddingConfig:
-        """A config of `model_type` (`MEMBERS`) with its facts applied: `keys` are config.json keys of that member
-        (or this class's field names), the rest its class defaults. `for_member("roberta", vocab_size=100)`."""
+        """A config of `model_type` with its facts applied: `keys` are config.json keys of that member (or this class's
+        field names), the rest its class defaults. `for_member("roberta", vocab_size=100)`."""
         return cls.from_hf_config({**keys, "model_type": model_type})
 
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | Path) -> EmbeddingConfig:
         """Build from a Hugging Face config of any member of `MEMBERS`: a dict, a config.json path, or a folder.
 
-        Keys the embedding layer does not use (layer counts, heads, ...) are kept in `extra`. Keys a config.json
-        omits take the member's own class defaults. Relative, rotary and ALiBi position types put positions into
-        attention, not into this layer, so they map to "none" (jina-bert v2 says model_type "bert" with "alibi").
+        Keys the layer does not use are kept in `extra`; keys a config.json omits take the member's class defaults.
+        Relative, rotary and ALiBi position types put positions into attention, not into this layer: "none".
         """
         where = "the config dict"
         if not isinstance(source, dict):
@@ -170,28 +167,28 @@ class EmbeddingConfig:
             source, where = read_json(path, "an object of config keys"), str(path)
         model_type = check_config_family(source, where)
         member = MEMBERS[model_type]
-        given = {**BERT_DEFAULTS, **member.defaults, **{k: v for k, v in source.items() if v is not None}}
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {member.renames.get(k, k): v for k, v in given.items() if member.renames.get(k, k) in names}
+        given = {**member.defaults, **{k: v for k, v in source.items() if v is not None}}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "extra"}
+        renamed = {member.renames.get(k, k): v for k, v in given.items()}
+        kwargs = defaults | {k: v for k, v in renamed.items() if k in defaults}
         kwargs["model_type"] = model_type
-        kwargs["extra"] = {k: v for k, v in source.items() if k not in names and k not in member.renames}
-        kind = kwargs.get("position_embedding_type", "absolute")
+        kwargs["extra"] = {k: v for k, v in source.items() if k not in defaults and k not in member.renames}
+        kind = kwargs["position_embedding_type"]
         if isinstance(kind, str) and kind not in POSITION_TYPES:
             log.info("position_embedding_type=%r adds no position vector in this layer: using 'none'", kind)
             kwargs["position_embedding_type"] = "none"
         if member.position_switch is not None and given.get(member.position_switch) is False:
             kwargs["position_embedding_type"] = "none"
         try:
-            if kwargs.get("embedding_size") == kwargs.get("hidden_size"):
+            if kwargs["embedding_size"] == kwargs["hidden_size"]:
                 kwargs["embedding_size"] = None
-            kwargs.update(implied_facts(model_type, kwargs.get("embedding_size"),
-                                        kwargs.get("position_embedding_type", "absolute")))
+            kwargs |= implied_facts(model_type, kwargs["embedding_size"], kwargs["position_embedding_type"])
             return cls(**kwargs)
         except ValueError as err:
             raise ValueError(f"{where}: {err}; fix the config") from err
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A config.json dict that transformers' config class of the member reads back, and `from_hf_config` too."""
+        """A config.json dict that transformers' config class of the member reads back, as `from_hf_config` does."""
         member = MEMBERS[self.model_type]
         back = {v: k for k, v in member.renames.items()}
         implied = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)

@@ -1,5 +1,5 @@
-"""BERT's family in one table, `MEMBERS` (docs/family.md): adding a member is adding a row. The layer's tensor names
-are BERT's, a checkpoint's its member's after a model prefix ("bert."). No torch: the cold start reads this."""
+"""BERT's family in one table, `MEMBERS` (docs/family.md): adding a member is adding a row. No torch: the cold start
+reads this."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ from typing import Any
 NAMES = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
          "LayerNorm.weight", "LayerNorm.bias", "projection.weight", "projection.bias")
 LEGACY = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}  # TF-era checkpoints
-# BertConfig's defaults of the keys the layer reads
-BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "max_position_embeddings": 512, "type_vocab_size": 2,
-                 "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1, "pad_token_id": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Member:
-    """One member, as transformers' modeling and configuration files have it (../shared/FAMILY.md). Submodules are
-    named as bertembed names them (BERT's names); paths and keys are those after the model prefix."""
+    """One member, as transformers' modeling and configuration files have it. Submodules are named as bertembed
+    names them (BERT's names); paths and keys are those after the model prefix ("bert.")."""
 
     architectures: str  # the stem of its transformers class names, a regex (BertModel, BertForMaskedLM, ...)
     hf_layer: str | None  # transformers' embeddings class: "<package under transformers.models>.<class>"
@@ -110,8 +107,8 @@ def layout(model_type: str) -> dict[str, str]:
 
 
 def module_names(model_type: str) -> dict[str, str]:
-    """The submodules of the member's transformers embeddings module that it names otherwise than BERT: bertembed's
-    name -> transformers' (ModernBERT's `tok_embeddings`, `norm`, `drop`; DeBERTa's `embed_proj`)."""
+    """bertembed's name -> transformers' of the submodules of the member's embeddings module named otherwise than
+    BERT's (ModernBERT's `tok_embeddings`, ...)."""
     return {ours: path.removeprefix("embeddings.") for ours, path in MEMBERS[model_type].modules.items()
             if path.startswith("embeddings.") and path.count(".") == 1}
 
@@ -133,9 +130,8 @@ def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") 
 
 
 def padding_row(positions) -> int | None:
-    """The index of an all-zero row of a [P, H] position table (numpy or torch) that has nonzero rows after it: the
-    padding row of a RoBERTa-style table, which BERT's never has. Zero rows only at the end (a table extended with
-    zeros) or throughout mark no layout: None."""
+    """The index of an all-zero row of a [P, H] position table (numpy or torch) with nonzero rows after it: the
+    padding row of a RoBERTa-style table, which BERT's never has; else None."""
     rows = (positions == 0).all(1).tolist()
     first = rows.index(True) if True in rows else None
     return first if first is not None and not all(rows[first:]) else None

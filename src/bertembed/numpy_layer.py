@@ -1,8 +1,6 @@
 """The reference computation again, in numpy, so the command line starts without importing torch; inference only.
-
-Rows are summed in float32 in `embeddings.BertEmbeddings`' order, LayerNorm's statistics taken in float64 (DeBERTa v1's
-too): within 1e-6 of the torch layer, on outputs of magnitude up to about 5. B batch, L length, W the layer's output
-width.
+Rows summed in float32 in the torch layer's order, LayerNorm's statistics in float64: within 1e-6 of it.
+B batch, L length, W the layer's output width.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ class NumpyEmbeddings:
         return cls(checkpoint.config, tensors, checkpoint.source)
 
     def decompose(self, input_ids: np.ndarray, token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """word, position, segment, sum [B, L, W]; mean, std [B, L]; output [B, L, W] (LayerNorm, eval mode), each
-        member's way (`EmbeddingConfig`'s facts); an absent table's part is zeros."""
+        """word, position, segment, sum [B, L, W]; mean, std [B, L]; output [B, L, W] (eval mode), each member's way;
+        an absent table's part is zeros."""
         cfg, t = self.config, self.tensors
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.dtype.kind not in "iu":

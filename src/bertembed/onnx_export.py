@@ -1,6 +1,6 @@
-"""The embedding layer as an ONNX graph: plain operators (torch's dynamo exporter), optionally rewritten to ONNX
-Runtime's fused EmbedLayerNormalization (`fuse_embeddings`, which whole models take too: `bertembed.onnx_whole`);
-docs/onnx.md says what each graph holds. Dimension letters: B batch, L length, E table width.
+"""The embedding layer, or a whole transformers model, as an ONNX graph: plain operators (torch's dynamo exporter),
+optionally rewritten to ONNX Runtime's fused EmbedLayerNormalization (`fuse_embeddings`); docs/onnx.md.
+B batch, L length.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bertembed.family import MEMBERS, layout
+from bertembed.atomic import check_output
+from bertembed.family import MEMBERS, NAMES, layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from bertembed.embeddings import BertEmbeddings
 
 OUTPUT = "embeddings"
-AXES = {0: "batch_size", 1: "sequence_length"}
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
+TABLES = NAMES[:3]  # word, position, segment
 NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
                  "every member")
 
@@ -35,52 +36,83 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
 
 
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
-    """ValueError naming why ONNX Runtime's EmbedLayerNormalization (float32 word + position + segment rows, then
-    LayerNorm) cannot compute `config`'s layer."""
-    member = config.model_type
-    if config.position_embedding_type == "none":
-        problem = f"this {member} layer has no position table (its positions enter in attention), but the fused " \
-                  f"op always adds a position row"
-    elif config.projection == "before_norm":
-        problem = f"this {member} layer projects E={config.table_width} -> H={config.hidden_size} before its " \
-                  f"LayerNorm, but the fused op normalises the sum of the rows itself"
-    elif config.mask_output:
-        problem = f"this {member} layer multiplies its output by the attention mask, which the fused op does not"
-    elif str(dtype) not in ("torch.float32", "float32"):
-        problem = f"its tables are {dtype}, but ONNX Runtime's fused op runs float32 on the CPU; convert with .float()"
-    else:
-        return
-    raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+    """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer."""
+    this = f"this {config.model_type} layer"
+    for refused, problem in (
+            (config.position_embedding_type == "none", f"{this} has no position table (its positions enter in "
+             f"attention), but the fused op always adds a position row"),
+            (config.projection == "before_norm", f"{this} projects E={config.table_width} -> H={config.hidden_size} "
+             f"before its LayerNorm, but the fused op normalises the sum of the rows itself"),
+            (config.mask_output, f"{this} multiplies its output by the attention mask, which the fused op does not"),
+            (str(dtype) not in ("torch.float32", "float32"), f"its tables are {dtype}, but ONNX Runtime's fused op "
+             f"runs float32 on the CPU; convert with .float()")):
+        if refused:
+            raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
     """Write `layer` in eval mode as an ONNX model to `path`, atomically (`layer_graph`); returns the path."""
-    from bertembed.atomic import check_output
-
-    target = check_output(path)
+    target = check_output(path)  # (before the export's seconds are spent)
     return write_model(layer_graph(layer, fused=fused, opset=opset), target)
 
 
 def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) -> onnx.ModelProto:
-    """`layer` in eval mode as an ONNX graph. Plain operators: torch's export of a reference copy (the fused kernels
-    refuse tracing); `fused=True` then rewrites its embedding subgraph (`fuse_embeddings`); ValueError where the op
-    cannot compute the layer. Only DeBERTa's reads `attention_mask`."""
+    """`layer` in eval mode as an ONNX graph: the export of a reference copy (the fused kernels refuse tracing), its
+    embedding subgraph rewritten by `fuse_embeddings` where `fused`."""
     from bertembed.embeddings import BertEmbeddings
 
     if not isinstance(layer, BertEmbeddings):
         raise TypeError(f"export_onnx takes a bertembed.BertEmbeddings, got {type(layer).__name__}; for a whole "
-                        f"transformers model use bertembed.onnx_whole.export_whole")
-    opset, config = check_opset(opset), layer.config
-    if fused:  # (refused before the export's seconds are spent)
-        refuse_unfusable(config, layer.tables()[0].dtype)
+                        f"transformers model use bertembed.onnx_export.export_whole")
+    config = layer.config
     reference = copy.deepcopy(layer).cpu().eval()  # (the example ids, and ONNX's initializers, live on the CPU)
     reference.backend = "reference"
 
     def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
         return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
 
-    model = torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer")
-    return fuse_embeddings(model, config) if fused else model
+    return torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer", fused,
+                        layer.tables()[0].dtype)
+
+
+def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
+    """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
+    `path`, atomically, with optimum's inputs and its `last_hidden_state` [batch, length, H] float32; returns the
+    path. `fused`: `fuse_embeddings`."""
+    target, opset = check_output(path), check_opset(opset)
+    return write_model(export_model(*load_model(model), opset, fused), target)
+
+
+def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
+    """(transformers' base model of the checkpoint in float32 eval mode, the embedding layer's config)."""
+    from bertembed.config import EmbeddingConfig
+    from bertembed.sources import resolve
+
+    source = resolve(model)
+    if source.kind == "file":
+        raise ValueError(f"{source.weights_file} is a single weights file, but exporting the whole model needs its "
+                         f"config.json: give the checkpoint's folder or hub id")
+    config = EmbeddingConfig.from_hf_config(source.file("config.json") or source.folder)
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"exporting the whole model builds it with transformers ({err}); pip install transformers, "
+                          f"or export the embedding layer alone (no --whole)") from err
+
+    where = source.name if source.kind == "hub" else str(source.folder)
+    try:
+        hf = transformers.AutoModel.from_pretrained(where, revision=source.revision,
+                                                    local_files_only=source.local_files_only)
+    except (ValueError, KeyError) as err:  # a member this transformers lacks (ModernBERT before 4.48, nomic_bert)
+        raise ValueError(f"transformers {transformers.__version__} cannot build the {config.model_type} model of "
+                         f"{where} ({str(err)[:200]}); export the embedding layer alone (no --whole)") from err
+    return hf.float().eval(), config
+
+
+def export_model(hf, config: EmbeddingConfig, opset: int = 18, fused: bool = False) -> onnx.ModelProto:
+    """`torch_export` of transformers model `hf`, its `last_hidden_state` the one output."""
+    return torch_export(hf, lambda model, **inputs: model(**inputs).last_hidden_state, config, "last_hidden_state",
+                        opset, f"the {config.model_type} model", fused)
 
 
 def check_opset(opset: Any) -> int:
@@ -104,11 +136,16 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
     return write_atomic(path, model.SerializeToString())
 
 
-def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int,
-                 what: str) -> onnx.ModelProto:
+def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int, what: str,
+                 fused: bool = False, dtype: Any = "float32") -> onnx.ModelProto:
     """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs [B, L] named by `input_names(config)`,
-    both axes dynamic, one output `output`; ValueError naming `what` and the reason where torch cannot export it."""
+    both axes dynamic, one output `output`; ValueError naming `what` where torch cannot export it. `fused`: then
+    `fuse_embeddings`, the tables' `dtype` checked first."""
     import torch
+
+    opset = check_opset(opset)
+    if fused:  # (refused before the export's seconds are spent)
+        refuse_unfusable(config, dtype)
 
     class Exported(torch.nn.Module):  # (torch.export reads the input names off forward's signature)
         def __init__(self) -> None:
@@ -120,9 +157,8 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
             return call(self.model, input_ids=input_ids, attention_mask=attention_mask, **given)
 
     ids = torch.full((2, 8), (config.pad_token_id + 1) % config.vocab_size)  # (a token, not padding)
-    example = {name: (ids if name == "input_ids" else torch.ones_like(ids) if name == "attention_mask" else
-                      torch.zeros_like(ids)) for name in input_names(config)}
-    dims = {i: torch.export.Dim(name) for i, name in AXES.items()}
+    example = dict(zip(input_names(config), (ids, torch.ones_like(ids), torch.zeros_like(ids)), strict=False))
+    dims = {0: torch.export.Dim("batch_size"), 1: torch.export.Dim("sequence_length")}
     # the exporter's notes on every export, no fault of the model's (torchvision missing, axis names, deprecations)
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
@@ -142,7 +178,7 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
                          f"{reason}); a newer torch may, else report it with the checkpoint's config.json") from err
     finally:
         registration.setLevel(level)
-    return program.model_proto
+    return fuse_embeddings(program.model_proto, config) if fused else program.model_proto
 
 
 def require_onnx():
@@ -155,8 +191,8 @@ def require_onnx():
 
 
 def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
-    """A copy of `model` (from `export_model`) whose embedding LayerNormalization and the Gathers and Adds feeding it
-    are one EmbedLayerNormalization; ValueError where the member or the graph cannot be fused."""
+    """A copy of `model` whose embedding LayerNormalization and the Gathers and Adds feeding it are one
+    EmbedLayerNormalization (docs/onnx.md, "Whole models"); ValueError where the member or the graph cannot be fused."""
     onnx = require_onnx()
     from onnx import helper
     from onnxscript.optimizer import remove_unused_nodes
@@ -165,20 +201,17 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     graph = fused.graph
-    tables = _table_names(graph, config)
-    norm, gathers = _embedding_subgraph(graph, tables)
+    norm, gathers = _embedding_subgraph(graph, config)
     casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
                                     to=onnx.TensorProto.INT32) for role in gathers}
-    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
-    segment = "token_type_embeddings.weight" in gathers
+    ids = {role: cast.output[0] for role, cast in casts.items()}
+    tables = {role: gather.input[0] for role, gather in gathers.items()}
+    word, position, segment = TABLES
     node = helper.make_node(
-        "EmbedLayerNormalization",
-        [casts["word_embeddings.weight"].output[0], casts["token_type_embeddings.weight"].output[0] if segment
-         else "", tables["word_embeddings.weight"], tables["position_embeddings.weight"],
-         tables["token_type_embeddings.weight"] if segment else "", norm.input[1], norm.input[2],
-         "", casts["position_embeddings.weight"].output[0]],
+        "EmbedLayerNormalization", [ids[word], ids.get(segment, ""), tables[word], tables[position],
+                                    tables.get(segment, ""), norm.input[1], norm.input[2], "", ids[position]],
         [norm.output[0], "embeddings_mask_index"], name="EmbedLayerNormalization", domain="com.microsoft",
-        epsilon=eps)
+        epsilon=next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5))
     at = list(graph.node).index(norm)
     nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
     del graph.node[:]
@@ -190,48 +223,29 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     return fused
 
 
-def _table_names(graph, config: EmbeddingConfig) -> dict[str, str]:
-    """The layer's table name -> the graph's initializer of that table: named as the member's checkpoint key
-    (`layout`, a whole model's graph) or as the layer's own (the layer's). Only the tables: the exporter merges equal
-    initializers, so a fresh model's LayerNorm weights share one name."""
-    keys = {k: v for k, v in layout(config.model_type).items() if k.endswith("embeddings.weight")}
-    names = {}
-    for ours, key in keys.items():
-        for name in (key, ours):
-            found = [i.name for i in graph.initializer if i.name == name or i.name.endswith("." + name)]
-            if found:
-                break
-        if len(found) == 1:  # (none: the member lacks it; several: ambiguous, so not taken)
-            names[ours] = found[0]
-    missing = [k for k in ("word_embeddings.weight", "position_embeddings.weight") if k not in names]
-    if missing:
-        raise ValueError(f"the exported {config.model_type} graph has no initializer for {missing} (looked for "
-                         f"{[keys[k] for k in missing]}); cannot fuse its embeddings; {NOT_FUSED_FIX}")
-    return names
-
-
-def _embedding_subgraph(graph, tables: dict[str, str]) -> tuple[Any, dict[str, Any]]:
-    """(the embedding LayerNormalization: the first whose input is a sum reading the word table, found by its place
-    in the graph; table name -> the Gather that reads it), checking that the sum is of those Gathers alone and that
-    the norm normalises over the last axis with a scale and a bias."""
-    producer = {out: node for node in graph.node for out in node.output}
+def _embedding_subgraph(graph, config: EmbeddingConfig) -> tuple[Any, dict[str, Any]]:
+    """(the first LayerNormalization over a sum that reads the word table; the layer's table name -> the Gather that
+    reads it), checking that the sum is of the tables' Gathers alone and that the norm has a bias and axis -1. A
+    table is an initializer named as the member's checkpoint key (a whole model's) or the layer's own name, after a
+    module path: not the norm's weight, which the exporter may share between equal initializers."""
+    keys, producer = layout(config.model_type), {out: node for node in graph.node for out in node.output}
 
     def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
         node = producer.get(name)
         return [leaf for i in node.input for leaf in leaves(i)] if node is not None and node.op_type == "Add" \
             else [node]
 
-    word = tables["word_embeddings.weight"]
-    sums = [(n, leaves(n.input[0])) for n in graph.node if n.op_type == "LayerNormalization"]  # (in graph order)
-    reads_word = [any(x is not None and x.op_type == "Gather" and x.input[0] == word for x in s) for _, s in sums]
-    norm, summed = sums[reads_word.index(True)] if any(reads_word) else (None, [])
+    def table(node) -> str | None:  # (the layer's table whose rows a Gather reads)
+        if node is None or node.op_type != "Gather" or any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            return None
+        return next((t for t in TABLES for name in (keys[t], t) if f".{node.input[0]}".endswith(f".{name}")), None)
+
+    norms = [(n, {table(x): x for x in leaves(n.input[0])}) for n in graph.node if n.op_type == "LayerNormalization"]
+    norm, gathers = next(((n, g) for n, g in norms if TABLES[0] in g), (None, {}))
     if norm is None or len(norm.input) < 3 or any(a.name == "axis" and a.i != -1 for a in norm.attribute):
-        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of {word}; "
+        raise ValueError(f"found no LayerNormalization (with a bias and axis -1) over a sum of Gathers of the word "
+                         f"table; cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
+    if None in gathers or len(gathers) != len(leaves(norm.input[0])) or TABLES[1] not in gathers:
+        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {list(TABLES)}; "
                          f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    by_table = {n.input[0]: n for n in summed if n is not None and n.op_type == "Gather" and  # (rows: axis 0)
-                not any(a.name == "axis" and a.i != 0 for a in n.attribute)}
-    roles = {ours: by_table.get(name) for ours, name in tables.items()}
-    if len(by_table) != len(summed) or None in roles.values() or len(roles) != len(summed):
-        raise ValueError(f"the embedding LayerNormalization's input is not a sum of Gathers of {sorted(tables)}; "
-                         f"cannot fuse this graph's embeddings; {NOT_FUSED_FIX}")
-    return norm, roles
+    return norm, gathers

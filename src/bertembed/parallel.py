@@ -1,14 +1,5 @@
-"""Scaling out on PyTorch's own engines: the word table sharded by rows (tensor parallel), loaded by rank.
-
-    mesh = init_device_mesh("cpu", (world,))              # or "cuda"; after torch.distributed.init_process_group
-    shard_vocab(model, mesh)                              # every word table in `model`: V / world rows per rank
-    layer = BertEmbeddings.from_pretrained(path, device_mesh=mesh)  # each rank reads its own rows, nothing more
-
-Every piece is torch's (`parallelize_module`, `RowwiseParallel`, its sharded lookup); the fused kernel then adds the
-position and segment rows and normalises. Everything else stays whole on every rank. FSDP2 and
-`torch.distributed.checkpoint` need nothing from here (docs/distributed.md).
-
-Dimension letters: B batch, L length, V vocabulary, E table width.
+"""Scaling out on PyTorch's own engines (docs/distributed.md): `shard_vocab` shards the word tables by rows (tensor
+parallel), `rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
 """
 
 from __future__ import annotations
@@ -33,15 +24,10 @@ WORD_NAMES = tuple(sorted({module_names(member).get("word_embeddings", "word_emb
 
 
 def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-    """Shard every word table [V, E] in `module` by rows over the 1-D `device_mesh`, in place; returns `module`.
-
-    `module`: a bertembed layer, a transformers model of BERT's family (patched or not), or an `nn.Embedding`. Each
-    table becomes a DTensor (`Shard(0)`: rank r holds torch's r-th chunk of ceil(V / world) rows); every rank passes
-    the same ids [B, L] and gets the same rows [B, L, E]. Before each lookup the ids are checked against all V rows,
-    with a ValueError on every rank where any rank has a bad id (a sharded lookup would give a bad id zeros). A table
-    may be on the meta device. A word table tied to another module of `module` (a masked-LM head's decoder) is
-    refused: sharding would untie them (use FSDP2's `fully_shard`). Pass the whole model, not its base, so that every
-    tie is seen.
+    """Shard every word table [V, E] in `module` (a bertembed layer, a transformers model of BERT's family, patched or
+    not, or an `nn.Embedding`) by rows over the 1-D `device_mesh`, in place; returns `module`. Every rank passes the
+    same ids [B, L] and gets the same rows [B, L, E]. Pass the whole model, not its base, so that a table tied to a
+    head is seen (and refused).
     """
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
@@ -71,8 +57,7 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
     """Qualified name -> word table of every embeddings layer of BERT's family in `module` (bertembed's or
-    transformers'), or `module` itself where it is an nn.Embedding. ValueError for a word table that is not a plain
-    nn.Embedding (a LoRA wrapper, say), which torch's RowwiseParallel cannot shard."""
+    transformers'), or `module` itself where it is an nn.Embedding."""
     if isinstance(module, nn.Embedding):
         return {"": module}
     found = {}
@@ -80,7 +65,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
         kind = type(layer)  # bertembed's layer (a patched one keeps the member's names) or transformers'
         family = (callable(getattr(layer, "submodules", None)) and hasattr(layer, "_stored_as")
                   or kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Embeddings"))
-        attribute = next((n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module)), None)
+        attribute = _word_name(layer)
         if not family or attribute is None:
             continue
         name, table = f"{prefix}.{attribute}".lstrip("."), getattr(layer, attribute)
@@ -92,10 +77,9 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
-    """Forward pre-hook: a ValueError naming the first id outside all V rows, before the sharded lookup, on every rank
-    where any rank has one (`_any_rank`: a rank left alone would wait in the lookup's all-reduce until the job is
-    killed); and the table's gradient kept sharded (`_resharded`, hooked on the parameter of the moment: `.to()` may
-    replace it)."""
+    """Forward pre-hook: a ValueError on every rank where any rank has an id outside all V rows (a rank left alone
+    would wait in the lookup's all-reduce); and the gradient kept sharded, hooked on the parameter of the moment
+    (`.to()` may replace it)."""
     ids = args[0]
     if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
         ids = ids.to_local()
@@ -114,10 +98,8 @@ def _before_lookup(table: nn.Embedding, args: tuple) -> None:
 
 
 def _any_rank(table: nn.Embedding, failed: bool) -> bool:
-    """Whether any rank of the table's mesh `failed` before its lookup: one all-reduce of a flag (under 1% of the
-    sharded lookup of a (32, 128) batch of BERT-base, gloo, 2 ranks: docs/distributed.md), which every rank makes
-    once per forward of the layer, in the table's pre-hook or, where the layer raised before its lookup, in
-    `_after_layer`."""
+    """Whether any rank of the table's mesh `failed` before its lookup: one all-reduce of a flag a forward, in the
+    table's pre-hook or, where the layer raised before its lookup, in `_after_layer`."""
     table._bertembed_flagged = True
     weight = table.weight
     if not isinstance(weight, DTensor) or torch.compiler.is_compiling():
@@ -132,28 +114,25 @@ def _before_layer(layer: nn.Module, args: tuple) -> None:
 
 
 def _after_layer(layer: nn.Module, args: tuple, output) -> None:
-    """Forward hook, called even where the layer raised: a layer that raised before its lookup (its own id checks)
-    still sends its flag, so that the other ranks raise too rather than wait in the lookup's all-reduce."""
+    """Forward hook, run even where the layer raised: one that raised before its lookup still sends its flag."""
     table = layer._modules[_word_name(layer)]
     if output is None and not table._bertembed_flagged:
         _any_rank(table, True)
 
 
-def _word_name(layer: nn.Module) -> str:
-    return next(n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module))
+def _word_name(layer: nn.Module) -> str | None:
+    return next((n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module)), None)
 
 
 def _resharded(weight: DTensor) -> None:
-    """Keep the table's gradient as sharded as the table (torch's sharded lookup computes it whole and replicated): a
-    local slice, and the optimizer's state then takes the table's layout too."""
+    """Keep the table's gradient as sharded as the table (torch's sharded lookup computes it whole)."""
     if weight.grad is not None and weight.grad.placements != weight.placements:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
 def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
-    """A reader for `bertembed.checkpoint.load_checkpoint(word_reader=...)`: from safetensors' slice of the word table
-    (`safe_open(...).get_slice(key)`), this rank's rows alone, as the DTensor [V, E] that `shard_vocab` makes
-    (torch's `Shard(0)` split: ceil(V / world) rows each, fewer or none on the last ranks)."""
+    """A reader for `load_checkpoint(word_reader=...)`: from safetensors' slice of the word table, this rank's rows
+    alone, as the DTensor [V, E] that `shard_vocab` makes (torch's split: ceil(V / world) rows each)."""
 
     def read(sliced) -> DTensor:
         rows, width = sliced.get_shape()

@@ -53,9 +53,8 @@ def plan(quick: bool, hiddens=None, shapes=None, dtypes=None, device: str = "cpu
 
 
 def runs(name: str, case: Case) -> bool:
-    """Whether candidate `name` takes part in `case`: ONNX Runtime's fused node is BERT's, on the CPU, float32 and
-    forward only; torch.compile float32 only (a bfloat16 compile doubles the compile time); bertembed's CPU kernels
-    take float32 and bfloat16 (for float16 the layer would run its reference)."""
+    """Whether candidate `name` takes part in `case`: ONNX Runtime's fused node on BERT's CPU float32 forward only;
+    torch.compile float32 only (a bfloat16 compile doubles the time); bertembed's CPU kernels take no float16."""
     if name == "ort-fused":
         return (case.member, case.device, case.mode, case.dtype) == ("bert", "cpu", "fwd", "float32")
     if name == "bertembed-fused":
@@ -63,19 +62,11 @@ def runs(name: str, case: Case) -> bool:
     return name != "hf-compile" or case.dtype == "float32"
 
 
-def inputs(case: Case, seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids uniform over the vocabulary, segment ids over {0, 1}, and an output gradient for the training step."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (case.batch, case.length)
-    ids, types = torch.randint(0, vocab, shape, generator=gen), torch.randint(0, 2, shape, generator=gen)
-    grad = torch.randn(*shape, case.hidden, generator=gen)
-    return ids.to(case.device), types.to(case.device), grad.to(case.device, DTYPES[case.dtype])
-
-
 def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callable[[str], Callable[[], Any]]]:
     """The float32 reference's output of `case`'s forward (None for a training step), and a function that makes a
-    candidate's no-argument call on the same weights and ids: a forward returning its output, or a training step
-    (train mode, backward of a fixed output gradient, then `zero_grad()`); ImportError where a package is missing."""
+    candidate's no-argument call on the same weights and ids (uniform over the vocabulary; segments over {0, 1}): a
+    forward returning its output, or a training step (train mode, backward of a fixed output gradient, then
+    `zero_grad()`); ImportError where a package is missing."""
     from bertembed import BertEmbeddings, EmbeddingConfig
 
     torch.manual_seed(seed)
@@ -86,7 +77,10 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
         for param in reference.LayerNorm.parameters():
             param.add_(0.1 * torch.randn(case.hidden))
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    ids, types, grad = inputs(case, vocab=vocab)
+    gen, shape = torch.Generator().manual_seed(0), (case.batch, case.length)
+    ids, types = torch.randint(0, vocab, shape, generator=gen), torch.randint(0, 2, shape, generator=gen)
+    grad = torch.randn(*shape, case.hidden, generator=gen).to(case.device, DTYPES[case.dtype])
+    ids, types = ids.to(case.device), types.to(case.device)
     given = {"input_ids": ids, "token_type_ids": types} if config.type_vocab_size > 1 else {"input_ids": ids}
     with torch.no_grad():
         expected = reference.to(case.device).eval()(**given).double() if case.mode == "fwd" else None
@@ -115,17 +109,18 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
 
 
 def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' own embeddings module of `config`'s member, holding `state`'s tables."""
+    """transformers' own embeddings module of `config`'s member (its row's `hf_layer`), holding `state`'s tables."""
+    import importlib
+
     import transformers
 
     from bertembed.family import layout
 
-    # the encoder around the layer, built once and dropped; no special ids (ModernBERT's lie past the vocabulary here,
-    # and transformers would warn of each)
-    small = {"num_hidden_layers": 1, "n_layers": 1, "num_attention_heads": 1, "n_heads": 1, "intermediate_size": 8,
-             "hidden_dim": 8, **dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"))}
-    hf_config = transformers.AutoConfig.for_model(**{**config.to_hf_config(), **small})
-    layer = transformers.AutoModel.from_config(hf_config).embeddings
+    # no special ids: ModernBERT's lie past the vocabulary here, and transformers would warn of each
+    specials = dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"))
+    hf_config = transformers.AutoConfig.for_model(**{**config.to_hf_config(), **specials})
+    package, name = FAMILY[config.model_type].hf_layer.split(".")
+    layer = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)(hf_config)
     keys = layout(config.model_type)
     layer.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in state.items()})
     return layer

@@ -25,13 +25,11 @@ TOUR = ("explain", "walkthrough", "notebook", "inspect", "drift", "finetune-demo
 
 
 class _Tour(TyperGroup):
-    def list_commands(self, ctx) -> list[str]:
-        """The commands in TOUR's order, not in the order their modules happened to register them."""
+    def list_commands(self, ctx) -> list[str]:  # (not in the order their modules happened to register them)
         return sorted(super().list_commands(ctx), key=lambda name: TOUR.index(name) if name in TOUR else len(TOUR))
 
 
-app = typer.Typer(help="BERT's input embedding layer: exact, fast, and explained.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False, cls=_Tour)
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_Tour)
 
 
 def _version(asked: bool) -> None:
@@ -58,8 +56,8 @@ EXTRAS = {"matplotlib": "viz", "nbformat": "notebook", "numba": "fast", "onnx": 
 
 
 def make_console(**options) -> Console:
-    """A rich console, 120 columns wide into a pipe or a log (rich's 80 would cut a wide table's numbers to "1…")
-    unless COLUMNS says otherwise."""
+    """A rich console, 120 columns wide into a pipe or a log (rich's 80 cuts a wide table's numbers) unless COLUMNS
+    says otherwise."""
     made = Console(highlight=False, **options)
     if not made.is_terminal and "COLUMNS" not in os.environ:
         made.width = max(made.width, 120)
@@ -88,31 +86,18 @@ def say_model(model) -> None:
                       "Hugging Face cache or hub)[/dim]")
 
 
-def missing(names: list[str], extra: str = "") -> str:
+def missing(names: list[str]) -> str:
     """The one line that says optional packages are missing, and which extra installs them."""
-    extra = extra or EXTRAS.get(names[0], "cli")
+    extra = EXTRAS.get(names[0], "cli")
     return (f'this command needs {", ".join(names)}, not installed here: pip install -e ".[{extra}]" (the {extra} '
             f'extra; ".[cli]" installs what every command needs)')
 
 
-def require(*modules: str, extra: str = "") -> None:
-    """Import each of `modules` now, before a command does any work: one ImportError naming the missing ones and the
-    extra that installs them (`extra`, else the first one's in EXTRAS)."""
-    gone = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as err:  # (the package itself, or one it needs: onnxscript needs onnx)
-            gone.append(err.name or name)
-    if gone:
-        raise ImportError(missing(list(dict.fromkeys(gone)), extra))
-
-
 @contextlib.contextmanager
-def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: str = "") -> Iterator[None]:
+def user_errors(*outputs: str | Path | None, needs: Iterable[str] = ()) -> Iterator[None]:
     """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
-    its message and exit status 2; anything else is a bug and keeps its traceback. Each of `outputs` that is given is
-    checked first as writable, then each optional package the command `needs` (`require`, naming `extra`)."""
+    its message and exit status 2; anything else is a bug and keeps its traceback. `outputs` are checked first as
+    writable, then the packages the command `needs` are imported (all the missing ones named in one line)."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
@@ -128,7 +113,14 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), extra: s
         for path in outputs:
             if path is not None:
                 check_output(path)
-        require(*needs, extra=extra)
+        gone = []
+        for name in needs:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as err:  # (the package itself, or one it needs: onnxscript needs onnx)
+                gone.append(err.name or name)
+        if gone:
+            raise ImportError(missing(list(dict.fromkeys(gone))))
         yield
     except ModuleNotFoundError as err:  # (one that `needs` did not name: said the same way)
         _fail(missing([err.name]) if err.name in EXTRAS else str(err))

@@ -32,7 +32,7 @@ def onnx_command(
         check_opset(opset)
         say_model(model)
         if whole:
-            from bertembed.onnx_whole import export_whole
+            from bertembed.onnx_export import export_whole
 
             path = export_whole(model, out, fused=fused, opset=opset)
         else:
