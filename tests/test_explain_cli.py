@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import matplotlib.image as mpimg
 import pytest
@@ -212,16 +210,6 @@ def test_bad_checkpoints_for_drift(tiny, tmp_path):
     assert_user_error(invoke("drift", tiny, tmp_path / "nowhere"), r"neither an existing file or folder")
     assert_user_error(invoke("inspect", "positions", "--model", tiny, "--plot", tmp_path / "no" / "p.png"),
                       "does not exist")
-
-
-def test_plain_explain_imports_neither_torch_nor_matplotlib():
-    """Nor does a plain `import bertembed`, whose names and submodules (`bertembed.parallel`) load on first use."""
-    code = ("import sys\nimport bertembed\nprint('BARE', 'torch' in sys.modules)\nfrom bertembed.cli import app\n"
-            "app(['explain', 'The quick brown fox'], standalone_mode=False)\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "BARE False" in done.stdout and "HEAVY []" in done.stdout
 
 
 def test_bracketed_tokens_survive_rich_markup():

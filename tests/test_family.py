@@ -276,8 +276,8 @@ def test_explain_and_inspect_run_on_every_member(member_checkpoint, name, tmp_pa
     for args in (("explain", "the quick brown fox"), ("explain", "the quick brown fox", "--torch"),
                  ("inspect", "positions"), ("inspect", "segments", "hello world")):
         done = run(*args, "--model", str(folder))
-        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
-        assert "Traceback" not in done.stderr
+        assert done.exit_code == 0, (args, done.output[-2000:])
+        assert "Traceback" not in done.output
         if layer.position_embeddings is None and args[1] == "positions":
             assert "no position table: its positions enter in attention" in done.stdout
         if layer.config.type_vocab_size < 2 and args[1] == "segments":
