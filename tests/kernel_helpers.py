@@ -3,6 +3,9 @@ the issue states."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -12,13 +15,32 @@ from bertembed.embeddings import BertEmbeddings
 # Without a GPU the Triton backend runs in Triton's interpreter (conftest imported the kernels under it first); the
 # tests that take TRITON switch it on for themselves with the `triton_interpreter` fixture.
 ON_GPU = torch.cuda.is_available()
-try:
-    import bertembed.fast.triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON,
-                                                         reason="triton is not installed (the gpu or dev extra)"))
+
+
+def _triton_missing() -> str | None:
+    """Why the Triton tests cannot run here, or None."""
+    try:
+        import bertembed.fast.triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (the gpu or dev extra)"
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET", "1") != "1":
+        return "no GPU, and TRITON_INTERPRET is not 1"
+    return None
+
+
+TRITON_MISSING = _triton_missing()
+# each kernel backend, skipped with the reason where its package is missing (the tests, as Liger-Kernel's: one body)
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(importlib.util.find_spec("numba") is None,
+                                                   reason="numba is not installed (the fast or dev extra)"))
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(TRITON_MISSING is not None, reason=str(TRITON_MISSING)))
+BACKENDS = [CPU, TRITON]
+
+
+def cases(backend, *rows) -> list:
+    """`backend` (CPU or TRITON) beside each row of further arguments, skipped as the backend is: for a test whose
+    cases differ by backend."""
+    return [pytest.param(*backend.values, *(row if isinstance(row, tuple) else (row,)), marks=backend.marks)
+            for row in rows]
 
 
 @pytest.fixture

@@ -1,79 +1,48 @@
-"""The Triton kernels against the reference layer. Without a GPU they run on CPU tensors in Triton's interpreter
-(TRITON_INTERPRET=1, set while the kernels are imported and during these tests only), on small shapes: the
-interpreter runs each program in Python. With CUDA they run on the GPU."""
+"""What only the Triton kernels have, against the reference layer: positions computed in the kernel, launch
+specialisations and tuning options, NaN rows for bad ids on a GPU, hidden sizes of BERT's models, the rounding to half
+precision, the family members it serves. Without a GPU they run on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, during these tests only), on small shapes: the interpreter runs each program in Python. What every
+backend is tested for: test_kernels.py."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the kernels are imported
-pytest.importorskip("triton")
+from kernel_helpers import (
+    ON_GPU,
+    TRITON_MISSING,
+    assert_grad_close,
+    assert_grads_match,
+    assert_output_close,
+    awkward_ids,
+    device_of,
+    run_both,
+    triton_interpreter,  # noqa: F401 (a fixture)
+    twins,
+)
+
+if TRITON_MISSING:
+    pytest.skip(TRITON_MISSING, allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bertembed.fast import fused_embeddings  # noqa: E402
 from bertembed.fast import triton as triton_kernels  # noqa: E402
-from kernel_helpers import (  # noqa: E402
-    assert_grad_close,
-    assert_grads_match,
-    assert_output_close,
-    awkward_ids,
-    check_autograd_modes,
-    check_custom_op_compiles,
-    check_edited_default_id_buffers,
-    check_empty_batches,
-    check_gradient_penalties,
-    check_layer_norm_dtypes_as_torch,
-    check_low_precision,
-    check_low_precision_grads_beat_torchs,
-    check_never_reads_outside_a_table,
-    check_traced_whole_layer,
-    check_training_step_makes_no_statistics_gradient,
-    run_both,
-    twins,
-)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if SET_HERE:
-    del os.environ["TRITON_INTERPRET"]  # other test modules run without it; the fixture sets it for these tests
-if not ON_GPU and not INTERPRET:
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend selection accepts CPU tensors only with it
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+DEVICE = device_of("triton")
 
 
 def on_device(*layers):
     return [layer.to(DEVICE) for layer in layers]
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize(("hidden", "batch", "length", "past"), [(97, 2, 9, 3), (128, 3, 1, 0), (16, 1, 512, 0)])
-def test_forward_and_gradients_match_reference(hidden, batch, length, past, deterministic):
-    ref, fused = on_device(*twins(hidden, "triton"))
-    fused.deterministic = deterministic
-    ids = awkward_ids(batch, length, ref.config.vocab_size).to(DEVICE)
-    segments = torch.randint(0, 2, (batch, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    out_ref, out = run_both(ref, fused, input_ids=ids, token_type_ids=segments, past_key_values_length=past)
-    assert_output_close(out, out_ref)
-    assert_grads_match(ref, fused)
-    assert fused.word_embeddings.weight.grad[0].abs().max() == 0
-
-
-@pytest.mark.parametrize(("hidden", "batch", "length", "past"), [(97, 2, 9, 3), (48, 3, 1, 7), (16, 1, 512, 0)])
+@pytest.mark.parametrize(("hidden", "batch", "length", "past"), [(97, 2, 9, 3), (48, 3, 1, 7), (16, 1, 64, 448)])
 def test_inference_positions_come_from_the_row(hidden, batch, length, past):
-    """Under no_grad with default positions the kernel computes `past + token index` itself; out= too."""
+    """Under no_grad with default positions the kernel computes `past + token index` itself, up to the table's last
+    row (511); out= too."""
     ref, fused = on_device(*twins(hidden, "triton"))
     ids = awkward_ids(batch, length, ref.config.vocab_size).to(DEVICE)
     segments = torch.randint(0, 2, (batch, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -208,18 +177,6 @@ def test_patched_model_on_gpu_matches_and_compiles():
         torch.testing.assert_close(compiled(ids).last_hidden_state, expected, rtol=0, atol=1e-5)
 
 
-def test_edited_default_id_buffers_are_read():
-    check_edited_default_id_buffers("triton", DEVICE)
-
-
-def test_autograds_other_modes_match_the_reference():
-    check_autograd_modes("triton", DEVICE)
-
-
-def test_gradient_penalties_differentiate_through_the_fused_layer():
-    check_gradient_penalties("triton", DEVICE)
-
-
 @pytest.mark.parametrize("hidden", [384, 768, 1024])
 def test_bert_sizes(hidden):
     batch, length = (8, 512) if ON_GPU else (2, 3)  # the interpreter runs every program in Python: few tokens
@@ -228,18 +185,6 @@ def test_bert_sizes(hidden):
     out_ref, out = run_both(ref, fused, input_ids=ids)
     assert_output_close(out, out_ref)
     assert_grads_match(ref, fused)
-
-
-def test_deterministic_backward_is_bitwise_repeatable():
-    _, fused = on_device(*twins(32, "triton"))
-    fused.deterministic = True
-    ids = awkward_ids(4, 12, 20).to(DEVICE)  # many repeats of each id
-    runs = []
-    for _ in range(2):
-        fused.zero_grad(set_to_none=True)
-        fused(ids).pow(2).sum().backward()
-        runs.append([p.grad.clone() for p in fused.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_torchs_deterministic_flag_asks_for_the_deterministic_backward(monkeypatch):
@@ -287,145 +232,6 @@ def test_rounding_to_half_precision_is_torchs(dtype):
     assert torch.equal(y[~y.isnan()], expected[~expected.isnan()])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_tables(dtype):
-    ref, fused = on_device(*twins(64, "triton", dtype=dtype))
-    check_low_precision(ref, fused, awkward_ids(2, 10, ref.config.vocab_size).to(DEVICE))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_gradients_are_closer_to_float64_than_torchs(dtype):
-    check_low_precision_grads_beat_torchs(*on_device(*twins(48, "triton", dtype=dtype)))
-
-
-@pytest.mark.parametrize("switched", ["layer", "dropout alone"])
-def test_dropout_keeps_the_right_fraction_and_scales(switched):
-    """In training mode, and under Monte Carlo dropout (the layer in eval, its dropout module in train): the dropout
-    module's own flag decides, as in the reference."""
-    p = 0.25
-    ref, fused = on_device(*twins(64, "triton", hidden_dropout_prob=p))
-    ids = awkward_ids(8, 32, ref.config.vocab_size).to(DEVICE)
-    clean = ref(ids)
-    (fused if switched == "layer" else fused.dropout).train()
-    torch.manual_seed(0)
-    out = fused(ids)
-    kept = out != 0
-    assert abs(kept.float().mean().item() - (1 - p)) < 0.02
-    assert_output_close(out[kept], clean[kept] / (1 - p))
-    torch.manual_seed(0)
-    assert torch.equal(fused(ids), out)
-    upstream = torch.randn(out.shape).to(DEVICE)
-    (out * upstream).sum().backward()
-    ref.dropout.p = 0.0
-    ref.train()
-    (ref(ids) * kept / (1 - p) * upstream).sum().backward()
-    assert_grads_match(ref, fused)
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_training_with_the_dropout_switched_off_drops_nothing(grad):
-    ref, fused = on_device(*twins(64, "triton", hidden_dropout_prob=0.25))
-    ids = awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE)
-    for layer in (ref, fused):
-        layer.train()
-        layer.dropout.eval()
-    with torch.set_grad_enabled(grad):
-        assert_output_close(fused(ids), ref(ids))
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_segment_and_position_ids_that_broadcast(grad):
-    """Segment ids [1, L] and position ids [L], shared by the batch, as transformers takes them (on a GPU, the short
-    path leaves a [1, L] segment id to the general path)."""
-    ref, fused = on_device(*twins(32, "triton"))
-    ids = awkward_ids(3, 7, ref.config.vocab_size).to(DEVICE)
-    given = dict(token_type_ids=torch.tensor([[0, 0, 1, 1, 0, 1, 1]]).to(DEVICE),
-                 position_ids=torch.tensor([6, 5, 4, 3, 2, 1, 0]).to(DEVICE))
-    with torch.set_grad_enabled(grad):
-        out_ref, out = ref(ids, **given), fused(ids, **given)
-        assert_output_close(out, out_ref)
-        assert_output_close(fused(ids, token_type_ids=given["token_type_ids"]),
-                            ref(ids, token_type_ids=given["token_type_ids"]))
-    if grad:
-        upstream = torch.randn(out.shape).to(DEVICE)
-        (out_ref * upstream).sum().backward()
-        (out * upstream).sum().backward()
-        assert_grads_match(ref, fused)
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_a_table_of_another_hidden_size_is_refused(grad):
-    """A position table cut to H - 1 columns through `.data`: the same ValueError as the reference's, before the
-    kernel would read each row's last entry from outside the table."""
-    ref, fused = on_device(*twins(32, "triton"))
-    ids = awkward_ids(1, 5, ref.config.vocab_size).to(DEVICE)
-    for layer in (ref, fused):
-        layer.position_embeddings.weight.data = layer.position_embeddings.weight.data[:, :31].contiguous()
-        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="must share one hidden size"):
-            layer(ids)
-
-
-def test_bad_input_raises_reference_error_before_any_kernel(monkeypatch):
-    ref, fused = on_device(*twins(16, "triton"))
-    monkeypatch.setattr(triton_kernels, "run_forward", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
-    for inputs in (dict(input_ids=torch.tensor([[1, 1000]])), dict(input_ids=torch.tensor([[1, 2]]),
-                                                                   token_type_ids=torch.tensor([[0, 5]]))):
-        inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
-        with pytest.raises(ValueError) as expected:
-            ref(**inputs)
-        with pytest.raises(ValueError) as got:
-            fused(**inputs)
-        assert str(got.value) == str(expected.value)
-
-
-@pytest.mark.skipif(ON_GPU, reason="the skipped-token count is read back only on CPU tensors")
-def test_kernel_itself_never_reads_outside_a_table():
-    check_never_reads_outside_a_table(triton_kernels)
-
-
-def test_position_type_none():
-    ref, fused = on_device(*twins(24, "triton", position_embedding_type="none"))
-    ids = awkward_ids(2, 6, ref.config.vocab_size).to(DEVICE)
-    out_ref, out = run_both(ref, fused, input_ids=ids)
-    assert_output_close(out, out_ref)
-    for (name, p_ref), (_, p) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
-        assert_grad_close(p.grad, p_ref.grad, name)
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_frozen_tables_get_no_gradient(deterministic):
-    ref, fused = on_device(*twins(24, "triton"))
-    fused.deterministic = deterministic
-    for layer in (ref, fused):
-        layer.word_embeddings.weight.requires_grad_(False)
-        layer.position_embeddings.weight.requires_grad_(False)
-    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(2, 7, ref.config.vocab_size).to(DEVICE))
-    assert_output_close(out, out_ref)
-    assert fused.word_embeddings.weight.grad is None and fused.position_embeddings.weight.grad is None
-    assert_grad_close(fused.token_type_embeddings.weight.grad, ref.token_type_embeddings.weight.grad, "segment")
-    assert_grad_close(fused.LayerNorm.weight.grad, ref.LayerNorm.weight.grad, "LayerNorm.weight")
-
-
-def test_empty_batches():
-    check_empty_batches("triton", DEVICE)
-
-
-def test_custom_op_compiles_fullgraph():
-    check_custom_op_compiles("triton", DEVICE)
-
-
-def test_whole_layer_traces_without_a_graph_break():
-    check_traced_whole_layer("triton", DEVICE)
-
-
-def test_training_step_makes_no_statistics_gradient():
-    check_training_step_makes_no_statistics_gradient("triton", DEVICE)
-
-
-def test_layer_norm_dtypes_fail_as_torchs_layer_norm_does():
-    check_layer_norm_dtypes_as_torch("triton", DEVICE)
-
-
 @pytest.mark.parametrize("member", ["roberta", "distilbert", "modernbert", "deberta-v2"])
 def test_the_kernel_serves_the_family_members_it_covers(member):
     """Explicit positions counted from the padding (RoBERTa: its padding row's gradient stays zero), no segment table
@@ -457,31 +263,3 @@ def test_the_kernel_serves_the_family_members_it_covers(member):
         assert not fused.position_embeddings.weight.grad[1].any()
 
 
-def test_gathered_word_rows_run_the_kernel(caplog, monkeypatch):
-    """Word rows the kernel does not look up itself (`inputs_embeds`; a hooked word table's own forward; a sharded
-    table's lookup, bertembed.parallel) are added and normalised by the kernel: outputs and gradients as the
-    reference's, nothing falling back."""
-    import logging
-
-    import bertembed.fast as kernels
-
-    monkeypatch.setattr(kernels, "_told", set())
-    ref, fused = on_device(*twins(24, "triton"))
-    given = [torch.randn(2, 3, 24, device=DEVICE).requires_grad_() for _ in range(2)]
-    with torch.no_grad():
-        given[1].copy_(given[0])
-    upstream = torch.randn(2, 3, 24, device=DEVICE)
-    with caplog.at_level(logging.INFO, logger="bertembed.fast"):
-        out_ref, out = ref(inputs_embeds=given[0]), fused(inputs_embeds=given[1])
-        ((out_ref * upstream).sum() + (out * upstream).sum()).backward()
-        assert_output_close(out, out_ref)
-        assert_grad_close(given[1].grad, given[0].grad, "inputs_embeds")
-        for layer in (ref, fused):
-            layer.zero_grad()
-            layer.word_embeddings.register_forward_hook(lambda m, args, out: out * 2)
-        ids = awkward_ids(2, 5, ref.config.vocab_size).to(DEVICE)
-        out_ref, out = ref(ids), fused(ids)
-        ((out_ref * upstream[:, :1]).sum() + (out * upstream[:, :1]).sum()).backward()
-        assert_output_close(out, out_ref)
-        assert_grads_match(ref, fused)
-    assert "reference" not in caplog.text
