@@ -77,9 +77,10 @@ def test_patched_model_matches_original(kind):
     assert_grads_close(grads, grads_ref)
 
 
-def test_a_patched_model_compiles_as_one_graph():
+def test_a_patched_model_compiles_as_one_graph_and_exports():
     """`torch.compile(fullgraph=True)` of a patched model works where the unpatched one does: the embedding layer
-    adds no graph break (training mode, dropout 0, forward and backward)."""
+    adds no graph break (training mode, dropout 0, forward and backward); `torch.export` takes it too. (Of the other
+    members, RoBERTa's positions counted from the padding: test_family.py.)"""
     original = model_of(transformers.BertModel).train()
     patched = bertembed.patch(copy.deepcopy(original), backend="cpu")
     inputs = batch()
@@ -91,6 +92,10 @@ def test_a_patched_model_compiles_as_one_graph():
     assert grads.keys() >= grads_ref.keys()  # compiled autograd gives the unused pooler zero gradients, eager none
     assert not any(grads[name].any() for name in grads.keys() - grads_ref.keys())
     assert_grads_close(grads, grads_ref)
+    exported = torch.export.export(patched.eval(), (), inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(first_output(exported.module()(**inputs)), first_output(original.eval()(**inputs)),
+                                   rtol=0, atol=1e-5)
 
 
 def test_patch_keeps_weights_keys_and_ties():
