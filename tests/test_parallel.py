@@ -94,7 +94,9 @@ def worker(rank: int, world: int, port: int, folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    # (a rank left waiting in a collective fails after this, not the 30 minutes of gloo's default: long enough for a
+    # busy machine, where a rank may start minutes after another)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
     try:
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,))
