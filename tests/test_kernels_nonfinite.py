@@ -23,8 +23,10 @@ HIDDEN = 768  # BERT-base; a multiple of 8, where torch's float32 LayerNorm on t
 VALUES = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "3e38": 3e38, "-3e38": -3e38}
 PLACES = ["word", "segment", "position", "LayerNorm.weight", "LayerNorm.bias"]
 # a huge entry in column 0 (or 8, 16, ...) gives a NaN row in torch's CPU LayerNorm (its vectorised Welford), in
-# column 5 or 700 (past the CPU kernel's first 64 columns) the bias
-COLUMNS = {"row": [0, 5, 700], "LayerNorm": [0, 700]}
+# column 5 or 700 (past the CPU kernel's first 64 columns) the bias. The kernels sum a token's three rows before they
+# normalise, so the column of a segment or position entry acts as a word entry's would: one column each, one of
+# either outcome, is enough for their own gradients.
+COLUMNS = {"word": [0, 5, 700], "segment": [0], "position": [700], "LayerNorm": [0, 700]}
 IDS = torch.tensor([[1, 3, 4, 3], [5, 6, 0, 7]])  # token 3 twice; [PAD] (0) once
 SEGMENTS = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
 
@@ -72,7 +74,7 @@ def _assert_values(got: torch.Tensor, want: torch.Tensor, name: str = "output") 
 def _cases():
     for place in PLACES:
         for name, value in VALUES.items():
-            for column in COLUMNS["LayerNorm" if place.startswith("LayerNorm") else "row"]:
+            for column in COLUMNS[place.split(".")[0]]:
                 yield pytest.param(place, value, column, id=f"{place}-{name}-col{column}")
     for name in ("3e38", "-3e38"):
         yield pytest.param("word", VALUES[name], None, id=f"word-row-{name}")  # the sum of the row overflows
@@ -80,32 +82,27 @@ def _cases():
 
 @pytest.mark.parametrize(("place", "value", "column"), list(_cases()))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_non_finite_and_huge_values_give_the_references_output(backend, place, value, column):
+def test_non_finite_and_huge_values_give_the_references_output_and_gradients(backend, place, value, column):
     """Forward, for inference (no autograd) and for training. The CPU kernel gave the bias where torch gave a NaN row
     (3e38 in column 0) and a NaN row where torch gave the bias (3e38 in column 5 or 700, and a whole row of
-    3e38, whose sum torch's running mean never overflows)."""
+    3e38, whose sum torch's running mean never overflows). Then every table's and LayerNorm's gradient equals the
+    reference's wherever the reference's is a number. The CPU and Triton kernels gave gradients of 0 (and finite ones)
+    where the reference's were NaN for a 3e38 entry."""
     layer = _layer(backend, place, value, column)
-    want = _reference(layer)
-    with torch.no_grad():
-        _assert_values(layer(IDS.to(layer.position_ids.device), SEGMENTS.to(layer.position_ids.device)), want)
-    _assert_values(layer(IDS.to(layer.position_ids.device), SEGMENTS.to(layer.position_ids.device)), want)
-
-
-@pytest.mark.parametrize(("place", "value", "column"), list(_cases()))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_finite_and_huge_values_give_the_references_gradients(backend, place, value, column):
-    """Every table's and LayerNorm's gradient equals the reference's wherever the reference's is a number. The CPU
-    and Triton kernels gave gradients of 0 (and finite ones) where the reference's were NaN for a 3e38 entry."""
-    layer = _layer(backend, place, value, column)
-    twin = _layer("reference", place, value, column)  # the same tables, differentiated by torch
-    twin = twin.cpu()
-    upstream = torch.randn(2, 4, HIDDEN, generator=torch.Generator().manual_seed(1))
+    twin = _layer("reference", place, value, column).cpu()  # the same tables, differentiated by torch
+    want = _reference(twin)
     device = layer.position_ids.device
-    (layer(IDS.to(device), SEGMENTS.to(device)) * upstream.to(device)).sum().backward()
-    (_reference(twin) * upstream).sum().backward()
-    for (name, got), (_, want) in zip(layer.named_parameters(), twin.named_parameters(), strict=True):
-        number = want.grad.isfinite()
-        _assert_values(got.grad.cpu()[number], want.grad[number], name)
+    ids, segments = IDS.to(device), SEGMENTS.to(device)
+    with torch.no_grad():
+        _assert_values(layer(ids, segments), want)
+    out = layer(ids, segments)
+    _assert_values(out, want)
+    upstream = torch.randn(2, 4, HIDDEN, generator=torch.Generator().manual_seed(1))
+    (out * upstream.to(device)).sum().backward()
+    (want * upstream).sum().backward()
+    for (name, got), (_, expected) in zip(layer.named_parameters(), twin.named_parameters(), strict=True):
+        number = expected.grad.isfinite()
+        _assert_values(got.grad.cpu()[number], expected.grad[number], name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
