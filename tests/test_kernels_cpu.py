@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("numba", reason="the fused CPU kernels need numba (the fast and dev extras)")
 
-from bertembed.fast import cpu, fused_embeddings  # noqa: E402
+from bertembed.fast import fused_embeddings  # noqa: E402
 from kernel_helpers import (  # noqa: E402
     assert_grads_match,
     assert_output_close,
