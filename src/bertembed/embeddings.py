@@ -227,9 +227,9 @@ class BertEmbeddings(Pretrained, nn.Module):
         past_key_values_length = offset_given(past_key_values_length, cache_length)
         check_table_shapes(tables, self.config.output_width)
         # (a padding_idx set after construction: F.embedding only asserts, the kernels would read it)
-        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), len(tables[0])),
+        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), tables[0].shape[0]),
                    None if tables[2] is None else
-                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), len(tables[2])))
+                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), tables[2].shape[0]))
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
                                                                   past_key_values_length)

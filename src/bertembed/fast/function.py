@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 
 import torch
 from torch import Tensor
@@ -24,7 +25,8 @@ def backend_module(backend: str):
     """The kernels of `backend`, "cpu" or "triton" (imported on first use)."""
     if backend not in ("cpu", "triton"):
         raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
-    return importlib.import_module(f"bertembed.fast.{backend}")
+    name = f"bertembed.fast.{backend}"
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
