@@ -305,11 +305,11 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     return kept[2]
 
 
-def _empty(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
-    """(a new tensor, the numpy array that owns its memory): cheaper than a view of a tensor torch made."""
-    array = np.empty(shape, _NUMPY[dtype])
-    tensor = torch.from_numpy(array)
-    return (tensor if dtype != torch.bfloat16 else tensor.view(dtype)), array
+def _statistics(n: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(a new float32 [n] tensor, the numpy array that owns its memory): cheaper than a view of a tensor torch made.
+    Not for the output, whose storage a user may resize (`torch.from_numpy`'s cannot be)."""
+    array = np.empty(n, np.float32)
+    return torch.from_numpy(array), array
 
 
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
@@ -336,15 +336,15 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or None and None
     with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
-    out, out_np = _empty(shape or (n, h), word.dtype) if out is None else (out, _np(out))
+    out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
     if stats:
-        (mean, mean_np), (rstd, rstd_np) = _empty(n, torch.float32), _empty(n, torch.float32)
+        (mean, mean_np), (rstd, rstd_np) = _statistics(n), _statistics(n)
     else:
         (mean_np, rstd_np), mean, rstd = np.empty((2, n), np.float32), None, None
     threads = _threads(n * h)
     args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg),
             _np(pos), _np(gamma.float()), _np(beta.float()), float(eps),
-            dropout_threshold(p), dropout_scale(p), np.uint64(seed), out_np.reshape(n, h), mean_np, rstd_np)
+            dropout_threshold(p), dropout_scale(p), np.uint64(seed), _np(out, (n, h)), mean_np, rstd_np)
     if threads > 1:
         found = forward(*args, max(1, min(n, 4 * threads)))  # (four chunks a thread: a late thread holds up less)
     else:
