@@ -134,7 +134,7 @@ def test_outlying_first_entries_cost_no_digits(offset):
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 2, 9), (384, 1, 3, 1), (768, 2, 2, 512), (1024, 3, 4, 40), (200, 2, 16, 128)])
 def test_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length):
-    """Training (the autograd Function) and inference (the forward kernel alone), serial and parallel, with hidden
+    """Training (the custom op) and inference (the forward kernel alone), serial and parallel, with hidden
     sizes whose rows do not start on a cache line (97, 200)."""
     ref, fused = twins(hidden, "cpu")
     ids = awkward_ids(batch, length, ref.config.vocab_size)

@@ -112,7 +112,7 @@ def _outputs(layers, ids, grad: bool):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_submodule_runs_itself(change, grad):
-    """Inference (the forward kernel alone) and autograd (the autograd Function) both honour a changed submodule."""
+    """Inference (the forward kernel alone) and autograd (the custom op) both honour a changed submodule."""
     ref, fused = twins(24, "cpu", vocab=VOCAB)
     plain = copy.deepcopy(ref)
     for layer in (ref, fused):

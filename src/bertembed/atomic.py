@@ -85,6 +85,8 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
 def _remove(folder: Path) -> None:
     """Delete a temporary folder, read-only folders in it included (a save gives the new folder the old one's mode,
     so after the switch the old one may be 0555): never left behind for the next save to trip on."""
+    if folder.is_symlink():  # (never a link's target)
+        return
     for root, _, _ in os.walk(folder):
         with contextlib.suppress(OSError):
             os.chmod(root, 0o700)

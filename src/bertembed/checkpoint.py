@@ -58,7 +58,12 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
     # meanwhile. (The hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
     pin = source.kind in ("folder", "file") and os.name == "posix"
     for attempt in range(5):
-        fd = os.open(source.folder, os.O_RDONLY) if pin else None
+        try:
+            fd = os.open(source.folder, os.O_RDONLY) if pin else None
+        except OSError:  # (gone for a moment: between the two renames of a save without an atomic exchange)
+            if attempt == 4:
+                raise
+            continue
         try:
             checkpoint = _read(source, framework, word_reader)
         except (OSError, ValueError):

@@ -80,11 +80,12 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     `path`, atomically, with optimum's inputs and its `last_hidden_state` [batch, length, H] float32; returns the
     path. `fused`: `fuse_embeddings`."""
     target, opset = check_output(path), check_opset(opset)
-    return write_model(export_model(*load_model(model), opset, fused), target)
+    return write_model(export_model(*load_model(model, fused), opset, fused), target)
 
 
-def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
-    """(transformers' base model of the checkpoint in float32 eval mode, the embedding layer's config)."""
+def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, EmbeddingConfig]:
+    """(transformers' base model of the checkpoint in float32 eval mode, the embedding layer's config). `fused`: a
+    layer `fuse_embeddings` cannot fuse is refused first, before the model is built."""
     from bertembed.config import EmbeddingConfig
     from bertembed.sources import resolve
 
@@ -93,6 +94,8 @@ def load_model(model: str | Path | None) -> tuple[Any, EmbeddingConfig]:
         raise ValueError(f"{source.weights_file} is a single weights file, but exporting the whole model needs its "
                          f"config.json: give the checkpoint's folder or hub id")
     config = EmbeddingConfig.from_hf_config(source.file("config.json") or source.folder)
+    if fused:
+        refuse_unfusable(config)
     try:
         import transformers
     except ImportError as err:

@@ -236,8 +236,8 @@ def _needs_autograd(tables) -> bool:
 
 def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, tables: tuple, eps: float,
            p: float, padding: tuple[int | None, int | None], deterministic: bool, out: Tensor | None) -> Tensor:
-    """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the autograd Function
-    for training, the custom op under torch.compile. `padding`: the word and position tables' padding rows or None."""
+    """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the custom op for
+    training and under torch.compile. `padding`: the word and position tables' padding rows or None."""
     word, segment, position, weight, bias = tables
     # no segment table (DistilBERT, MPNet, ModernBERT) or position table (ModernBERT, DeBERTa's relative positions):
     # one zero row, which adds nothing

@@ -193,6 +193,6 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         dpos = dense(dx, pids.clamp(0, pos.shape[0] - 1), pos.shape[0], -1, False) if need_pos else dpos
     dword, dpos = dword if need_word else dword[:0], dpos if need_pos else dpos[:0]
     sums = part.sum(0)  # [T + 2, H]: segment gradient, LayerNorm weight and bias gradients, in one reduction
-    # views of one buffer; the custom op copies them apart (`function.embeddings_backward_op`), eager autograd need not
+    # views of one buffer; the custom op copies them apart (`function.embeddings_backward_op`)
     return dword.to(word.dtype), sums[:types].to(word.dtype), dpos.to(word.dtype), sums[types].to(gamma.dtype), \
         sums[types + 1].to(gamma.dtype)
