@@ -225,14 +225,14 @@ def check_custom_op_compiles(backend: str, device: str = "cpu") -> None:
             module.zero_grad(set_to_none=True)
 
 
-def check_traced_whole_layer(backend: str, device: str = "cpu") -> None:
+def check_traced_whole_layer(backend: str, device: str = "cpu", **config) -> None:
     """The whole layer under `torch.compile(fullgraph=True)` (inference and training) and `torch.export`: no graph
     break (the id-range check stays out of traced code), the reference's outputs and gradients, and
     a bad id inside the graph still reads nothing outside a table. On CPU tensors it fails, as in transformers' layer;
     on a GPU the Triton kernel gives that token a row of NaN (no read-back inside a graph) and the other rows right."""
     import pytest
 
-    ref, layer = twins(48, backend)
+    ref, layer = twins(48, backend, **config)
     ref, layer = ref.to(device), layer.to(device)
     ids = awkward_ids(2, 9, ref.config.vocab_size).to(device)
     bad = ids.clone()

@@ -394,3 +394,8 @@ def test_custom_op_compiles_fullgraph(backend):
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_whole_layer_traces_without_a_graph_break(backend):
     check_traced_whole_layer(backend, device_of(backend))
+
+
+def test_a_layer_without_position_or_segment_table_traces_without_a_graph_break():
+    """The kernels read one zero row in place of each missing table (ModernBERT has neither), in traced code too."""
+    check_traced_whole_layer("cpu", position_embedding_type="none", type_vocab_size=0)

@@ -131,6 +131,25 @@ def test_outlying_first_entries_cost_no_digits(offset):
     assert err_kernel <= max(1.25 * err_torch, 5e-7)
 
 
+def test_parallel_backward_is_bitwise_repeatable():
+    """Past `cpu._PARALLEL_FROM` elements the backward runs in chunks (one writer per word row, partial sums per
+    chunk): the same bits on every run, and the reference's gradients."""
+    ref, fused = twins(64, "cpu", vocab=20)  # a small vocabulary: every id in many tokens, across chunk boundaries
+    ids = awkward_ids(8, 300, 20)  # 2,400 tokens x 64 = 153,600 elements
+    runs, before = [], torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(2):
+            ref.zero_grad(set_to_none=True)
+            fused.zero_grad(set_to_none=True)
+            run_both(ref, fused, input_ids=ids)
+            runs.append([p.grad.clone() for p in fused.parameters()])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert_grads_match(ref, fused)
+
+
 @pytest.mark.parametrize(("hidden", "threads", "batch", "length"),
                          [(97, 2, 2, 9), (384, 1, 3, 1), (768, 2, 2, 512), (1024, 3, 4, 40), (200, 2, 16, 128)])
 def test_outputs_match_reference_on_any_thread_count(hidden, threads, batch, length):
