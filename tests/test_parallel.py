@@ -288,27 +288,30 @@ def test_a_bad_id_on_one_rank_raises_on_every_rank(ranks):
                                                          f"table's {VOCAB} rows")
 
 
-def test_ddp_equals_one_process(ranks):
-    """Training under DistributedDataParallel: each rank computes its part of the batch, and the gradients, averaged
-    over the ranks, are the single process's on the whole batch; the fused kernel ran."""
+def _each_rank_did_its_part(ranks, engine: str):
+    """Each rank's output is the single process's on its part of the batch, bit for bit, and its gradients the single
+    process's on the whole batch; yields (rank, what the rank saw under `engine`)."""
     expected, world = single("patched model"), len(ranks)
     for rank, seen in enumerate(ranks):
-        got = seen["ddp"]
+        got = seen[engine]
         mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         torch.testing.assert_close(got["out"], expected["out"][mine], rtol=0, atol=0)
         assert_grads_close(got["grads"], expected["grads"])
+        yield rank, got
+
+
+def test_ddp_equals_one_process(ranks):
+    """Training under DistributedDataParallel: each rank computes its part of the batch, and the gradients, averaged
+    over the ranks, are the single process's on the whole batch; the fused kernel ran."""
+    for _, got in _each_rank_did_its_part(ranks, "ddp"):
         assert got["fell back"] == []
 
 
 def test_fsdp2_equals_one_process(ranks):
     """Each rank computes its part of the batch with the whole table, gathered for the forward (and the fused kernel
     reads it), and rests with its own rows."""
-    expected, world = single("patched model"), len(ranks)
-    for rank, seen in enumerate(ranks):
-        got = seen["fsdp2"]
-        mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        torch.testing.assert_close(got["out"], expected["out"][mine], rtol=0, atol=0)
-        assert_grads_close(got["grads"], expected["grads"])
+    world = len(ranks)
+    for rank, got in _each_rank_did_its_part(ranks, "fsdp2"):
         assert got["rows at rest"] == torch.arange(VOCAB).chunk(world)[rank].numel()
         assert got["inside forward"] == [(VOCAB, HIDDEN)]
         assert got["fell back"] == []
