@@ -153,12 +153,14 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One figure of a result: the PNG's name, its title, its caption (the numbers in words), and `draw()`."""
+    """One figure of a result: the PNG's name, its title, its caption (the numbers in words), `draw()` (matplotlib),
+    and `plotly()`, the same data as an interactive plotly figure for the HTML report (None: the report shows the PNG)."""
 
     name: str
     title: str
     caption: str
     draw: Callable[[], Any]
+    plotly: Callable[[], Any] | None = None
 
     def png(self) -> bytes:
         """The figure drawn and rendered to PNG bytes (the matplotlib figure closed)."""
