@@ -99,7 +99,8 @@ def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     local = weight.to_local()
     if local.shape[0] == 0:  # (a rank with no rows: V < world size)
         local = nn.functional.pad(local, (0, 0, 0, 1))
-    rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad) * inside.unsqueeze(-1)
+    rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad)
+    rows = rows.masked_fill_(~inside.unsqueeze(-1), 0)  # (in place: one [B, L, E] less at the peak)
     return DTensor.from_local(rows, weight.device_mesh, [Partial()]).full_tensor()
 
 
@@ -198,7 +199,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, mesh, vocab, ignore_index, smoothing):
-        group, z = mesh.get_group(), logits.float()
+        group, z = mesh.get_group(), logits.to(torch.promote_types(logits.dtype, torch.float32))
         first, stop = _first_row(mesh, vocab)
         top = z.amax(-1)
         torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
@@ -218,8 +219,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, lse, column, labelled, kept, count = ctx.saved_tensors
         scale = grad * kept / count
-        z = (logits.float() - lse.unsqueeze(-1)).exp() - ctx.smoothing / ctx.vocab
-        z.scatter_add_(-1, column, (labelled * -(1 - ctx.smoothing)).unsqueeze(-1).to(z.dtype))
+        z = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp() - ctx.smoothing / ctx.vocab
+        z.scatter_add_(-1, column, labelled.to(z.dtype).unsqueeze(-1) * (ctx.smoothing - 1))
         return (z * scale.unsqueeze(-1)).to(logits.dtype), None, None, None, None, None
 
 
