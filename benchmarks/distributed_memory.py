@@ -1,7 +1,7 @@
 """Memory per rank of a BERT with a large word table, under tensor parallel (`shard_vocab`) and FSDP2 (`fully_shard`),
 against the world size; gloo ranks as processes on the CPU.
 
-    python benchmarks/distributed_memory.py --vocab 200000 --hidden 512 --worlds 1 2 3   # the word table: 391 MiB
+    python benchmarks/distributed_memory.py --vocab 200000 --hidden 512 --layers 1 --worlds 1 2 3   # a 391 MiB table
 
 Each rank builds the same model (a transformers BertModel patched with bertembed's CPU kernel, `--layers` encoder
 layers), shards it, and takes one training step (forward, backward of the outputs' mean square; with `--adam`, an
@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=200000)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--adam", action="store_true", help="an AdamW step in the training step")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--engines", nargs="+", default=["tp", "fsdp2"], choices=["tp", "fsdp2"])
