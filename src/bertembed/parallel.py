@@ -97,7 +97,7 @@ def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     pad = table.padding_idx
     pad = pad - first if pad is not None and first <= pad < stop else None
     local = weight.to_local()
-    if local.shape[0] == 0:  # (a rank with no rows: V < world size)
+    if local.shape[0] == 0:  # (a rank that torch's split leaves without rows)
         local = nn.functional.pad(local, (0, 0, 0, 1))
     rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad)
     rows = rows.masked_fill_(~inside.unsqueeze(-1), 0)  # (in place: one [B, L, E] less at the peak)
@@ -119,7 +119,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
             continue
         name, table = f"{prefix}.{attribute}".lstrip("."), getattr(layer, attribute)
         if type(table) is not nn.Embedding:
-            raise ValueError(f"{name} is a {type(table).__name__}, not an nn.Embedding: torch's RowwiseParallel shards "
+            raise ValueError(f"{name} is a {type(table).__name__}, not an nn.Embedding: shard_vocab shards "
                              f"nn.Embedding tables only; shard before wrapping it (LoRA), or merge the wrapper first")
         found[name] = table
     return found
