@@ -98,7 +98,7 @@ def test_the_positions_figures_have_interactive_twins_naming_every_position():
     twins = {f.name: f.plotly() for f in report.figures()}
     assert all(isinstance(fig, go.Figure) and fig.data for fig in twins.values())
     for name in ("position_similarity", "position_norms", "position_pca"):
-        assert all("position" in t.hovertemplate for t in twins[name].data if t.hoverinfo != "skip"), name
+        assert all("position" in t.hovertemplate for t in twins[name].data), name
     points = next(t for t in twins["position_pca"].data if t.name == "positions")
     assert list(points.text) == list(range(512)) and np.allclose(points.x, report.pca_coords[:, 0])
     assert np.allclose(twins["position_norms"].data[0].y, report.norms)

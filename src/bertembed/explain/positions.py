@@ -204,8 +204,8 @@ class PositionReport(Result):
                 "pca_share_10": self.pca_share_10, "k": self.k, "lowfreq_share": self.lowfreq_share,
                 "lowfreq_share_sinusoid": self.lowfreq_share_sinusoid, "lowfreq_share_noise": self.lowfreq_share_noise,
                 "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
-                "mean_adjacent_cosine": self.adjacent_cosine,  # the leading components (tuples: tables show them)
-                "component_shares": tuple(round(c["share"], 4) for c in self.components),
+                "mean_adjacent_cosine": self.adjacent_cosine,
+                "component_shares": tuple(round(c["share"], 4) for c in self.components),  # (tables show tuples)
                 "component_cycles": tuple(c["cycles"] for c in self.components),
                 "component_periods": tuple(round(c["period"], 2) for c in self.components),
                 "seams": [s["at"] for s in self.seams], "noise_like": self.kind == "noise", "verdict": self.verdict}
@@ -328,11 +328,9 @@ class PositionReport(Result):
 
     def plotly_pca(self):
         fig = _plotly(2, ("positions on components 1 and 2", "leading components against position"))
-        (x, y), shown = self.pca_coords[:, :2].T, self.labelled()
-        fig.add_scatter(x=x, y=y, mode="markers", text=self.positions, marker_color=self.positions, name="positions",
-                        hovertemplate="position %{text}: (%{x:.3f}, %{y:.3f})", row=1, col=1)
-        fig.add_scatter(x=x[shown], y=y[shown], mode="lines+text", text=self.positions[shown], hoverinfo="skip",
-                        textposition="top right", name="named in order", row=1, col=1)
+        fig.add_scatter(x=self.pca_coords[:, 0], y=self.pca_coords[:, 1], mode="markers", text=self.positions,
+                        marker_color=self.positions, name="positions", row=1, col=1,
+                        hovertemplate="position %{text}: (%{x:.3f}, %{y:.3f})")  # (hover names every position)
         for c, coords in zip(self.components, self.pca_coords.T, strict=True):
             fig.add_scatter(x=self.positions, y=coords, name=f"component {c['component']}: {_cycles(c)}", row=1, col=2,
                             hovertemplate=f"position %{{x}}: component {c['component']} %{{y:.3f}}")
