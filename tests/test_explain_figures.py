@@ -90,9 +90,10 @@ def test_the_positions_figures_have_interactive_twins_naming_every_position():
     names its first positions (on the bundled ring: every one, 62° apart) and joins them in order."""
     import matplotlib.pyplot as plt
     import numpy as np
-    import plotly.graph_objects as go
 
     from bertembed.explain import analyze_positions
+
+    go = pytest.importorskip("plotly.graph_objects", reason="plotly draws the report's interactive figures")
 
     report = analyze_positions()
     twins = {f.name: f.plotly() for f in report.figures()}
