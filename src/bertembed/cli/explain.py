@@ -4,6 +4,7 @@ analysis each, as a table, JSON or a PNG)."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Optional
 
 import typer
@@ -199,7 +200,8 @@ def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")
 def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
-    """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
+    """Are the learned position embeddings sinusoidal? Similarity structure, components, spectrum, seams."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # (numpy's BLAS, before numpy loads: threads only spin here)
     with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 
