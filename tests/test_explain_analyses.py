@@ -159,6 +159,8 @@ def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
 
 @pytest.mark.parametrize("which", ["tiny", "bundled"])
 def test_segments_against_the_torch_layer(which, tiny):
+    """The segment rows, and the output's change from segment A to B measured on the pair (both texts), as torch's
+    layer gives it."""
     model, text = (tiny, "the quick fox") if which == "tiny" else (None, "The quick brown fox")
     report = analyze_segments(text, "the cat", model)
     layer = BertEmbeddings.from_pretrained(model).double().eval()
@@ -166,7 +168,7 @@ def test_segments_against_the_torch_layer(which, tiny):
     assert report.difference_norm == pytest.approx(float((seg[1] - seg[0]).norm()))
     assert report.cosine == pytest.approx(float(F.cosine_similarity(seg[0], seg[1], dim=0)))
     assert report.zeros_and_ones is False
-    ids = torch.tensor([Tokenizer.from_pretrained(model)(text).input_ids])
+    ids = torch.tensor([Tokenizer.from_pretrained(model)(text, "the cat").input_ids])
     with torch.no_grad():
         out_a, out_b = layer(ids, torch.zeros_like(ids))[0], layer(ids, torch.ones_like(ids))[0]
     assert np.allclose(report.output_change, (out_b - out_a).norm(dim=1).numpy(), atol=1e-4)
