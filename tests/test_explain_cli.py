@@ -106,8 +106,21 @@ def test_explain_report_and_plots(tiny, tmp_path):
     assert page.count("<img") + page.count('class="plotly-graph-div"') == 13
     assert not re.search(r"(src|href)=\"(https?:|//)", page) and "<link" not in page and "<script src" not in page
     assert "@import" not in page and "url(" not in page
+    assert "<th>word norm</th>" in page and not re.findall(r"<th>[^<]*_[^<]*</th>", page)  # headers as people read
     assert len(list(plots.glob("*.png"))) == 13
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "r.html"]  # no temporary files left
+
+
+def test_the_reader_chooses_the_word_and_asks_for_the_projector(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path / "cache"))
+    report = tmp_path / "r.html"
+    result = invoke("explain", "the cat sat", "--model", tiny, "--report", report, "--token", "king", "--projector")
+    assert result.exit_code == 0, result.output
+    page = report.read_text()
+    assert "&#x27;king&#x27; is row 19" in page and page.count('id="word_map_search"') == 1
+    assert len(list((tmp_path / "cache").glob("neighbours-*.npz"))) == 1
+    for flag in (["--token", "king"], ["--projector"]):
+        assert_user_error(invoke("explain", "the cat", "--model", tiny, *flag), f"{flag[0]} adds")
 
 
 def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
