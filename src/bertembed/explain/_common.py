@@ -196,10 +196,9 @@ def plotly_fig(traces: list[dict], title: str, xtitle: str, ytitle: str, tokens=
     `tokens` and `segments` as for `axes`, `layout` adds to or overrides it."""
     import plotly.graph_objects as go
 
-    fig = go.Figure(traces, layout={"title": title, "xaxis": {"title": xtitle}, "yaxis": {"title": ytitle},
-                                    "template": "plotly_white", "height": 420, "margin": {"t": 50, "b": 40},
-                                    "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1.0,
-                                               "xanchor": "right"}})
+    fig = go.Figure(traces, layout={"title": title, "xaxis_title": xtitle, "yaxis_title": ytitle, "height": 420,
+                                    "template": "plotly_white", "margin": {"t": 50, "b": 40}, "legend": {
+                                        "orientation": "h", "x": 1, "xanchor": "right", "y": 1, "yanchor": "bottom"}})
     if tokens is not None:
         fig.update_xaxes(tickvals=list(range(len(tokens))), ticktext=list(tokens), tickangle=-60)
     return fig.update_layout(shapes=[*layout.pop("shapes", []), *shade_segment_b(segments)], **layout)

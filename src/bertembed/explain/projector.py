@@ -59,8 +59,8 @@ class WordMap(Result):
     cache: Path | None = None  # where the neighbours are kept
 
     def summary(self) -> dict:
-        return {"model": self.model, "rows": len(self.xy), "pca_share_1": self.shares[0],
-                "pca_share_2": self.shares[1], "neighbours_per_row": self.neighbours.shape[1],
+        return {"model": self.model, "rows": len(self.xy), "component_1_share": self.shares[0],
+                "component_2_share": self.shares[1], "neighbours_per_row": self.neighbours.shape[1],
                 "cache": str(self.cache), "cache_bytes": self.neighbours.nbytes + self.scores.nbytes}
 
     def figures(self) -> list[Figure]:
@@ -100,20 +100,16 @@ class WordMap(Result):
         return GLUE % (self.neighbours.shape[1], *encoded)
 
 
-def cache_folder() -> Path:
-    """Where the neighbours are kept: $BERTEMBED_CACHE, else $XDG_CACHE_HOME/bertembed, else ~/.cache/bertembed."""
-    return Path(os.environ.get("BERTEMBED_CACHE") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bertembed")
-
-
 def nearest_rows(words: np.ndarray, k: int = 10, progress: Callable[[str, int, int], None] | None = None):
     """Every row's `k` nearest rows of `words` [V, E] by cosine, itself excluded: (ids [V, k] int32, cosines [V, k]
-    float16, the cache file), nearest first. Read from the cache when this table's were found before (its file is
-    named by a hash of the table), else computed in float32 (V x V products: seconds) and cached."""
+    float16, the cache file), nearest first. Read from the cache ($BERTEMBED_CACHE, else $XDG_CACHE_HOME/bertembed,
+    else ~/.cache/bertembed; the file named by a hash of the table) if found before, else computed and cached."""
     words = np.ascontiguousarray(words, dtype=np.float32)
     key = hashlib.blake2b(str(words.shape).encode(), digest_size=16)
     key.update(words.data)
-    path = cache_folder() / f"neighbours-{key.hexdigest()}-k{k}.npz"
+    folder = os.environ.get("BERTEMBED_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                        "bertembed")
+    path = Path(folder, f"neighbours-{key.hexdigest()}-k{k}.npz")
     try:
         with np.load(path) as cached:
             return cached["ids"], cached["scores"], path
@@ -142,22 +138,20 @@ def nearest_rows(words: np.ndarray, k: int = 10, progress: Callable[[str, int, i
     return ids, scores, path
 
 
-def word_map(text: str, text_b: str | None = None, model: ModelArg = None, *, k: int = 10,
+def word_map(text: str, text_b: str | None = None, model: ModelArg = None, *,
              progress: Callable[[str, int, int], None] | None = None) -> WordMap:
-    """The word table of `model` on its two principal components, every row's `k` nearest rows (`nearest_rows`), and
+    """The word table of `model` on its two principal components, every row's 10 nearest rows (`nearest_rows`), and
     where the tokens of `text` (and `text_b`) sit. ValueError for a blank text or a table over MAX_ROWS rows."""
     from bertembed.tokenizer import check_not_blank
 
     check_not_blank(text, "the text", text_b)
-    if k < 1:
-        raise ValueError(f"k={k}: ask for at least 1 neighbour")
     layer = load_layer(model)
     enc = layer.encode(text, text_b)
     words = layer.tensors["word_embeddings.weight"]
     if len(words) > MAX_ROWS:
         raise ValueError(f"the projector maps at most {MAX_ROWS:,} rows (MAX_ROWS), and {layer.source.name}'s word "
                          f"table has {len(words):,}: its neighbours would take too long and its page too much")
-    neighbours, scores, cache = nearest_rows(words, min(k, len(words) - 1), progress)
+    neighbours, scores, cache = nearest_rows(words, min(10, len(words) - 1), progress)
     centred = words.astype(np.float64) - words.mean(0)
     variances, components = np.linalg.eigh(centred.T @ centred)  # (ascending: the two largest are the last)
     return WordMap(source=layer.source, tokens=list(enc.tokens), ids=list(enc.input_ids),

@@ -193,8 +193,4 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
 
 def vocabulary(tokenizer, rows: int) -> list[str]:
     """The token of each of the word table's `rows`, by id ("" for an id the tokenizer lacks)."""
-    names = [""] * rows
-    for token, i in tokenizer.backend.get_vocab().items():
-        if i < rows:
-            names[i] = token
-    return names
+    return [tokenizer.backend.id_to_token(i) or "" for i in range(rows)]
