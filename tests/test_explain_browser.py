@@ -118,6 +118,7 @@ def test_a_search_marks_the_nearest_rows_numpy_finds(loaded, tiny, asked, token)
 def test_screenshot_is_not_blank(loaded, tmp_path):
     page = loaded[0]
     page.set_viewport_size({"width": 1200, "height": 2400})
+    page.evaluate("window.scrollTo(0, 0)")
     shot = tmp_path / "shot.png"
     page.screenshot(path=shot)
     pixels = mpimg.imread(shot)[..., :3]
