@@ -20,9 +20,9 @@ from bertembed.explain.tokens import vocabulary
 from bertembed.sources import Source
 
 logger = logging.getLogger(__name__)
-# Every row's neighbours take a [V, V] product: about 20 s once for BERT's 30,522 rows (cached), and the page holds
-# ~200 bytes per row; XLM-R's 250,002 rows would take half an hour and 50 MB.
-MAX_ROWS = 65_536
+# Every row's neighbours take a [V, V] product: about 20 s once for BERT's 30,522 rows (cached). The page holds ~150
+# bytes per row beside plotly.js's 4.8 MB: RoBERTa's 50,265 rows fit in 15 MB, XLM-R's 250,002 would take 40 MB.
+MAX_ROWS = 55_000
 GLUE = """<p><label>Find a token: <input type="search" id="word_map_search" placeholder="king"></label>
 <span id="word_map_found"></span></p><script>(() => {
 const bytes = s => Uint8Array.from(atob(s), c => c.charCodeAt(0)).buffer, k = %d;
