@@ -29,7 +29,6 @@ from bertembed.explain import (
 )
 from bertembed.explain._common import load_layer, to_jsonable
 from bertembed.explain.positions import SEAM_TEXT, SEAM_WINDOW, components
-from bertembed.explain.report import render_figures
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
 
@@ -196,8 +195,8 @@ def main() -> int:
     figures = DOCS / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     for result in results:
-        for figure, png in render_figures(result):
-            write_atomic(figures / f"{figure.name}.png", png)
+        for figure in result.figures():
+            write_atomic(figures / f"{figure.name}.png", figure.png())
     write_atomic(figures / "numbers.json", json.dumps(to_jsonable(numbers), indent=1).encode())
     template = (DOCS / "guide_template.md").read_text(encoding="utf-8")
     body = template.split("-->", 1)[1].lstrip() if template.startswith("<!--") else template

@@ -203,7 +203,7 @@ def test_save_into_an_empty_folder_writes_it_whole(tiny, tmp_path):
 # (command, the package made missing, the extra the message names, the call in bertembed that is the command's first
 # work)
 MISSING = [
-    (["explain", "the cat", "--report", "{tmp}/r.html"], "matplotlib", "viz", "explain.decompose.explain_text"),
+    (["explain", "the cat", "--report", "{tmp}/r.html"], "plotly", "viz", "explain.decompose.explain_text"),
     (["explain", "the cat", "--plots", "{tmp}/figures"], "matplotlib", "viz", "explain.decompose.explain_text"),
     (["inspect", "positions", "--plot", "{tmp}/p.png"], "matplotlib", "viz", "explain.positions.analyze_positions"),
     (["inspect", "tokens", "king", "--plot", "{tmp}/p.png"], "matplotlib", "viz", "explain.tokens.load_layer"),

@@ -240,6 +240,8 @@ def test_positions_of_a_sinusoidal_table_say_yes(tmp_path):
 
 @pytest.mark.parametrize("which", ["tiny", "bundled"])
 def test_segments_against_the_torch_layer(which, tiny):
+    """The segment rows, and the output's change from segment A to B measured on the pair (both texts), as torch's
+    layer gives it."""
     model, text = (tiny, "the quick fox") if which == "tiny" else (None, "The quick brown fox")
     report = analyze_segments(text, "the cat", model)
     layer = BertEmbeddings.from_pretrained(model).double().eval()
@@ -247,7 +249,7 @@ def test_segments_against_the_torch_layer(which, tiny):
     assert report.difference_norm == pytest.approx(float((seg[1] - seg[0]).norm()))
     assert report.cosine == pytest.approx(float(F.cosine_similarity(seg[0], seg[1], dim=0)))
     assert report.zeros_and_ones is False
-    ids = torch.tensor([Tokenizer.from_pretrained(model)(text).input_ids])
+    ids = torch.tensor([Tokenizer.from_pretrained(model)(text, "the cat").input_ids])
     with torch.no_grad():
         out_a, out_b = layer(ids, torch.zeros_like(ids))[0], layer(ids, torch.ones_like(ids))[0]
     assert np.allclose(report.output_change, (out_b - out_a).norm(dim=1).numpy(), atol=1e-4)
@@ -545,3 +547,112 @@ def test_the_analyses_of_one_text_resolve_and_read_the_checkpoint_once(tiny, mon
     results = run_analyses("the cat sat", "a dog", str(tiny), finetune=True, steps=1)
     assert len(results) == 6 and len(made) == 1
     assert read["vocab.txt"] == 1 and read["model.safetensors"] == 2
+
+
+# --- the projector --------------------------------------------------------------------------------------------
+
+def numpy_top_k(words: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's k nearest rows by cosine in float64, itself excluded: (ids, cosines), nearest first."""
+    words = words.astype(np.float64)
+    unit = words / np.maximum(np.linalg.norm(words, axis=1, keepdims=True), 1e-30)
+    cos = unit @ unit.T
+    np.fill_diagonal(cos, -np.inf)
+    ids = np.argsort(-cos, axis=1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(cos, ids, 1)
+
+
+def test_every_rows_neighbours_are_the_numpy_top_k_and_are_cached(tmp_path, monkeypatch):
+    """Over several blocks of rows (a zero row, like [PAD], among them): the ids numpy finds in float64, their cosines
+    to float16; saved as int32 and float16 once, then read back without a product."""
+    from bertembed.explain import projector
+
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path))
+    words = np.random.default_rng(0).standard_normal((2500, 24)).astype(np.float32)
+    words[3] = 0
+    ids, scores, path = projector.nearest_rows(words, k=10)
+    expected_ids, expected = numpy_top_k(words, 10)
+    rows = np.arange(len(words)) != 3  # (the zero row is at cosine 0 from every row: any 10 are its nearest)
+    assert np.array_equal(ids[rows], expected_ids[rows])
+    np.testing.assert_allclose(scores.astype(np.float64), expected, atol=1e-3)
+    assert ids.dtype == np.int32 and scores.dtype == np.float16 and path.parent == tmp_path
+    with np.load(path) as saved:
+        assert saved["ids"].nbytes + saved["scores"].nbytes == 2500 * 10 * (4 + 2)
+    monkeypatch.setattr(np, "argpartition", lambda *a, **k: pytest.fail("the cached neighbours were found again"))
+    again = projector.nearest_rows(words, k=10)
+    assert np.array_equal(again[0], ids) and np.array_equal(again[1], scores)
+    words[0, 0] += 1  # another table: another file
+    monkeypatch.undo()
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path))
+    assert projector.nearest_rows(words, k=10)[2] != path
+
+
+def test_an_unwritable_cache_warns_and_the_map_is_made_all_the_same(tiny, tmp_path, monkeypatch, caplog):
+    from bertembed.explain import word_map
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path / "file" / "cache"))
+    result = word_map("the cat", model=tiny)
+    assert "not cached" in caplog.text and result.neighbours.shape == (len(helpers.VOCAB), 10)
+
+
+def test_the_word_map_is_the_tables_two_principal_components(tiny, tmp_path, monkeypatch):
+    """The coordinates are the centred table on its two leading right singular vectors (up to sign), their shares of
+    the variance the squared singular values'; the text's own tokens are the pair's."""
+    from bertembed.explain import word_map
+
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path))
+    result = word_map("the cat", "a dog", tiny)
+    words = load_tables(tiny)["word_embeddings.weight"].numpy()
+    centred = words - words.mean(0)
+    _, singular, vt = np.linalg.svd(centred, full_matrices=False)
+    expected = centred @ vt[:2].T
+    signs = np.sign((result.xy * expected).sum(0))
+    np.testing.assert_allclose(result.xy * signs, expected, atol=1e-5)
+    assert result.shares == pytest.approx(singular[:2] ** 2 / (singular ** 2).sum())
+    assert result.tokens == ["[CLS]", "the", "cat", "[SEP]", "a", "dog", "[SEP]"]
+    assert result.vocabulary == helpers.VOCAB
+    assert result.summary()["cache_bytes"] == len(helpers.VOCAB) * 10 * 6
+
+
+def test_a_word_table_too_large_for_the_projector_is_refused(tiny, monkeypatch):
+    from bertembed.explain import projector
+
+    monkeypatch.setattr(projector, "MAX_ROWS", 20)
+    with pytest.raises(ValueError, match=r"at most 20 rows \(MAX_ROWS\).* has 29"):
+        projector.word_map("the cat", model=tiny)
+
+
+# --- the report's sections ------------------------------------------------------------------------------------
+
+def test_onehot_of_a_pair_embeds_both_texts(tiny):
+    report = analyze_onehot("the cat", tiny, text_b="a dog", repeats=1)
+    assert report.ids == Tokenizer.from_pretrained(tiny)("the cat", "a dog").input_ids
+    assert report.tokens == ["[CLS]", "the", "cat", "[SEP]", "a", "dog", "[SEP]"]
+
+
+def test_the_report_uses_the_second_text_and_the_token_asked_for(tiny):
+    from bertembed.explain.report import run_analyses
+
+    pair = Tokenizer.from_pretrained(tiny)("the cat", "a dog").input_ids
+    dec, _, segments, tokens, onehot = run_analyses("the cat", "a dog", tiny)
+    assert dec.ids == onehot.ids == pair and segments.tokens == segments.pair_tokens == dec.tokens
+    assert tokens.token == "the"  # by default the text's first word
+    assert run_analyses("the cat", model=tiny, token="king")[3].token == "king"
+
+
+def test_only_claims_true_of_every_bert_checkpoint_are_tagged_structural(tiny, tiny_b):
+    """The answers tagged STRUCTURAL are the same sentence on two different checkpoints (they follow from the layer's
+    structure); those tagged as measured are the positions, the word table and the drift, whose claims are numbers
+    of one checkpoint; a member without the table claims nothing."""
+    from bertembed.explain._common import MEASURED, STRUCTURAL, NotMeasured
+    from bertembed.explain.report import run_analyses
+
+    one = run_analyses("the cat", "a dog", tiny, finetune=True, steps=1)
+    other = run_analyses("a cat sat", None, tiny_b[0], finetune=True, steps=1)
+    tags = {type(r).__name__: r.tag for r in one}
+    assert tags == {"TextDecomposition": STRUCTURAL, "PositionReport": MEASURED, "SegmentReport": STRUCTURAL,
+                    "TokenReport": MEASURED, "OneHotReport": STRUCTURAL, "FinetuneReport": STRUCTURAL}
+    for a, b in zip(one, other, strict=True):
+        if a.tag == STRUCTURAL:
+            assert a.answer and a.answer == b.answer
+    assert drift(tiny, tiny_b[0]).tag == MEASURED and NotMeasured("Segments", "no table").tag == ""

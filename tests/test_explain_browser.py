@@ -1,14 +1,12 @@
-"""The HTML report in a real browser: headless Chromium opens the file from disk with the network off, every image
-decodes (naturalWidth > 0), and a screenshot of the page is not blank. The test looks at the page from outside,
-through Chromium's DevTools protocol: the page users get carries no test code."""
+"""The HTML report in a real browser: Debian's chromium, driven by Playwright through its `executable_path` (no browser
+is downloaded), opens the file from disk behind a proxy that answers nothing, and records every request. After the
+scripts run: the plotly figures exist, every PNG decodes, no request left the file, no column is cut at 1,400 px, and
+a search in the projector marks the neighbours numpy finds. The test looks at the page from outside (plotly's own
+state, the page's own search box): the page users get carries no test code."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-from itertools import count
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -20,12 +18,13 @@ from bertembed.atomic import write_atomic
 from bertembed.explain.report import report_html, run_analyses
 
 tiny = helpers.tiny  # shared fixture
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) drives the browser")
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>"]  # any network request would fail
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--proxy-server=127.0.0.1:9",
+         "--proxy-bypass-list=<-loopback>"]  # any network request would fail, and is recorded
 # the images that decoded, and all of them, once the page has loaded (the load event waits for every image)
 COUNT_IMAGES = "[[...document.images].filter(i => i.complete && i.naturalWidth > 0).length, document.images.length]"
 
@@ -33,85 +32,98 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is n
                                 "(apt-get install chromium; .ci/run installs it)")
 
 
-def evaluate(page: Path, expression: str, tmp_path: Path):
-    """The value of a JavaScript `expression` in `page` once it has loaded, asked through the DevTools protocol on a
-    pipe (Chromium reads commands on fd 3 and answers on fd 4, each message JSON ended by a NUL byte)."""
-    commands, answers = os.pipe(), os.pipe()
-
-    def as_fds_3_and_4():
-        os.dup2(commands[0], 3)
-        os.dup2(answers[1], 4)
-
-    browser = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
-                                "--remote-debugging-pipe", "about:blank"], pass_fds=(3, 4),
-                               preexec_fn=as_fds_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.close(commands[0])
-    os.close(answers[1])
-    received, sent, pending, ids = os.fdopen(answers[0], "rb"), os.fdopen(commands[1], "wb"), bytearray(), count(1)
-
-    def message() -> dict:
-        while b"\0" not in pending:
-            chunk = received.read1(1 << 16)
-            assert chunk, "chromium closed the DevTools pipe"
-            pending.extend(chunk)
-        end = pending.index(b"\0")
-        text = bytes(pending[:end])
-        del pending[:end + 1]
-        return json.loads(text)
-
-    def call(method: str, session: str | None = None, until: str | None = None, **params) -> dict:
-        """Send a command; return its result, or with `until` the parameters of that event, which follows."""
-        sent.write(json.dumps({"id": (number := next(ids)), "method": method, "params": params,
-                               **({"sessionId": session} if session else {})}).encode() + b"\0")
-        sent.flush()
-        while True:
-            reply = message()
-            if until is None and reply.get("id") == number:
-                assert "error" not in reply, reply
-                return reply["result"]
-            if until is not None and reply.get("method") == until:
-                return reply["params"]
-
-    try:
-        target = call("Target.createTarget", url="about:blank")["targetId"]
-        session = call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        call("Page.enable", session)
-        call("Page.navigate", session, until="Page.loadEventFired", url=page.as_uri())
-        return call("Runtime.evaluate", session, expression=expression, returnByValue=True)["result"]["value"]
-    finally:
-        browser.kill()
-        browser.wait(timeout=30)
-        received.close()
-        sent.close()
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:  # (the projector's cache, away from the user's)
+        patch.setenv("BERTEMBED_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return run_analyses("the cat sat on the mat", "a dog", tiny, projector=True, finetune=True, steps=2)
 
 
 @pytest.fixture(scope="module")
-def report_file(tiny, tmp_path_factory) -> Path:
-    results = run_analyses("the cat sat on the mat", "a dog", tiny, finetune=True, steps=2)
+def report_file(results, tmp_path_factory) -> Path:
     return write_atomic(tmp_path_factory.mktemp("report") / "report.html", report_html(results).encode())
 
 
-def test_every_image_loads(report_file, tmp_path):
-    loaded, total = evaluate(report_file, COUNT_IMAGES, tmp_path)
-    assert total == report_file.read_text().count("<img") == 13
-    assert loaded == total, f"{total - loaded} broken image(s)"
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield chromium
+        chromium.close()
 
 
-def test_a_broken_image_is_counted(report_file, tmp_path):
+@pytest.fixture(scope="module")
+def loaded(browser, report_file):
+    return opened(browser, report_file)
+
+
+def opened(browser, page_file: Path, width: int = 1400):
+    """The page loaded at `width` px, its scripts run; with the requests it made and the errors its scripts threw."""
+    page, requests, errors = browser.new_page(viewport={"width": width, "height": 900}), [], []
+    page.on("request", lambda request: requests.append(request.url))
+    page.on("pageerror", lambda error: errors.append(error))
+    page.goto(page_file.as_uri(), wait_until="load")
+    return page, requests, errors
+
+
+def test_the_figures_render_offline(loaded, report_file, results):
+    page, requests, errors = loaded
+    twins = [f.name for r in results for f in r.figures() if f.plotly is not None]
+    drawn = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].filter(d => d.querySelector("
+                          "'.main-svg') && d.data.length).map(d => d.id)")
+    assert drawn == twins and len(twins) >= 10
+    loaded, total = page.evaluate(COUNT_IMAGES)
+    assert loaded == total == sum(len(r.figures()) for r in results) - len(twins)
+    assert requests == [report_file.as_uri()] and errors == []
+
+
+def test_a_broken_image_is_counted(browser, report_file, tmp_path):
+    page = report_file.read_text()
+    if "<img" not in page:
+        pytest.skip("every figure is interactive")
     broken = tmp_path / "broken.html"
-    broken.write_text(report_file.read_text().replace("base64,iVBOR", "base64,AAAAiVBOR", 1))
-    assert evaluate(broken, COUNT_IMAGES, tmp_path) == [12, 13]
+    broken.write_text(page.replace('<img alt="', '<img src="data:image/png;base64,AAAA" alt="', 1))
+    loaded, total = opened(browser, broken)[0].evaluate(COUNT_IMAGES)
+    assert loaded == total - 1
 
 
-def test_screenshot_is_not_blank(report_file, tmp_path):
+def test_no_column_is_cut_at_1400_px(loaded):
+    page = loaded[0]
+    widths = page.evaluate("[...document.querySelectorAll('.scroll')].map(d => [d.scrollWidth, d.clientWidth])")
+    assert widths and all(inner <= shown for inner, shown in widths), widths
+    headers = page.evaluate("[...document.querySelectorAll('th')].map(h => h.textContent)")
+    assert "word norm" in headers and not [h for h in headers if "_" in h]
+
+
+@pytest.mark.parametrize("asked, token", [("king", "king"), ("King", "king"), ("##s", "##s")])
+def test_a_search_marks_the_nearest_rows_numpy_finds(loaded, tiny, asked, token):
+    words = helpers.load_tables(tiny)["word_embeddings.weight"].numpy()
+    row = helpers.VOCAB.index(token)
+    cosine = words @ words[row] / np.maximum(np.linalg.norm(words, axis=1) * np.linalg.norm(words[row]), 1e-30)
+    cosine[row] = -np.inf
+    expected = np.argsort(-cosine, kind="stable")[:10]
+    page = loaded[0]
+    page.fill("#word_map_search", asked)
+    found, near = page.evaluate("[2, 3].map(i => document.getElementById('word_map').data[i])")
+    assert found["text"] == [token] and found["customdata"] == [row]
+    assert near["customdata"] == expected.tolist()
+    assert [t.split()[0] for t in near["text"]] == [helpers.VOCAB[i] for i in expected]
+    assert [float(t.split()[1]) for t in near["text"]] == pytest.approx(cosine[expected], abs=1e-3)
+    listed = page.inner_text("#word_map_found")
+    assert listed.startswith(f"{token} (id {row})") and helpers.VOCAB[expected[0]] in listed
+    page.fill("#word_map_search", "zebra")
+    assert "not an entry of the vocabulary" in page.inner_text("#word_map_found")
+
+
+def test_screenshot_is_not_blank(loaded, tmp_path):
+    page = loaded[0]
+    page.set_viewport_size({"width": 1200, "height": 2400})
+    page.evaluate("window.scrollTo(0, 0)")
     shot = tmp_path / "shot.png"
-    done = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400",
-                           "--hide-scrollbars", f"--screenshot={shot}", report_file.as_uri()],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
+    page.screenshot(path=shot)
     pixels = mpimg.imread(shot)[..., :3]
     assert pixels.shape[:2] == (2400, 1200)
     not_white = (pixels < 0.95).any(-1).mean()
-    colourful = (pixels.max(-1) - pixels.min(-1) > 0.2).mean()  # the plots' bars and heatmaps
+    colourful = (pixels.max(-1) - pixels.min(-1) > 0.2).mean()  # the plots' bars
     assert not_white > 0.05 and colourful > 0.01, (not_white, colourful)
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50

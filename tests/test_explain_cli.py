@@ -97,12 +97,30 @@ def test_explain_report_and_plots(tiny, tmp_path):
     result = invoke("explain", "the cat sat", "a dog", "--model", tiny, "--report", report, "--plots", plots,
                     "--finetune")
     assert result.exit_code == 0, result.output
+    from plotly.offline import get_plotlyjs
+
     page = report.read_text()
-    assert page.count("<img") == 13 == page.count('src="data:image/png;base64,')
+    assert page.count(get_plotlyjs()) == 1  # inlined once; the rest of the page is ours:
+    page = page.replace(get_plotlyjs(), "")
+    assert page.count("<img") == len(re.findall(r'<img alt="[^"]*" src="data:image/png;base64,', page))
+    assert page.count("<img") + page.count('class="plotly-graph-div"') == 13
     assert not re.search(r"(src|href)=\"(https?:|//)", page) and "<link" not in page and "<script src" not in page
     assert "@import" not in page and "url(" not in page
+    assert "<th>word norm</th>" in page and not re.findall(r"<th>[^<]*_[^<]*</th>", page)  # headers as people read
     assert len(list(plots.glob("*.png"))) == 13
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "r.html"]  # no temporary files left
+
+
+def test_the_reader_chooses_the_word_and_asks_for_the_projector(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("BERTEMBED_CACHE", str(tmp_path / "cache"))
+    report = tmp_path / "r.html"
+    result = invoke("explain", "the cat sat", "--model", tiny, "--report", report, "--token", "king", "--projector")
+    assert result.exit_code == 0, result.output
+    page = report.read_text()
+    assert "&#x27;king&#x27; is row 19" in page and page.count('id="word_map_search"') == 1
+    assert len(list((tmp_path / "cache").glob("neighbours-*.npz"))) == 1
+    for flag in (["--token", "king"], ["--projector"]):
+        assert_user_error(invoke("explain", "the cat", "--model", tiny, *flag), f"{flag[0]} adds")
 
 
 def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
@@ -111,7 +129,8 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     result = invoke("explain", "the cat sat", "--model", tiny, "--report", report)
     assert result.exit_code == 0, result.output
     page = report.read_text()
-    assert page.count("<img") == 11 and "Fine-tuning moves the tables" not in page
+    assert page.count("<img") + page.count('class="plotly-graph-div"') == 11
+    assert "Fine-tuning moves the tables" not in page
     assert_user_error(invoke("explain", "the cat", "--model", tiny, "--finetune"), "--finetune adds the fine-tune")
 
 
@@ -191,10 +210,10 @@ def test_too_long_text_leaves_no_report(tiny, tmp_path):
 def test_failure_while_rendering_leaves_no_report(tiny, tmp_path, monkeypatch):
     from bertembed.explain import report
 
-    def broken(result):
+    def broken(figure, interactive=False):
         raise ValueError("figure failed on purpose")
 
-    monkeypatch.setattr(report, "render_figures", broken)
+    monkeypatch.setattr(report, "figure_html", broken)
     assert_user_error(invoke("explain", "the cat", "--model", tiny, "--report", tmp_path / "r.html"),
                       "on purpose")
     assert list(tmp_path.iterdir()) == []
@@ -300,7 +319,7 @@ def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_pat
                      "product?", "What are segment embeddings: zeros and ones?"):
         assert page.count(question) == 2  # in the list of questions and as its section's title
     assert page.count('class="tag"') == 5 and "holds for every BERT checkpoint" in page
-    assert "<script" not in page and "image-check" not in page
+    assert "image-check" not in page and "data-test" not in page
     tables = "".join(re.findall(r"<table>.*?</table>", page))
     assert "mean adjacent cosine" in tables and "mean_adjacent_cosine" not in tables
 

@@ -4,6 +4,7 @@ captions state the numbers."""
 from __future__ import annotations
 
 import matplotlib
+import numpy as np
 import pytest
 
 import conftest_explain as helpers
@@ -15,15 +16,17 @@ matplotlib.use("Agg")
 
 # every figure, by the name of its PNG (--plots DIR, docs/figures/), in the order the report shows them
 FIGURES = ["decomposition_norms", "variance_shares", "position_similarity", "position_norms", "position_spectrum",
-           "position_pca", "segments", "segment_effect", "token_norms", "neighbours", "onehot", "finetune_rows",
-           "finetune_positions", "drift"]
+           "position_pca", "segments", "segment_effect", "token_norms", "neighbours", "word_map", "onehot",
+           "finetune_rows", "finetune_positions", "drift"]
 
 
 @pytest.fixture(scope="module")
-def results(tiny):
+def results(tiny, tmp_path_factory):
     from bertembed.explain.drift import drift
 
-    out = run_analyses("the cat sat", "a dog", tiny, finetune=True, steps=2)
+    with pytest.MonkeyPatch.context() as patch:  # (the projector's cache, away from the user's)
+        patch.setenv("BERTEMBED_CACHE", str(tmp_path_factory.mktemp("cache")))
+        out = run_analyses("the cat sat", "a dog", tiny, projector=True, finetune=True, steps=2)
     return [*out, drift(tiny, tiny)]
 
 
@@ -111,3 +114,50 @@ def test_the_positions_figures_have_interactive_twins_naming_every_position():
     assert np.allclose(ax.lines[0].get_xdata(), report.pca_coords[:24, 0])
     assert len(right.lines) == 4 and right.get_xlabel() == "position"
     plt.close(fig)
+
+
+def test_every_interactive_twin_is_titled_and_hovers_with_its_values(results):
+    twins = [f for r in results for f in r.figures() if f.plotly is not None]
+    assert {f.name for f in twins} >= {"decomposition_norms", "variance_shares", "segments", "segment_effect",
+                                       "token_norms", "neighbours", "word_map", "onehot", "finetune_rows",
+                                       "finetune_positions", "drift"}
+    for figure in twins:
+        fig = figure.plotly()
+        assert fig.layout.title.text and (fig.layout.yaxis.title.text or fig.layout.xaxis.title.text), figure.name
+        assert fig.data and all(trace.hovertemplate for trace in fig.data), figure.name
+
+
+def test_the_norms_twin_hovers_each_tokens_norms(results, tiny):
+    """Its bars are the norms of the rows the pair's tokens pick (recomputed from the tables), named by token,
+    position and segment."""
+    dec = results[0]
+    fig = next(f for f in dec.figures() if f.name == "decomposition_norms").plotly()
+    tables = helpers.load_tables(tiny)
+    word = next(t for t in fig.data if t.name == "word")
+    np.testing.assert_allclose(word.y, tables["word_embeddings.weight"][dec.ids].norm(dim=1).numpy(), rtol=1e-5)
+    assert [c[0] for c in word.customdata] == dec.tokens and [c[2] for c in word.customdata][-3:] == ["B"] * 3
+    assert "%{customdata[0]}" in word.hovertemplate and "norm %{y" in word.hovertemplate
+    assert list(fig.layout.xaxis.ticktext) == dec.tokens and fig.layout.shapes[0].x0 == len(dec.tokens) - 3.5
+
+
+def test_the_segment_figure_shows_the_rows_values_against_0_and_1(results, tiny):
+    """Both drawings plot every value of the two segment rows (read from the tables here), with 0 and 1 marked; the
+    caption explains the constant shift LayerNorm removes, with its number."""
+    import matplotlib.pyplot as plt
+
+    from bertembed.explain.segments import SegmentReport
+
+    report = next(r for r in results if isinstance(r, SegmentReport))
+    rows = helpers.load_tables(tiny)["token_type_embeddings.weight"][:2].numpy()
+    figure = next(f for f in report.figures() if f.name == "segments")
+    fig = figure.draw()
+    ax = fig.axes[0]
+    np.testing.assert_allclose([line.get_ydata() for line in ax.lines if line.get_label().startswith("segment")],
+                               rows)
+    assert sorted(line.get_ydata()[0] for line in ax.lines if not line.get_label().startswith("segment")) == [0, 1]
+    plt.close(fig)
+    twin = figure.plotly()
+    np.testing.assert_allclose([trace.y for trace in twin.data], rows)
+    assert sorted(shape.y0 for shape in twin.layout.shapes) == [0, 1]
+    assert f"at most {report.constant_shift_change:.1e}" in figure.caption
+    assert "LayerNorm subtracts the mean" in figure.caption

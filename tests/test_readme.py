@@ -96,7 +96,7 @@ def test_readme_command(command, tmp_path, request):
     assert words[0] == "bertembed", f"a README command this test does not know how to run: {command}"
     src, tiny, (tiny_b, _) = (request.getfixturevalue(name) for name in ("src", "tiny", "tiny_b"))
     args, outputs = filled(command, tmp_path, src, tiny, tiny_b)
-    done = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    done = CliRunner().invoke(app, args, env={"COLUMNS": "120", "BERTEMBED_CACHE": str(tmp_path / "cache")})
     assert done.exit_code == 0, (args, done.output)
     assert all(path.exists() for path in outputs), (args, done.output)
 

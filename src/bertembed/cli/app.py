@@ -51,8 +51,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object ins
 PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="also write the figures to this PNG file "
                                                 "(needs matplotlib: pip install -e \".\\[viz]\")")]
 # the optional packages the commands use, each with the extra that installs it (".[cli]" installs them all)
-EXTRAS = {"matplotlib": "viz", "nbformat": "notebook", "numba": "fast", "onnx": "onnx", "onnxscript": "onnx",
-          "onnxruntime": "onnx", "triton": "gpu"}
+EXTRAS = {"matplotlib": "viz", "plotly": "viz", "nbformat": "notebook", "numba": "fast", "onnx": "onnx",
+          "onnxscript": "onnx", "onnxruntime": "onnx", "triton": "gpu"}
 
 
 def make_console(**options) -> Console:

@@ -97,40 +97,46 @@ def explain(
     use_torch: Annotated[bool, typer.Option("--torch", help="run the torch BertEmbeddings module "
                                             "(slower start) instead of the torch-free numpy path")] = False,
     report: Annotated[Optional[str], typer.Option("--report", help="also write a self-contained HTML report of "
-                                                  "every analysis (needs torch and matplotlib)")] = None,
+                                                  "every analysis, its figures interactive (needs plotly)")] = None,
     plots: Annotated[Optional[str], typer.Option("--plots", help="also write every figure as a PNG into this "
                                                  "folder (needs matplotlib)")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="with --report or --plots: the word whose nearest "
+                                                 "rows are shown (default: the text's first word)")] = None,
+    projector: Annotated[bool, typer.Option("--projector", help="with --report: also the whole word table in 2-D, "
+                                            "searchable (its neighbours found once per checkpoint, ~20 s, then "
+                                            "cached)")] = False,
     finetune: Annotated[bool, typer.Option("--finetune", help="with --report or --plots: also run the fine-tune "
                                            "demo (seconds, needs torch)")] = False,
 ) -> None:
     """Show how the embedding layer builds each token's vector: the rows of its word, position and segment tables
     (those the member has) summed, then LayerNorm."""
     figures = report is not None or plots is not None
-    with user_errors(report, needs=("matplotlib",) if figures else ()):
+    needs = ("plotly",) * (report is not None) + ("matplotlib",) * (plots is not None)
+    with user_errors(report, needs=needs):
         from bertembed.atomic import write_atomic
         from bertembed.explain import report as reporting
         from bertembed.explain.decompose import explain_text
 
         folder = reporting.check_folder(plots) if plots is not None else None
-        if finetune and not figures:
-            raise ValueError("--finetune adds the fine-tune demo to --report or --plots; give one of them (or run "
-                             "bertembed finetune-demo)")
+        for flag, given, what in (("--finetune", finetune, "the fine-tune demo"), ("--token", token, "a word's "
+                                  "nearest rows"), ("--projector", projector, "the word table's projector")):
+            if given is not None and given is not False and not figures:
+                raise ValueError(f"{flag} adds {what} to --report or --plots; give one of them")
         engine = "torch" if use_torch else "numpy"
         if not figures:
             dec = explain_text(text, text_b, model, engine=engine)
         else:  # every analysis, on the checkpoint read once (the torch engine reads its own tables)
             bar, progress = rich_progress()
             with bar:
-                results = reporting.run_analyses(text, text_b, model, finetune=finetune,
-                                                 progress=None if as_json else progress)
+                results = reporting.run_analyses(text, text_b, model, token=token, projector=projector,
+                                                 finetune=finetune, progress=None if as_json else progress)
             dec = explain_text(text, text_b, results[0].source, engine=engine) if use_torch else results[0]
-            drawn = [reporting.render_figures(r) for r in results]
             if folder is not None:  # one PNG per figure, named after it (e.g. position_similarity.png)
-                written = [write_atomic(folder / f"{f.name}.png", png) for figures in drawn for f, png in figures]
+                written = [write_atomic(folder / f"{f.name}.png", f.png()) for r in results for f in r.figures()]
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")
             if report is not None:
-                write_atomic(report, reporting.report_html(results, drawn).encode("utf-8"))
+                write_atomic(report, reporting.report_html(results).encode("utf-8"))
                 if not as_json:
                     console.print(f"report written to {report}")
     rows = dec.rows()

@@ -6,9 +6,10 @@ from bertembed.explain.drift import DriftReport, drift
 from bertembed.explain.finetune import FinetuneReport, finetune_demo
 from bertembed.explain.onehot import OneHotReport, analyze_onehot
 from bertembed.explain.positions import PositionReport, analyze_positions
+from bertembed.explain.projector import WordMap, word_map
 from bertembed.explain.segments import SegmentReport, analyze_segments
 from bertembed.explain.tokens import TokenReport, analyze_tokens
 
 __all__ = ["DriftReport", "FinetuneReport", "OneHotReport", "PositionReport", "SegmentReport", "TextDecomposition",
-           "TokenReport", "analyze_onehot", "analyze_positions", "analyze_segments", "analyze_tokens", "drift",
-           "explain_text", "finetune_demo"]
+           "TokenReport", "WordMap", "analyze_onehot", "analyze_positions", "analyze_segments", "analyze_tokens",
+           "drift", "explain_text", "finetune_demo", "word_map"]

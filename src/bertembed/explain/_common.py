@@ -106,7 +106,8 @@ LABELS = {"k": "low frequencies fitted (k)", "pca_share_2": "variance on 2 princ
           "structure_correlation": "structure correlation with sin/cos",
           "median_row_change": "a moved row's change |Δ|/|row| (median)",
           "relative_change": "whole tensor |B - A|/|A|", "max_abs_change": "largest entry change |Δ|",
-          "most_changed": "most changed rows (|Δ|/|row|)"}
+          "most_changed": "most changed rows (|Δ|/|row|)", "ln_mean": "LayerNorm mean", "ln_std": "LayerNorm std",
+          "constant_shift_change": "output change when 1 is added to every entry (LayerNorm removes it)"}
 
 
 def label(key: str) -> str:
@@ -138,14 +139,15 @@ def to_jsonable(value: Any) -> Any:
 
 
 def html_table(rows: list[dict], caption: str = "") -> str:
-    """A small HTML table of dicts (the keys of the first row are the columns), numbers to 4 digits."""
+    """A small HTML table of dicts (the keys of the first row are the columns, named by `label`), numbers to 4
+    digits."""
     if not rows:
         return "<p>(no rows)</p>"
 
     def cell(v):
         return html.escape(f"{v:.4g}" if isinstance(v, (float, np.floating)) else str(v))
 
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in rows[0])
+    head = "".join(f"<th>{html.escape(label(str(c)))}</th>" for c in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in rows[0]) + "</tr>" for r in rows)
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
@@ -154,7 +156,7 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 @dataclasses.dataclass(frozen=True)
 class Figure:
     """One figure of a result: the PNG's name, its title, its caption (the numbers in words), `draw()` (matplotlib),
-    and `plotly()`, the same data as an interactive plotly figure for the HTML report (None: the report shows the PNG)."""
+    and `plotly()`, the same data as an interactive plotly figure for the HTML report (None: it shows the PNG)."""
 
     name: str
     title: str
@@ -172,26 +174,55 @@ class Figure:
         return buf.getvalue()
 
 
-def axes(ax=None, size=(7.5, 3.6), panels=1):
-    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given."""
+def axes(ax=None, size=(7.5, 3.6), panels=1, tokens=None, segments=()):
+    """(figure, ax), or (figure, [ax, ...]) for `panels` > 1, on a new figure unless `ax` is given; `tokens` name the
+    x axis's positions 0, 1, ..., and the tokens of segment B (1 in `segments`) are shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(1, panels, figsize=size, layout="constrained") if ax is None else (ax.figure, ax)
+    fig, ax = plt.subplots(1, panels, figsize=size, layout="constrained") if ax is None else (ax.figure, ax)
+    if tokens is not None:
+        ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, len(tokens) - 0.4)
+    for shape in shade_segment_b(segments):
+        ax.axvspan(shape["x0"], shape["x1"], color=shape["fillcolor"], zorder=0, label="segment B (shaded)")
+    return fig, ax
 
 
-def token_axis(ax, tokens) -> None:
-    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
-    ax.set_xlim(-0.6, len(tokens) - 0.4)
+def plotly_fig(traces: list[dict], title: str, xtitle: str, ytitle: str, tokens=None, segments=(), **layout):
+    """A figure's interactive twin: plotly `traces` (dicts, as plotly's JSON has them) under the report's layout;
+    `tokens` and `segments` as for `axes`, `layout` adds to or overrides it."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(traces, layout={"title": title, "xaxis_title": xtitle, "yaxis_title": ytitle, "height": 420,
+                                    "template": "plotly_white", "margin": {"t": 50, "b": 40}, "legend": {
+                                        "orientation": "h", "x": 1, "xanchor": "right", "y": 1, "yanchor": "bottom"}})
+    if tokens is not None:
+        fig.update_xaxes(tickvals=list(range(len(tokens))), ticktext=list(tokens), tickangle=-60)
+    return fig.update_layout(shapes=[*layout.pop("shapes", []), *shade_segment_b(segments)], **layout)
 
 
-def figure_html(figure: Figure, png: bytes) -> str:
-    """A figure: its PNG inline (a base64 data URI, so the page needs no other file), then its caption."""
-    data, title = base64.b64encode(png).decode("ascii"), html.escape(figure.title)
-    return (f'<figure><img alt="{title}" src="data:image/png;base64,{data}"><figcaption><b>{title}.</b> '
-            f"{html.escape(figure.caption)}</figcaption></figure>")
+def shade_segment_b(segments: list[int]) -> list[dict]:
+    """A plotly shape behind the tokens of segment B (none without them)."""
+    b = [i for i, s in enumerate(segments) if s == 1]
+    return [{"type": "rect", "yref": "paper", "x0": b[0] - 0.5, "x1": b[-1] + 0.5, "y0": 0, "y1": 1, "layer": "below",
+             "fillcolor": "#f3e6c4", "line": {"width": 0}}] if b else []
+
+
+def figure_html(figure: Figure, interactive: bool = False) -> str:
+    """A figure and its caption: its plotly twin as a div with `interactive` (the page loads plotly.js once), else
+    its PNG inline (a base64 data URI, so the page needs no other file)."""
+    title = html.escape(figure.title)
+    if interactive and figure.plotly is not None:
+        import plotly.io
+
+        shown = plotly.io.to_html(figure.plotly(), include_plotlyjs=False, full_html=False, div_id=figure.name,
+                                  config={"displaylogo": False})
+    else:
+        shown = f'<img alt="{title}" src="data:image/png;base64,{base64.b64encode(figure.png()).decode("ascii")}">'
+    return f"<figure>{shown}<figcaption><b>{title}.</b> {html.escape(figure.caption)}</figcaption></figure>"
 
 
 class Result:
@@ -210,6 +241,10 @@ class Result:
     def figures(self) -> list[Figure]:
         return []
 
+    def controls(self) -> str:
+        """HTML the report puts under the section's interactive figures (the projector's search box); "" for none."""
+        return ""
+
     def _repr_html_(self) -> str:
         """Its summary as a table, its figures when matplotlib is installed, then its rows."""
         summary = self.summary()
@@ -219,7 +254,7 @@ class Result:
                          "embeddings), not bert-base-uncased</p>")
         parts.append(html_table(summary_rows(summary)))
         try:
-            parts += [figure_html(f, f.png()) for f in self.figures()]
+            parts += [figure_html(f) for f in self.figures()]
         except ImportError:
             parts.append("<p>(install matplotlib, the viz extra, to see the figures)</p>")
         if self.rows_title:
@@ -232,6 +267,7 @@ class NotMeasured(Result):
     """An analysis that does not apply to the checkpoint's member, and why (a report section of one sentence)."""
 
     question = "Not measured in this member"
+    tag = ""  # (nothing is claimed)
 
     title: str
     reason: str

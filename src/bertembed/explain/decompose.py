@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, Figure, Result, axes, load_layer, token_axis
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, Result, axes, load_layer, plotly_fig
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -21,6 +21,7 @@ class TextDecomposition(Result):
     answer = ("Each token's vector is the sum of its rows (word, and position and segment where the member has those "
               "tables), then LayerNorm. The table gives each part's norm and its share of the variance LayerNorm sees.")
     rows_title = "one row per token"
+    tag = STRUCTURAL
 
     source: Source
     engine: str  # "numpy" (torch-free, fast start) or "torch" (the BertEmbeddings module)
@@ -104,44 +105,51 @@ class TextDecomposition(Result):
                   f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
                   f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "
                   f"equals the layer's output to {self.max_abs_diff:.1e}.")
-        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms),
-                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares)]
+        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms, self.plotly_norms),
+                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares, self.plotly_shares)]
+
+    def _plotly(self, values: dict[str, np.ndarray], what: str, title: str, ytitle: str, **layout):
+        """Per token, one bar per part (hover: token, position, segment, the part's value), segment B shaded."""
+        where = [[t, p, "AB"[s]] for t, p, s in zip(self.tokens, self.positions, self.segments, strict=True)]
+        traces = [{"type": "bar", "x": list(range(len(self.tokens))), "y": values[name], "name": name,
+                   "marker": {"color": PART_COLOURS[name]}, "customdata": where,
+                   "hovertemplate": f"%{{customdata[0]}} (position %{{customdata[1]}}, segment %{{customdata[2]}})"
+                                    f"<br>{name} {what} %{{y:.3f}}<extra></extra>"} for name in self.parts]
+        return plotly_fig(traces, title, "", ytitle, self.tokens, self.segments, **layout)
+
+    def plotly_norms(self):
+        return self._plotly(self.norms(), "norm", "How long is each part of the sum? (per token; segment B shaded)",
+                            "L2 norm")
+
+    def plotly_shares(self):
+        return self._plotly(self.variance_shares(), "share", "Who decides what LayerNorm sees? (variance shares)",
+                            "share of Var(sum) over hidden dims", barmode="relative")
 
     def plot_norms(self, ax=None):
         """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
-        fig, ax = axes(ax)
+        fig, ax = axes(ax, tokens=self.tokens, segments=self.segments)
         norms, x = self.norms(), np.arange(len(self.tokens))
-        _shade_segment_b(ax, self.segments)
         width = 0.8 / len(self.parts)
         for j, name in enumerate(self.parts):
             ax.bar(x + (j - (len(self.parts) - 1) / 2) * width, norms[name], width, color=PART_COLOURS[name],
                    label=f"{name} vector")
-        token_axis(ax, self.tokens)
         ax.set(ylabel="L2 norm", title="How long is each part of the sum? (per token)")
         ax.legend(fontsize=8, ncols=4, loc="upper right")
         return fig
 
     def plot_variance_shares(self, ax=None):
         """Per token: each part's share of the variance of the sum (stacked; shares add to 1)."""
-        fig, ax = axes(ax)
+        fig, ax = axes(ax, tokens=self.tokens, segments=self.segments)
         shares, x = self.variance_shares(), np.arange(len(self.tokens))
-        _shade_segment_b(ax, self.segments)
         pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
         for name in self.parts:
             value = shares[name]
             ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
             pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
-        token_axis(ax, self.tokens)
         ax.set(ylabel="share of Var(sum) over hidden dims", title="Who decides what LayerNorm sees? (variance shares)")
         ax.legend(fontsize=8, ncols=4, loc="lower right")
         return fig
-
-
-def _shade_segment_b(ax, segments) -> None:
-    b = [i for i, s in enumerate(segments) if s == 1]
-    if b:
-        ax.axvspan(b[0] - 0.5, b[-1] + 0.5, color="#f3e6c4", zorder=0, label="segment B (shaded)")
 
 
 def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:

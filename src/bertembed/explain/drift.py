@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer, row_norms
+from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
@@ -71,7 +71,16 @@ class DriftReport(Result):
         top = f" Most-changed tokens (relative to their norm): {', '.join(x['label'] for x in word.top[:5])}." \
             if word else ""
         caption = f"From {self.source_a.name} to {self.source_b.name}, per tensor: " + "; ".join(parts) + "." + top
-        return [Figure("drift", "Drift per tensor", caption, self.plot)]
+        return [Figure("drift", "Drift per tensor", caption, self.plot, self.plotly)]
+
+    def plotly(self):
+        traces = [{"type": "bar", "x": [t.table for t in self.tables], "marker": {"color": "#737373"},
+                   "y": [t.median_row_change if t.median_row_change > 0 else None for t in self.tables],
+                   "customdata": [[t.rows_changed, t.shape[0], t.relative_change] for t in self.tables],
+                   "hovertemplate": "%{x}: %{customdata[0]} of %{customdata[1]} rows moved, a moved row by %{y:.3g} "
+                                    "of its norm (median), the whole tensor by %{customdata[2]:.3g}<extra></extra>"}]
+        return plotly_fig(traces, "Drift per tensor between two checkpoints", "tensor",
+                          "median |Δ row| / |row|, rows that moved", yaxis={"type": "log"})
 
     def plot(self, ax=None):
         """Per tensor, the median |row B - row A| / |row A| over the rows that moved (it does not shrink with size)."""

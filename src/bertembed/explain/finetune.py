@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertembed.explain._common import Figure, ModelArg, Result, axes, load_layer
+from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig
 from bertembed.sources import Source
 
 SENTENCES = (
@@ -67,6 +67,7 @@ class FinetuneReport(Result):
               "occur, and on the optimiser. The demo's magnitudes are a toy's (its learning rate, its two-class head); "
               "which rows move is not.")
     rows_title = "rows moved per run and table"
+    tag = STRUCTURAL
 
     source: Source
     trainable: list[dict]  # {"name", "shape", "requires_grad"} of BertEmbeddings.named_parameters()
@@ -103,9 +104,26 @@ class FinetuneReport(Result):
                      f"0-{max(self.occurred['position'])} (the longest sentence) move and every later row stays "
                      f"exactly equal (change 0); AdamW's decay nudges every row; freezing the word table does not "
                      f"stop the position table from training.")
-        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, self.plot_rows),
-                Figure("finetune_positions", "Position rows after fine-tuning", positions,
-                       self.plot_positions)]
+        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, self.plot_rows, self.plotly_rows),
+                Figure("finetune_positions", "Position rows after fine-tuning", positions, self.plot_positions,
+                       self.plotly_positions)]
+
+    def plotly_rows(self):
+        traces = [{"type": "bar", "name": run.spec.name, "x": [t.table for t in run.tables],
+                   "y": [t.moved or None for t in run.tables], "customdata": [[t.moved, t.rows] for t in run.tables],
+                   "hovertemplate": f"{run.spec.name}, %{{x}}: %{{customdata[0]}} of %{{customdata[1]}} rows moved"
+                                    f"<extra></extra>"} for run in self.runs]
+        return plotly_fig(traces, f"Fine-tuning for {self.steps} steps: rows moved (none: no bar)", "table",
+                          "rows that moved (log)", yaxis={"type": "log"})
+
+    def plotly_positions(self, first: int = 24):
+        traces = [{"type": "scatter", "mode": "lines+markers", "name": run.spec.name, "y": change[:first],
+                   "hovertemplate": f"{run.spec.name}, position %{{x}}: |change| %{{y:.3g}}<extra></extra>"}
+                  for run in self.runs if (change := run.row_change.get("position")) is not None]
+        end = max(self.occurred["position"]) + 0.5
+        return plotly_fig(traces, "Position rows after fine-tuning (dashed: the longest sentence ends)", "position",
+                          "|row after - row before|", shapes=[{"type": "line", "yref": "paper", "x0": end, "x1": end,
+                                                               "y0": 0, "y1": 1, "line": {"dash": "dash"}}])
 
     def plot_rows(self, ax=None):
         """Rows moved per table in each run (log scale), with the table sizes for reference."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_layer
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig
 from bertembed.sources import Source
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
@@ -53,7 +53,7 @@ class OneHotReport(Result):
                    f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x)"
                    f" and touched {self.onehot_bytes / 1e6:.3g} MB, because it reads all {self.vocab_size} rows of "
                    f"the table.")
-        return [Figure("onehot", "One-hot vs lookup", caption, self.plot)]
+        return [Figure("onehot", "One-hot vs lookup", caption, self.plot, self.plotly)]
 
     def plot(self):
         """Time and memory of the lookup and of the one-hot product (log scale)."""
@@ -66,6 +66,18 @@ class OneHotReport(Result):
             ax.set(yscale="log", ylabel=unit, title=title)
         fig.suptitle(f"Same result ({'identical' if self.equal else 'DIFFERENT'}), {len(self.ids)} tokens")
         return fig
+
+
+    def plotly(self):
+        ways, colours = ["lookup W[ids]", "one_hot(ids) @ W"], [PART_COLOURS["word"], "#737373"]
+        traces = [{"type": "bar", "x": ways, "y": values, "marker": {"color": colours}, "showlegend": False,
+                   "xaxis": f"x{n}", "yaxis": f"y{n}", "hovertemplate": f"%{{x}}: %{{y:.3g}} {unit}<extra></extra>"}
+                  for n, values, unit in (("", [self.lookup_seconds * 1e6, self.onehot_seconds * 1e6], "µs"),
+                                          ("2", [self.lookup_bytes / 1e3, self.onehot_bytes / 1e3], "kB"))]
+        return plotly_fig(traces, f"Same result ({'identical' if self.equal else 'DIFFERENT'}), {len(self.ids)} "
+                             f"tokens: time (median) and memory", "", "microseconds", height=360,
+                             xaxis={"domain": [0, 0.45]}, xaxis2={"domain": [0.55, 1], "anchor": "y2"},
+                             yaxis={"type": "log"}, yaxis2={"type": "log", "anchor": "x2", "title": "kB touched"})
 
 
 def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -83,16 +95,18 @@ def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
     return float(np.median(timer.repeat(repeat=repeats, number=number))) / number
 
 
-def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 5) -> OneHotReport:
-    """Embed `text`'s ids both ways, compare exactly, and time both (median of `repeats`). ValueError for a blank
-    text, one longer than the position table, or one whose one-hot matrix would exceed MAX_ONEHOT_BYTES."""
+def analyze_onehot(text: str, model: ModelArg = None, *, text_b: str | None = None,
+                   repeats: int = 5) -> OneHotReport:
+    """Embed the ids of `text` (with `text_b`, of the pair) both ways, compare exactly, and time both (median of
+    `repeats`). ValueError for a blank text, one longer than the position table, or one whose one-hot matrix would
+    exceed MAX_ONEHOT_BYTES."""
     from bertembed.tokenizer import check_not_blank
 
-    check_not_blank(text, "the text")
+    check_not_blank(text, "the text", text_b)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
     layer = load_layer(model)
-    enc = layer.encode(text)
+    enc = layer.encode(text, text_b)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape

@@ -1,5 +1,6 @@
 """The HTML report and the PNG files: every analysis of one text, each with its figures and their captions. The
-report is one self-contained page (inline PNGs and CSS, nothing external) that opens from disk offline."""
+report is one self-contained page that opens from disk offline: plotly.js inlined once, every figure that has an
+interactive twin a plotly div (hover, zoom, pan), the others a PNG inline."""
 
 from __future__ import annotations
 
@@ -10,28 +11,31 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import NotInThisMember
-from bertembed.explain._common import Figure, ModelArg, NotMeasured, figure_html, html_table, summary_rows
+from bertembed.explain._common import ModelArg, NotMeasured, figure_html, html_table, summary_rows
 
-CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
 .scroll{overflow-x:auto;max-width:100%}table{border-collapse:collapse;font-size:.8em;margin:1em 0}
-td,th{border:1px solid #ddd;padding:2px 6px;
-text-align:right}th{background:#f4f4f4}caption{text-align:left;font-style:italic;padding:4px 0}
-figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.92em;color:#333}
+td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}th{background:#f4f4f4;vertical-align:bottom}
+caption{text-align:left;font-style:italic;padding:4px 0}figure{margin:1.2em 0}figure img{max-width:100%;
+border:1px solid #eee}figcaption{font-size:.92em;color:#333}
 .verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}
 .tag{font-size:.75em;color:#555;border:1px solid #bbb;border-radius:3px;padding:0 4px;margin-left:.5em}"""
 INTRO = ("Before any attention layer runs, the model turns text into vectors: each token's id picks a row of the "
          "word table, its position a row of the position table, its segment a row of the segment table; the rows "
          "are summed and LayerNorm normalises the sum. Each section below answers one question people ask about "
          "this layer, by measuring it on the checkpoint named above. Tags say whether a claim holds for every BERT "
-         "checkpoint (the structure of the layer) or was measured on this one (its numbers).")
-Drawn = list[tuple[Figure, bytes]]  # one result's figures with their PNGs
+         "checkpoint (the structure of the layer) or was measured on this one (its numbers). Hover over a figure "
+         "for its values; drag to zoom, double-click to zoom out.")
 
 
-def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, finetune: bool = False,
-                 steps: int = 12, progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
-    """All analyses of one text, on one checkpoint read once: decomposition, positions, segments, tokens, one-hot;
-    with `finetune`, the fine-tune demo too (needs torch; seconds)."""
+def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
+                 projector: bool = False, finetune: bool = False, steps: int = 12,
+                 progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
+    """All analyses of one text (or pair), on one checkpoint read once: decomposition, positions, segments, the
+    nearest rows of `token` (default: the text's first whole word), one-hot; with `projector`, the whole word table
+    in 2-D (its neighbours found once per checkpoint and cached); with `finetune`, the fine-tune demo (needs torch;
+    seconds). `progress(what, done, total)` follows the long steps."""
     from bertembed import explain
     from bertembed.explain._common import load_layer
     from bertembed.tokenizer import check_not_blank
@@ -39,12 +43,14 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
     layer = load_layer(model)
     dec = explain.explain_text(text, text_b, layer)  # (the tokenizer first: a text it refuses costs no table read)
-    # the neighbours of the text's first whole word (not special, not a ## piece)
-    token = next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
-                 dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")
+    # the neighbours of the word asked for, else of the text's first whole word (not special, not a ## piece)
+    token = token or next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
+                          dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")
     results = [dec, _or_why("Positions", explain.analyze_positions, layer),
                _or_why("Segments", explain.analyze_segments, text, text_b, layer),
-               explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer)]
+               explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer, text_b=text_b)]
+    if projector:
+        results.insert(4, explain.word_map(text, text_b, layer, progress=progress))
     if finetune:
         results.append(explain.finetune_demo(layer, steps=steps, progress=progress))
     return results
@@ -58,15 +64,11 @@ def _or_why(title: str, analysis: Callable, *args) -> Any:
         return NotMeasured(title, str(err))
 
 
-def render_figures(result: Any) -> Drawn:
-    """Every figure of one result, with its PNG."""
-    return [(f, f.png()) for f in result.figures()]
+def report_html(results: list[Any]) -> str:
+    """The report of `results` (see `run_analyses`) as one HTML page. The title names the checkpoint measured, and
+    says so where the bundled default is not BERT itself."""
+    from plotly.offline import get_plotlyjs
 
-
-def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
-    """The report of `results` (see `run_analyses`) as one HTML page; `drawn`: their `render_figures`, if done. The
-    title names the checkpoint measured, and says so where the bundled default is not BERT itself."""
-    drawn = drawn or [render_figures(r) for r in results]
     source = results[0].source
     title = f"How {source.name}'s embedding layer builds these vectors"
     if source.kind == "bundled":
@@ -75,16 +77,18 @@ def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
             f"<p>{html.escape(INTRO)}</p><ol>"]
     body += [f'<li><a href="#s{i}">{html.escape(r.question)}</a></li>' for i, r in enumerate(results)]
     body.append("</ol>")
-    for i, (result, figures) in enumerate(zip(results, drawn, strict=True)):
+    for i, result in enumerate(results):
         summary = result.summary()
         verdict = summary.pop("verdict", "")
         rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
-        body += [f'<h2 id="s{i}">{html.escape(result.question)}<span class="tag">{html.escape(result.tag)}</span></h2>',
+        tag = f'<span class="tag">{html.escape(result.tag)}</span>' if result.tag else ""
+        body += [f'<h2 id="s{i}">{html.escape(result.question)}{tag}</h2>',
                  f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
                  f'<div class="scroll">{html_table(rows)}</div>']
-        body += [figure_html(f, png) for f, png in figures]
+        body += [figure_html(f, interactive=True) for f in result.figures()]
+        body.append(result.controls())
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")
+            f"<style>{CSS}</style><script>{get_plotlyjs()}</script></head><body>{''.join(body)}</body></html>")
 
 
 def check_folder(folder: str | Path) -> Path:
@@ -104,7 +108,7 @@ def combined_png(result: Any) -> bytes:
     import matplotlib.image as mpimg
     import numpy as np
 
-    images = [mpimg.imread(io.BytesIO(png), format="png") for _, png in render_figures(result)]
+    images = [mpimg.imread(io.BytesIO(f.png()), format="png") for f in result.figures()]
     width = max(im.shape[1] for im in images)
     padded = [np.pad(im[..., :3], ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0) for im in images]
     buf = io.BytesIO()

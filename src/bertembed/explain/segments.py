@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bertembed.config import NotInThisMember
-from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms, token_axis
+from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
@@ -22,6 +22,7 @@ class SegmentReport(Result):
     question = "What are segment embeddings: zeros and ones?"
     answer = ("No: two learned vectors. Segment A's is added to [CLS], sentence A and its [SEP]; segment B's to "
               "sentence B and the last [SEP]. Both sentences are one sequence.")
+    tag = STRUCTURAL
 
     source: Source
     vectors: np.ndarray = field(repr=False)  # [T, H]
@@ -32,7 +33,7 @@ class SegmentReport(Result):
     median_position_norm: float
     zeros_and_ones: bool  # True only if seg0 is all 0 and seg1 all 1 (a common belief)
     text: str
-    tokens: list[str]
+    tokens: list[str]  # the text's, or the pair's (one sequence) when a second text is given
     output_change: np.ndarray = field(repr=False)  # [L] |out(B) - out(A)| per token
     output_cosine: np.ndarray = field(repr=False)  # [L] cosine of out(A) and out(B) per token
     output_norm: float  # mean |out(A)|, for scale
@@ -59,39 +60,63 @@ class SegmentReport(Result):
 
     def figures(self) -> list[Figure]:
         verdict = "they ARE zeros and ones" if self.zeros_and_ones else "not zeros and ones"
-        vectors = (f"The segment table has {len(self.norms)} learned rows: |A| = {self.norms[0]:.3f}, |B| = "
-                   f"{self.norms[1]:.3f}, cosine(A, B) = {self.cosine:.2f}, |B - A| = {self.difference_norm:.3f}; "
-                   f"{verdict}. For scale: the median word vector has norm {self.median_word_norm:.3f}, the median "
-                   f"position vector {self.median_position_norm:.3f}.")
-        effect = (f"The same text ({len(self.tokens)} tokens) embedded with every token in segment A, then in segment "
+        a, b = self.distance_from_zeros_and_ones
+        vectors = (f"Every value of the segment table's {len(self.norms)} learned rows, against 0 and 1: {verdict} "
+                   f"(row A is {a:.3f} from all zeros, row B {b:.3f} from all ones). |A| = {self.norms[0]:.3f}, |B| "
+                   f"= {self.norms[1]:.3f}, cosine(A, B) = {self.cosine:.2f}, |B - A| = {self.difference_norm:.3f}; "
+                   f"for scale, the median word vector has norm {self.median_word_norm:.3f}, the median position "
+                   f"vector {self.median_position_norm:.3f}. Rows of zeros and ones could not tell A from B: adding "
+                   f"1 to every entry of a token's sum changes LayerNorm's output by at most "
+                   f"{self.constant_shift_change:.1e} here (float32 rounding), since LayerNorm subtracts the mean.")
+        what = "The pair" if self.pair_tokens else "The same text"
+        effect = (f"{what} ({len(self.tokens)} tokens) embedded with every token in segment A, then in segment "
                   f"B: the output moves by {self.output_change.mean():.2f} on average (mean output norm "
                   f"{self.output_norm:.2f}), output cosine {self.output_cosine.mean():.3f}. In a pair, [CLS] A [SEP] "
-                  f"take segment A and B [SEP] take segment B: one sequence, processed in parallel, told apart only by "
-                  f"this added vector.")
-        return [Figure("segments", "Segment vectors", vectors, self.plot_vectors),
-                Figure("segment_effect", "Segment A vs B", effect, self.plot_effect)]
+                  f"take segment A and B [SEP] take segment B (shaded): one sequence, processed in parallel, told "
+                  f"apart only by this added vector.")
+        return [Figure("segments", "Segment rows' values", vectors, self.plot_vectors, self.plotly_vectors),
+                Figure("segment_effect", "Segment A vs B", effect, self.plot_effect, self.plotly_effect)]
 
     def plot_vectors(self, ax=None):
-        """The two segment vectors' norms, their difference, and typical word and position norms for scale."""
-        fig, ax = axes(ax, size=(6.5, 3.4))
-        labels = ["segment A\n(id 0)", "segment B\n(id 1)", "|B - A|", "median\nword", "median\nposition"]
-        values = [*self.norms[:2], self.difference_norm, self.median_word_norm, self.median_position_norm]
-        colours = [*SEGMENT_COLOURS, "0.35", PART_COLOURS["word"], PART_COLOURS["position"]]
-        bars = ax.bar(labels, values, color=colours)
-        ax.bar_label(bars, fmt="%.3f", fontsize=8)
-        ax.set(ylabel="L2 norm", title=f"Segment vectors: learned, cosine(A, B) = {self.cosine:.2f}")
+        """Every value of the two segment rows against the 0 and 1 people expect."""
+        fig, ax = axes(ax)
+        for row, name, colour in zip(self.vectors[:2], ("A (id 0)", "B (id 1)"), SEGMENT_COLOURS, strict=True):
+            ax.plot(row, ".", ms=3, color=colour, label=f"segment {name}")
+        for level in (0, 1):
+            ax.axhline(level, color="0.3", ls="--", lw=0.8)
+        ax.set(xlabel="component", ylabel="value", title="Segment rows: learned values, not 0 and 1 (dashed)")
+        ax.legend(fontsize=8)
         return fig
+
+    def plotly_vectors(self):
+        traces = [{"type": "scatter", "mode": "markers", "y": row, "name": f"segment {name}", "marker": {"color": c},
+                   "hovertemplate": f"segment {name}, component %{{x}}: %{{y:.4f}}<extra></extra>"}
+                  for row, name, c in zip(self.vectors[:2], "AB", SEGMENT_COLOURS, strict=True)]
+        return plotly_fig(traces, "Segment rows: learned values, not 0 and 1 (dashed)", "component", "value",
+                          shapes=[_dashed(0), _dashed(1)])
 
     def plot_effect(self, ax=None):
         """Per token: how far the output moves when the same text is put in segment B instead of A."""
-        fig, ax = axes(ax)
+        fig, ax = axes(ax, tokens=self.tokens, segments=self.pair_segments)
         ax.bar(range(len(self.tokens)), self.output_change, color=SEGMENT_COLOURS[1],
                label="|output(B) - output(A)|")
         ax.axhline(self.output_norm, color="0.3", ls="--", lw=0.8, label=f"mean |output| = {self.output_norm:.2f}")
-        token_axis(ax, self.tokens)
-        ax.set(ylabel="L2 distance", title="Same text, segment A vs segment B: change in the layer's output")
+        ax.set(ylabel="L2 distance", title="Same tokens, segment A vs segment B: change in the layer's output")
         ax.legend(fontsize=8)
         return fig
+
+    def plotly_effect(self):
+        traces = [{"type": "bar", "y": self.output_change, "customdata": self.tokens, "name": "|output(B) - output(A)|",
+                   "marker": {"color": SEGMENT_COLOURS[1]},
+                   "hovertemplate": "%{customdata} (position %{x}): moves by %{y:.3f}<extra></extra>"}]
+        return plotly_fig(traces, f"Same tokens, segment A vs segment B: change in the layer's output (dashed: mean "
+                          f"|output| {self.output_norm:.2f})", "", "L2 distance", self.tokens, self.pair_segments,
+                          shapes=[_dashed(self.output_norm)])
+
+
+def _dashed(y: float) -> dict:
+    """A plotly shape: a dashed line across the plot at height `y`."""
+    return {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": y, "y1": y, "line": {"dash": "dash", "width": 1}}
 
 
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
@@ -102,9 +127,9 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = layer.table("segment")
-    enc = layer.encode(text)
-    # the pair, one sequence: refused, as the text alone, where it has no tokens or more than the positions
-    pair = layer.encode(text, text_b) if text_b is not None else None
+    # the text, or the pair as one sequence: refused where it has no tokens or more than the positions
+    enc = layer.encode(text, text_b)
+    pair = enc if text_b is not None else None
     ids = np.array([enc.input_ids, enc.input_ids])
     parts = layer.numpy.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -39,6 +39,7 @@ class TokenReport(Result):
     asked: str = ""  # the word asked for, when `token` is the entry it normalises to ("Paris" -> "paris")
     pieces: list[dict] = field(default_factory=list)  # {"token", "id", "neighbours"}: the pieces a word splits into
     note: str = ""
+    vocabulary: list[str] = field(default_factory=list, repr=False)  # every row's token, by id (for hover)
 
     def summary(self) -> dict:
         return {"model": self.model, **({"asked": self.asked, "note": self.note} if self.note else {}),
@@ -60,8 +61,27 @@ class TokenReport(Result):
         near = (f"{self.token!r} is row {self.token_id} (norm {self.token_norm:.3f}). Its nearest rows by cosine: "
                 f"{_listed(self.neighbours)}. The table is a dictionary of learned vectors; neighbours share meaning "
                 f"before any context is added.")
-        return [Figure("token_norms", "Token norms", norms, self.plot_norms),
-                Figure("neighbours", "Nearest neighbours", near, self.plot_neighbours)]
+        return [Figure("token_norms", "Token norms", norms, self.plot_norms, self.plotly_norms),
+                Figure("neighbours", "Nearest neighbours", near, self.plot_neighbours, self.plotly_neighbours)]
+
+    def plotly_norms(self):
+        special = [s["id"] for s in self.special]
+        traces = [{"type": "scattergl", "mode": "markers", "y": self.norms.astype(np.float32), "name": "one token",
+                   "text": self.vocabulary, "marker": {"size": 2, "color": PART_COLOURS["word"], "opacity": 0.4},
+                   "hovertemplate": "%{text} (id %{x}): norm %{y:.3f}<extra></extra>"},
+                  {"type": "scatter", "mode": "markers+text", "x": special, "y": self.norms[special],
+                   "text": [s["token"] for s in self.special], "textposition": "top center", "name": "special rows",
+                   "marker": {"color": "crimson"}, "hovertemplate": "%{text} (id %{x}): norm %{y:.3f}<extra></extra>"}]
+        return plotly_fig(traces, "Word vectors: norm by vocabulary id (zoom in to read tokens)",
+                          "token id (after the specials: roughly frequency rank)", "L2 norm of row")
+
+    def plotly_neighbours(self):
+        near = self.neighbours[::-1]
+        traces = [{"type": "bar", "orientation": "h", "x": [n["cosine"] for n in near], "y": [n["token"] for n in near],
+                   "customdata": [n["id"] for n in near], "marker": {"color": PART_COLOURS["word"]},
+                   "hovertemplate": "%{y} (id %{customdata}): cosine %{x:.3f}<extra></extra>"}]
+        return plotly_fig(traces, f"Nearest neighbours of {self.token!r} in the word table", "cosine similarity",
+                          "token", yaxis={"type": "category"})
 
     def plot_norms(self, ax=None):
         """Norm of every word-table row against its id; special tokens marked."""
@@ -167,4 +187,10 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         special=special, pad_is_zero=bool(np.all(words[pad] == 0)), median_norm=float(np.median(norms)),
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
-        rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms)
+        rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms,
+        vocabulary=vocabulary(tokenizer, len(norms)))
+
+
+def vocabulary(tokenizer, rows: int) -> list[str]:
+    """The token of each of the word table's `rows`, by id ("" for an id the tokenizer lacks)."""
+    return [tokenizer.backend.id_to_token(i) or "" for i in range(rows)]
