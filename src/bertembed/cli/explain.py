@@ -135,7 +135,7 @@ def explain(
     rows = dec.rows()
     if as_json:
         return print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
-                           "tokens": rows, "max_abs_diff": dec.max_abs_diff})
+                           "tokens": rows, "max_abs_diff": dec.max_abs_diff, "warning": dec.warning})
     say_model(dec.source)
     # a column for each part the member has (no |s| for DeBERTa v3)
     norms = [(f"|{part[0]}|", f"{part}_norm", "{:.3f}") for part in dec.parts]
@@ -149,6 +149,8 @@ def explain(
     verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
     console.print(f"check: {dec.recipe} by hand in float64 is {verdict} to the layer's output ({dec.engine}): "
                   f"max |diff| = {dec.max_abs_diff:.2e}")
+    if dec.warning:
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(dec.warning)}")
 
 
 @app.command()

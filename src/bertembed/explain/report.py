@@ -77,10 +77,11 @@ def report_html(results: list[Any], drawn: list[Drawn] | None = None) -> str:
     body.append("</ol>")
     for i, (result, figures) in enumerate(zip(results, drawn, strict=True)):
         summary = result.summary()
-        verdict = summary.pop("verdict", "")
+        verdict, warning = summary.pop("verdict", ""), summary.pop("warning", None)
         rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
         body += [f'<h2 id="s{i}">{html.escape(result.question)}<span class="tag">{html.escape(result.tag)}</span></h2>',
                  f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
+                 f"<p><b>warning:</b> {html.escape(warning)}</p>" if warning else "",
                  f'<div class="scroll">{html_table(rows)}</div>']
         body += [figure_html(f, png) for f, png in figures]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
