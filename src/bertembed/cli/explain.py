@@ -39,8 +39,9 @@ def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None =
     for source in sources or (result.source,):
         say_model(source)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    console.print(rows_table(result.question, [{"measure": label(k), "value": ", ".join(map(str, v)) if
-                                                isinstance(v, list) else v} for k, v in summary.items()]))
+    console.print(f"[bold]{escape(result.question)}[/bold] [dim]({result.tag})[/dim]")
+    console.print(rows_table("", [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else
+                                   v} for k, v in summary.items()]))
     if rows:
         console.print(rows_table(title, rows))
     if verdict:
@@ -143,6 +144,7 @@ def explain(
     columns = [("pos", "position", "{}"), ("token", "token", "{}"), ("id", "id", "{}"),
                *[("seg", "segment", "{}")] * ("segment" in dec.parts), *norms, ("mean", "ln_mean", "{:+.4f}"),
                ("std", "ln_std", "{:.4f}"), ("|out|", "output_norm", "{:.2f}")]
+    console.print(f"[bold]{escape(dec.question)}[/bold] [dim]({dec.tag})[/dim]")
     console.print(rows_table(f"{dec.recipe}, one row per token", rows, columns, f"{' '.join(h for h, _, _ in norms)}: "
                              f"norms of the {named} vectors; mean, std: LayerNorm's statistics of their sum; |out|: "
                              f"norm of the output"))
