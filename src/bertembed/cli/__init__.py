@@ -2,9 +2,8 @@
 
 import os
 
-# numpy's BLAS (OpenBLAS) on one thread, set before numpy loads (a user's own setting wins): the commands' matrices
-# are small, and its threads only fought for the cores. On a busy 2-core machine (load average 3.4-4.3), 9 runs
-# alternating with the default 2 threads, medians: `inspect positions` 1.02 -> 0.70 s CPU (1.39 -> 0.95 s wall),
+# numpy's OpenBLAS on one thread (before numpy loads; a user's setting wins): the matrices are small. At load 3.4-4.3 on
+# 2 cores, medians of 9 runs alternating with 2 threads: `inspect positions` 1.02 -> 0.70 s CPU (1.39 -> 0.95 s wall),
 # `inspect onehot` 1.22 -> 0.76 s CPU (1.50 -> 0.81 s wall).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -159,8 +159,10 @@ def explain(
 def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")],
                 text_b: Annotated[Optional[str], typer.Argument(
                     help="a second text (segment B), making a pair")] = None,
-                model: ModelOpt = None, as_json: JsonOpt = False) -> None:
-    """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
+                model: ModelOpt = None, as_json: JsonOpt = False,
+                rows: Annotated[int, typer.Option(min=1, help="how many tokens' rows each step shows")] = 16) -> None:
+    """Rebuild the layer's output by hand, step by step, each step checked against the member's own transformers
+    module (or, without transformers, bertembed's numpy reference)."""
     with user_errors():
         from rich.syntax import Syntax
 
@@ -172,12 +174,17 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
             print_json(result.summary())
         else:
             say_model(result.source)
-            console.print(f"the layer's recipe: {result.member}'s")
+            console.print(f"the layer's recipe: {result.member}'s; each step checked against {result.reference} "
+                          f"(ref: its intermediates)")
+            if result.warning:
+                console.print(f"[bold yellow]warning:[/bold yellow] {escape(result.warning)}")
             for step in result.steps:
                 console.rule(f"[bold]{escape(step.title)}[/bold]")
                 console.print(escape(step.why))
                 console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
-                console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
+                console.print(rows_table("", step.preview[:rows]))
+                shown = "every token" if len(step.preview) <= rows else f"the first {rows} tokens (--rows N for more)"
+                console.print(f"shape {step.shape}; {shown}")
                 for note in step.notes:
                     console.print(escape(note))
                 console.print(f"check: {escape(step.check)}")
@@ -189,12 +196,14 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
 
 @app.command()
 def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
-             text: Annotated[str, typer.Option(help="the text the notebook starts with")] = FOX) -> None:
+             text: Annotated[str, typer.Option(help="the text the notebook starts with")] = FOX,
+             text_b: Annotated[Optional[str], typer.Option("--text-b", help="a second text (segment B), making a "
+                                                           "pair")] = None) -> None:
     """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
     with user_errors(needs=("nbformat",)):
         from bertembed.explain.walkthrough import write_notebook
 
-        written = write_notebook(out, model, text)
+        written = write_notebook(out, model, text, text_b)
         say_model(model)
         console.print(f"wrote {written}")
 

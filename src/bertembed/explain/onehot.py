@@ -54,11 +54,12 @@ class OneHotReport(Result):
 
     def figures(self) -> list[Figure]:
         s, same = self.summary(), "identical" if self.equal else "different"
+        spans = ["-".join(f"{t * 1e6:.3g}" for t in times) + " µs" for times in (self.lookup_range, self.onehot_range)]
         caption = (f"one_hot(ids) @ W and W[ids] on {len(self.ids)} tokens: {same}"
                    f" (max |diff| {self.max_abs_diff:.1e}). Medians of {self.repeats} repeats (fastest-slowest): the "
-                   f"lookup took {s['lookup_us']:.2g} µs ({_span(self.lookup_range)}) and touched "
+                   f"lookup took {s['lookup_us']:.2g} µs ({spans[0]}) and touched "
                    f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs "
-                   f"({_span(self.onehot_range)}; {s['slowdown']:.0f}x) and touched {self.onehot_bytes / 1e6:.3g} MB, "
+                   f"({spans[1]}; {s['slowdown']:.0f}x) and touched {self.onehot_bytes / 1e6:.3g} MB, "
                    f"because it reads all {self.vocab_size} rows of the table.")
         return [Figure("onehot", "One-hot vs lookup", caption, self.plot)]
 
@@ -80,10 +81,6 @@ def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     out = np.zeros((len(ids), vocab_size), dtype=np.float32)
     out[np.arange(len(ids)), ids] = 1.0
     return out
-
-
-def _span(seconds: tuple[float, float]) -> str:
-    return "-".join(f"{t * 1e6:.3g}" for t in seconds) + " µs"
 
 
 def _times(fn, repeats: int, budget: float = 0.02) -> tuple[float, tuple[float, float]]:
@@ -116,8 +113,8 @@ def analyze_onehot(text: str, model: ModelArg = None, *, repeats: int = 7) -> On
         raise ValueError(f"the tokenizer gave id {ids.max()}, but the word table has {vocab} rows; "
                          f"the tokenizer and the weights come from different models")
     looked_up, product = words[ids], one_hot(ids, vocab) @ words
-    (lookup, lookup_range), (onehot, onehot_range) = (_times(lambda: words[ids], repeats),
-                                                      _times(lambda: one_hot(ids, vocab) @ words, repeats))
+    (lookup, lookup_range), (onehot, onehot_range) = (_times(f, repeats) for f in (
+        lambda: words[ids], lambda: one_hot(ids, vocab) @ words))
     return OneHotReport(
         source=layer.source, tokens=list(enc.tokens), ids=ids.tolist(),
         equal=bool(np.array_equal(looked_up, product)), max_abs_diff=float(np.abs(looked_up - product).max()),
