@@ -155,8 +155,8 @@ def reference(layer, ids, types) -> tuple[str, dict]:
               ("token_type_embeddings", "segment", False), ("projection", "sum", True), ("LayerNorm", "normed", False),
               ("LayerNorm", "projected" if config.projection == "before_norm" else "sum", True)]
     ref: dict[str, Any] = {}
-    hooks = [getattr(module, ours.get(sub, sub)).register_forward_hook(  # (a hook that returns None changes nothing)
-        lambda _, args, out, key=key, taken=taken: ref.update({key: args[0] if taken else out}))
+    hooks = [getattr(module, ours.get(sub, sub)).register_forward_hook(  # (copies: it may add to them in place)
+        lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
         for sub, key, taken in caught if getattr(module, ours.get(sub, sub), None) is not None]
     with torch.no_grad():
         ref["output"] = module(input_ids=ids, **({"token_type_ids": types} if config.type_vocab_size else {}))
