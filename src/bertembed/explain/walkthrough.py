@@ -11,7 +11,7 @@ from typing import Any
 
 from bertembed.config import EmbeddingConfig
 from bertembed.explain._common import ModelArg, load_layer
-from bertembed.explain.segments import literal_separator
+from bertembed.explain.segments import DEFAULT_TEXT, literal_separator
 from bertembed.family import MEMBERS, layout, module_names
 from bertembed.sources import Source
 
@@ -128,7 +128,7 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None) ->
 
 
 def reference(layer, ids, types) -> tuple[str, dict]:
-    """(its name, its intermediates on `ids` [1, L] and `types`): the member's own transformers embeddings module
+    """(what it is, its intermediates on `ids` [1, L] and `types`): the member's own transformers embeddings module
     holding `layer`'s tables, its submodules' outputs and its LayerNorm's (and projection's) input caught by hooks;
     without transformers, or where it has no such module, bertembed's numpy reference."""
     import numpy as np
@@ -136,9 +136,17 @@ def reference(layer, ids, types) -> tuple[str, dict]:
 
     from bertembed.numpy_layer import NumpyEmbeddings
 
-    module, name = _transformers_module(layer)
     config = layer.config
-    if module is None:
+    try:
+        import transformers
+
+        package, name = MEMBERS[config.model_type].hf_layer.split(".")  # (AttributeError: it has none)
+        kind = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
+        module = kind(transformers.AutoConfig.for_model(**config.to_hf_config())).eval()
+        keys = layout(config.model_type)  # (RuntimeError: its tables are not these, as a computed one)
+        module.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in layer.state_dict().items()
+                                if keys.get(k, "").startswith("embeddings.")})
+    except (ImportError, AttributeError, RuntimeError) as err:
         tensors = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
         args = ids.numpy(), types.numpy() if config.type_vocab_size else None
         ref = NumpyEmbeddings(config, tensors, layer.source).decompose(*args)
@@ -149,12 +157,13 @@ def reference(layer, ids, types) -> tuple[str, dict]:
             unprojected = NumpyEmbeddings(flat, tables, layer.source).decompose(*args)
             ref |= {k: unprojected[k] for k in ("word", "position", "segment", "sum")}
         ref = {k: torch.from_numpy(np.asarray(v)) for k, v in ref.items()}
-        return name, ref | {"std": ref["std"][..., None], "normed": ref["output"]}
+        return (f"the numpy reference (bertembed.numpy_layer), for want of a transformers module: {err}",
+                ref | {"std": ref["std"][..., None], "normed": ref["output"]})
     ours = module_names(config.model_type)
     caught = [("word_embeddings", "word", False), ("position_embeddings", "position", False),
               ("token_type_embeddings", "segment", False), ("projection", "sum", True), ("LayerNorm", "normed", False),
               ("LayerNorm", "projected" if config.projection == "before_norm" else "sum", True)]
-    ref: dict[str, Any] = {}
+    ref = {}
     hooks = [getattr(module, ours.get(sub, sub)).register_forward_hook(  # (copies: it may add to them in place)
         lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
         for sub, key, taken in caught if getattr(module, ours.get(sub, sub), None) is not None]
@@ -162,23 +171,7 @@ def reference(layer, ids, types) -> tuple[str, dict]:
         ref["output"] = module(input_ids=ids, **({"token_type_ids": types} if config.type_vocab_size else {}))
     for hook in hooks:
         hook.remove()
-    return name, ref
-
-
-def _transformers_module(layer) -> tuple[Any, str]:
-    """(the member's transformers embeddings module holding `layer`'s tables, in eval mode, or None; what it is)."""
-    try:
-        import transformers
-
-        package, name = MEMBERS[layer.config.model_type].hf_layer.split(".")  # (AttributeError: it has none)
-        kind = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
-        module = kind(transformers.AutoConfig.for_model(**layer.config.to_hf_config())).eval()
-        keys = layout(layer.config.model_type)  # (RuntimeError: its tables are not these, as a computed one)
-        module.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in layer.state_dict().items()
-                                if keys.get(k, "").startswith("embeddings.")})
-    except (ImportError, AttributeError, RuntimeError) as err:
-        return None, f"the numpy reference (bertembed.numpy_layer), for want of a transformers module: {err}"
-    return module, f"transformers' {name} (transformers {transformers.__version__}) on the same tables"
+    return f"transformers' {name} (transformers {transformers.__version__}) on the same tables", ref
 
 
 def _result(step: Step, space: dict, values: int = 4) -> Step:
@@ -262,8 +255,8 @@ def notebook_cells(model: str | None, layer, text: str, text_b: str | None = Non
     return cells
 
 
-def write_notebook(path: str | Path, model: str | None = None, text: str = "The quick brown fox jumps over the lazy "
-                   "dog", text_b: str | None = None) -> Path:
+def write_notebook(path: str | Path, model: str | None = None, text: str = DEFAULT_TEXT,
+                   text_b: str | None = None) -> Path:
     """Write the walkthrough notebook to `path` (needs nbformat: pip install -e ".[notebook]")."""
     import nbformat
 
