@@ -68,12 +68,12 @@ def steps(config: EmbeddingConfig) -> list[Step]:
                 "segment = torch.zeros_like(word)  # no segment table in this member")
     first, second = ("position", "segment") if c.sum_order == "position_first" else ("segment", "position")
     summed = f"total = (word + {first}) + {second}  # in the member's order: the last bit depends on it"
-    normed = "projected" if c.projection == "before_norm" else "total"
+    x = "projected" if c.projection == "before_norm" else "total"  # LayerNorm's input
     beta = "layer.LayerNorm.bias.detach()" if c.norm_bias else "0.0  # this member's LayerNorm has no bias"
     projection = [Step("4b. The projection E -> H", f"DeBERTa's tables are {c.table_width} wide; a Linear (no bias) "
                        f"maps their sum to the encoder's {c.hidden_size} before the norm.",
                        "projected = total @ layer.projection.weight.detach().T", "projected", "projected",
-                       exact=False)] if normed == "projected" else []
+                       exact=False)] if x == "projected" else []
     return [
         Step("1. The ids and the tokens", "The tokenizer turns the text into ids; the specials are ordinary rows.",
              "enc = tokenizer(text, text_b, padding=False, return_tensors='pt')\n"
@@ -89,12 +89,12 @@ def steps(config: EmbeddingConfig) -> list[Step]:
              "sum"),
         *projection,
         Step("5. Mean and standard deviation", "Per token, over the hidden dimension; eps inside the square root.",
-             f"mean = {normed}.mean(-1, keepdim=True)\nvar = (({normed} - mean) ** 2).mean(-1, keepdim=True)\n"
+             f"mean = {x}.mean(-1, keepdim=True)\nvar = (({x} - mean) ** 2).mean(-1, keepdim=True)\n"
              f"std = torch.sqrt(var + {c.layer_norm_eps!r})", "std", "std", exact=False),
         Step("6. Normalise, then scale and shift", "(sum - mean) / std has mean 0 and variance 1 per token; "
              "gamma and beta are learned.",
-             f"normed = ({normed} - mean) / std\nout = normed * layer.LayerNorm.weight.detach() + {beta}", "out",
-             "normed", exact=False),
+             f"normed = ({x} - mean) / std\nout = normed * layer.LayerNorm.weight.detach() + {beta}", "out",
+             "layernorm", exact=False),
         Step("7. The layer's own output", "The same ids through bertembed's layer (eval mode: no dropout).",
              "with torch.no_grad():\n    output = layer(ids, types)" if c.type_vocab_size else
              "with torch.no_grad():\n    output = layer(ids)", "output", "output", exact=False),
@@ -158,11 +158,12 @@ def reference(layer, ids, types) -> tuple[str, dict]:
             ref |= {k: unprojected[k] for k in ("word", "position", "segment", "sum")}
         ref = {k: torch.from_numpy(np.asarray(v)) for k, v in ref.items()}
         return (f"the numpy reference (bertembed.numpy_layer), for want of a transformers module: {err}",
-                ref | {"std": ref["std"][..., None], "normed": ref["output"]})
+                ref | {"std": ref["std"][..., None], "layernorm": ref["output"]})
     ours = module_names(config.model_type)
     caught = [("word_embeddings", "word", False), ("position_embeddings", "position", False),
-              ("token_type_embeddings", "segment", False), ("projection", "sum", True), ("LayerNorm", "normed", False),
-              ("LayerNorm", "projected" if config.projection == "before_norm" else "sum", True)]
+              ("token_type_embeddings", "segment", False), ("projection", "sum", True),
+              ("LayerNorm", "projected" if config.projection == "before_norm" else "sum", True),
+              ("LayerNorm", "layernorm", False)]  # (submodule, key, its input rather than its output)
     ref = {}
     hooks = [getattr(module, ours.get(sub, sub)).register_forward_hook(  # (copies: it may add to them in place)
         lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
