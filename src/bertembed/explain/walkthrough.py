@@ -165,13 +165,12 @@ def reference(layer, ids, types) -> tuple[str, dict]:
               ("LayerNorm", "projected" if config.projection == "before_norm" else "sum", True),
               ("LayerNorm", "layernorm", False)]  # (submodule, key, its input rather than its output)
     ref = {}
-    hooks = [getattr(module, ours.get(sub, sub)).register_forward_hook(  # (copies: it may add to them in place)
-        lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
-        for sub, key, taken in caught if getattr(module, ours.get(sub, sub), None) is not None]
+    for sub, key, taken in caught:  # (on a module made for this call alone: the hooks go with it)
+        if getattr(module, ours.get(sub, sub), None) is not None:  # (copies: it may add to them in place)
+            getattr(module, ours.get(sub, sub)).register_forward_hook(
+                lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
     with torch.no_grad():
         ref["output"] = module(input_ids=ids, **({"token_type_ids": types} if config.type_vocab_size else {}))
-    for hook in hooks:
-        hook.remove()
     return f"transformers' {name} (transformers {transformers.__version__}) on the same tables", ref
 
 
