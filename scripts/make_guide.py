@@ -28,7 +28,9 @@ from bertembed.explain import (
     finetune_demo,
 )
 from bertembed.explain._common import load_layer, to_jsonable
+from bertembed.explain.positions import SEAM_TEXT, SEAM_WINDOW, components
 from bertembed.explain.report import render_figures
+from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -110,6 +112,11 @@ def family_numbers() -> dict:
                 "word_median": float(word.norm(dim=1).median()), "pos_median": float(used.norm(dim=1).median()),
                 "pos_neighbour": float(torch.nn.functional.cosine_similarity(used[:-1], used[1:]).mean()),
                 "positions": str(positions[0].tolist()), "diff": diff}.items()}
+            report = analyze_positions(source)
+            out |= {f"fam_{name}_pos_cycles": ", ".join(str(c["cycles"]) for c in report.components),
+                    f"fam_{name}_seams": ", ".join(str(s["at"]) for s in report.seams) or "none"}
+            if report.seams:
+                out |= {f"fam_{name}_seam_cos_{k}": report.seams[0][f"cosine_{k}"] for k in ("before", "after")}
     return out
 
 
@@ -154,10 +161,16 @@ def measure() -> tuple[dict, list]:
     numbers["pos_norm_max"] = float(positions.norms.max())
     numbers["pos_median_peak_frequency"] = float(np.median(positions.peaks))
     numbers["pos_median_peak_frequency_sinusoid"] = float(np.median(positions.sinusoid_peaks))
-    numbers["pos_seams_text"] = " ".join(
-        f"At position {s['at']} the neighbour cosine dips to {s['neighbour_cosine']:.2f} (typically "
-        f"{s['typical_neighbour_cosine']:.2f}) and the mean norm steps from {s['norm_before']:.3f} to "
-        f"{s['norm_after']:.3f}." for s in positions.seams) or "No seam stands out in this table."
+    numbers["pos_seams_text"] = "".join(SEAM_TEXT.format(**s, w=SEAM_WINDOW) for s in positions.seams).strip() or \
+        "No seam stands out in this table."
+    for prefix, leading in (("pos", positions.components), ("pos_sin", components(sinusoidal_table_np(
+            cfg.max_position_embeddings, cfg.hidden_size))[2])):
+        numbers |= {f"{prefix}_pc{c['component']}_{k}": c[k] for c in leading for k in ("share", "cycles", "period",
+                                                                                          "near")}
+    numbers["pos_pc_turn"] = 360 / positions.components[0]["period"]
+    numbers["pos_pc_chord"] = 2 * np.sin(np.radians(numbers["pos_pc_turn"]) / 2)  # (a chord, in radii)
+    radius, seam = np.hypot(*positions.pca_coords[:, :2].T), positions.seams[0]["at"] - positions.first
+    numbers["pos_radius_before"], numbers["pos_radius_after"] = np.median(radius[1:seam]), np.median(radius[seam + 1:])
     numbers["pos_verdict"] = positions.verdict
     numbers["pos_argmax_norm"] = int(np.argmax(positions.norms))
     numbers["tok_special"] = ", ".join(f"{s['token']} {s['norm']:.3f}" for s in tokens.special)

@@ -13,12 +13,7 @@ import torch.nn.functional as F
 import conftest_explain as helpers
 from bertembed.embeddings import BertEmbeddings, sinusoidal_table
 from bertembed.explain import analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift, explain_text
-from bertembed.explain.positions import (
-    lowfreq_share,
-    peak_frequencies,
-    spectrum,
-    structure_correlation,
-)
+from bertembed.explain.positions import find_seams, peak_frequencies, spectrum, structure_correlation
 from bertembed.explain.tokens import spearman
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
@@ -83,12 +78,12 @@ def test_lowfreq_share_and_spectrum_on_known_signals():
     rng = np.random.default_rng(0)
     t = np.arange(P)[:, None]
     low = sum(np.cos(2 * np.pi * f * t / P + rng.uniform(0, 6, (1, 5))) * rng.normal(size=(1, 5)) for f in range(1, 9))
-    assert lowfreq_share(low + 3.0, 8) == pytest.approx(1.0)  # frequencies 1..8 only, plus a constant
+    assert spectrum(low + 3.0)[1:9].sum() == pytest.approx(1.0)  # frequencies 1..8 only, plus a constant
     high = sum(np.sin(2 * np.pi * f * t / P) * rng.normal(size=(1, 5)) for f in range(20, 40))
-    assert lowfreq_share(high, 8) == pytest.approx(0.0, abs=1e-12)
+    assert spectrum(high)[1:9].sum() == pytest.approx(0.0, abs=1e-12)
     noise = rng.normal(size=(P, 400))
     assert spectrum(noise).sum() == pytest.approx(1.0)
-    assert lowfreq_share(noise, 8) == pytest.approx(2 * 8 / (P - 1), rel=0.2)  # white noise: flat
+    assert spectrum(noise)[1:9].sum() == pytest.approx(2 * 8 / (P - 1), rel=0.2)  # white noise: flat
     wave = np.cos(2 * np.pi * 5 * np.arange(P) / P)[:, None] * np.ones((1, 3))
     spec = spectrum(wave)
     assert spec.sum() == pytest.approx(1.0) and int(np.argmax(spec)) == 5 and spec[5] == pytest.approx(1.0)
@@ -114,7 +109,7 @@ def test_positions_bundled_against_torch(bundled):
     variance = torch.linalg.svdvals(table - table.mean(0)) ** 2
     assert report.pca_share_2 == pytest.approx(float(variance[:2].sum() / variance.sum()))
     assert report.pca_share_10 == pytest.approx(float(variance[:10].sum() / variance.sum()))
-    assert report.pca_share_10 > 0.5 and report.pca_coords.shape == (512, 2)
+    assert report.pca_share_10 > 0.5 and report.pca_coords.shape == (512, 4)
     # one seam, near 128, found from the table: a neighbour-cosine dip and a norm step far beyond the rest
     (seam,) = report.seams
     assert 126 <= seam["at"] <= 129 and "hypothesis" in report.verdict and "128 tokens" in report.verdict
@@ -122,9 +117,95 @@ def test_positions_bundled_against_torch(bundled):
     assert seam["neighbour_cosine"] == pytest.approx(float(F.cosine_similarity(table[at - 1], table[at], dim=0)))
     neighbours = F.cosine_similarity(table[:-1], table[1:])
     assert seam["neighbour_cosine"] < float(neighbours.median()) - 0.3
+    # the norms' level either side: medians of 8 rows, the seam's own row (a one-row spike) left out
+    norms = table.norm(dim=1)
+    before, after = (float(torch.quantile(norms[rows], 0.5)) for rows in (slice(at - 8, at), slice(at + 1, at + 9)))
+    assert (seam["norm_before"], seam["norm_after"]) == pytest.approx((before, after))
+    assert norms[at] > max(before, after) + 0.1  # (the spike the level leaves out)
+    assert f"goes from {before:.3f} to {after:.3f}" in report.verdict and report.model in report.verdict
     # the numbers and the figure's band describe the same frequencies, 1..k cycles over the table
     assert report.lowfreq_share == pytest.approx(float(report.spectrum[1:17].sum()))
-    assert report.lowfreq_share_noise == pytest.approx(32 / 511) and not report.noise_like
+    assert report.lowfreq_share_noise == pytest.approx(32 / 511) and report.kind == "learned"
+
+
+def test_the_leading_components_are_a_sin_cos_pair_and_a_slow_cycle(bundled):
+    """Principal components by torch's SVD, each one's strongest frequency by torch's FFT: on the bundled table the
+    first two peak at one frequency, their angle turning 360 * cycles / P degrees per position, the third at one cycle
+    over the table; the verdict, the pca caption and the summary say so."""
+    report = analyze_positions(bundled)
+    table = torch.from_numpy(bundled.tensors["position_embeddings.weight"]).double()
+    u, s, _ = torch.linalg.svd(table - table.mean(0), full_matrices=False)
+    coords = u[:, :4] * s[:4]
+    power = torch.fft.rfft(coords, dim=0).abs()[1:] ** 2  # frequencies 1, 2, ... cycles over the 512 positions
+    cycles = (power.argmax(0) + 1).tolist()
+    assert np.allclose(np.abs(report.pca_coords), coords.abs().numpy(), atol=1e-8)  # (each up to its sign)
+    assert [c["share"] for c in report.components] == pytest.approx((s[:4] ** 2 / (s ** 2).sum()).tolist())
+    assert [c["cycles"] for c in report.components] == cycles and cycles[0] == cycles[1] and cycles[2] == 1
+    width = max(1, cycles[0] // 10)
+    near = float(power[cycles[0] - 1 - width:cycles[0] + width, 0].sum() / power[:, 0].sum())
+    assert report.components[0]["near"] == pytest.approx(near) and near > 0.5
+    z = torch.complex(coords[:, 0], coords[:, 1])
+    turn = float(torch.angle(z[1:] * z[:-1].conj()).rad2deg().abs().median())  # degrees per position, measured
+    assert turn == pytest.approx(360 * cycles[0] / 512, abs=3)
+    said = f"sin/cos pair at {cycles[0]} cycles over the table, a period of {512 / cycles[0]:.3g} positions"
+    pca = next(f.caption for f in report.figures() if f.name == "position_pca")
+    assert said in report.verdict and said in pca and f"turns {360 * cycles[0] / 512:.2g}°" in pca
+    assert "component 3 (10%) peaks at 1 cycle over the table" in pca
+    assert "a few sinusoids in a rotated basis" in report.verdict and "one curve" not in pca + report.verdict
+    summary = report.summary()
+    assert summary["component_cycles"] == tuple(cycles)
+    assert summary["component_periods"] == pytest.approx([512 / c for c in cycles], abs=0.01)
+
+
+def _table_folder(folder, table: torch.Tensor):
+    """A tiny checkpoint whose position table is `table` [P, H]."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny(folder, max_position_embeddings=table.shape[0], hidden_size=table.shape[1])
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embeddings.position_embeddings.weight"] = table.float().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("which", ["random", "sinusoidal", "bundled"])
+def test_captions_and_verdict_follow_the_measurement(which, tmp_path):
+    """A random table is not "like the sinusoids", a sin/cos table is not "not their formula", and the components
+    are said as measured (torch's SVD and FFT): the sin/cos table's first two are a pair at one cycle over it."""
+    table = {"random": torch.randn(512, 384, generator=torch.Generator().manual_seed(0)) * 0.02,
+             "sinusoidal": sinusoidal_table(512, 384), "bundled": None}[which]
+    report = analyze_positions(None if table is None else _table_folder(tmp_path, table))
+    captions = {f.name: f.caption for f in report.figures()}
+    similarity, pca = captions["position_similarity"], captions["position_pca"]
+    assert "not their formula" not in similarity and "one curve" not in pca
+    if which == "random":
+        assert report.verdict.startswith("This table is no different from noise") and "pair" not in pca
+        assert "no more alike than any two positions" in similarity and "near the diagonal, like" not in similarity
+    if which == "sinusoidal":
+        t = table.double()
+        u, s, _ = torch.linalg.svd(t - t.mean(0), full_matrices=False)
+        power = torch.fft.rfft(u[:, :2] * s[:2], dim=0).abs()[1:] ** 2
+        assert (power.argmax(0) + 1).tolist() == [1, 1] and float((power[0] / power.sum(0)).min()) > 0.8
+        assert report.verdict.startswith("Yes") and "the sinusoids' own structure" in similarity
+        assert "components 1 and 2" in pca and "sin/cos pair at 1 cycle over the table" in pca
+    if which == "bundled":
+        assert "alike near the diagonal as the sinusoids are, in a pattern of its own" in similarity
+
+
+def test_a_seam_is_a_dip_that_stands_out_with_a_level_change():
+    """A smooth table with noise has no seam; a step at row 200 (norms x1.15 from there, a spiked row 200) is one,
+    its levels the medians either side without the spike; a lone outlier row at either end is none."""
+    rng = np.random.default_rng(0)
+    table = sinusoidal_table_np(512, 64) + rng.normal(size=(512, 64)) * 0.05
+    table[0] *= 6  # (like a [CLS] row)
+    table[-1] *= 6
+    assert find_seams(table) == [] and find_seams(table, first=2) == []
+    table[200:] *= 1.15
+    table[200] += rng.normal(size=64)
+    (seam,) = find_seams(table, first=2)
+    norms = np.linalg.norm(table, axis=1)
+    assert seam["at"] == 202 and seam["norm_before"] == pytest.approx(np.median(norms[192:200]))
+    assert seam["norm_after"] == pytest.approx(np.median(norms[201:209]))
 
 
 def test_a_random_table_is_called_noise_not_learned(tmp_path):
@@ -137,7 +218,7 @@ def test_a_random_table_is_called_noise_not_learned(tmp_path):
     tensors[key] = torch.randn(tensors[key].shape, generator=torch.Generator().manual_seed(0)) * 0.02
     save_file(tensors, str(folder / "model.safetensors"))
     report = analyze_positions(folder)
-    assert report.noise_like and report.seams == []
+    assert report.kind == "noise" and report.seams == []
     assert report.verdict.startswith("This table is no different from noise") and "learned" not in report.verdict
 
 

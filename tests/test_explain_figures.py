@@ -83,3 +83,31 @@ def test_the_rows_moved_figure_draws_no_bar_for_zero_on_its_log_axis(results):
     assert all(h > 0 for h in heights if h == h)  # (NaN: no bar)
     assert sum(h != h for h in heights) == len(frozen)
     assert sum(text.get_text() == "0" for text in ax.texts) == len(frozen)
+
+
+def test_the_positions_figures_have_interactive_twins_naming_every_position():
+    """Each positions figure has a plotly twin with the same data, its hover naming the position; the matplotlib pair
+    names its first positions (on the bundled ring: every one, 62° apart) and joins them in order."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from bertembed.explain import analyze_positions
+
+    go = pytest.importorskip("plotly.graph_objects", reason="plotly draws the report's interactive figures")
+
+    report = analyze_positions()
+    twins = {f.name: f.plotly() for f in report.figures()}
+    assert all(isinstance(fig, go.Figure) and fig.data for fig in twins.values())
+    for name in ("position_similarity", "position_norms", "position_pca"):
+        assert all("position" in t.hovertemplate for t in twins[name].data), name
+    points = next(t for t in twins["position_pca"].data if t.name == "positions")
+    assert list(points.text) == list(range(512)) and np.allclose(points.x, report.pca_coords[:, 0])
+    assert np.allclose(twins["position_norms"].data[0].y, report.norms)
+    heat = twins["position_similarity"].data[0]
+    assert np.allclose(heat.z, report.similarity, atol=1e-6)
+    fig = report.plot_pca()
+    ax, right = fig.axes[:2]
+    assert [t.get_text() for t in ax.texts] == [str(p) for p in range(24)]  # period 5.8: every position named
+    assert np.allclose(ax.lines[0].get_xdata(), report.pca_coords[:24, 0])
+    assert len(right.lines) == 4 and right.get_xlabel() == "position"
+    plt.close(fig)

@@ -316,6 +316,33 @@ def test_a_real_mpnet_checkpoint_equals_transformers_module(real_mpnet):
     assert not layer.position_embeddings.weight[1].any()
 
 
+
+def test_a_real_mpnet_table_has_one_seam_and_its_hypothesis_names_mpnet(real_mpnet):
+    """all-mpnet-base-v2's position table: its first and last rows are outliers, not seams; one seam, where the
+    neighbour cosine dips lowest away from the ends (its level 0.96 before, 0.99 after); its hypothesis names the
+    checkpoint measured. Its leading components are said as measured: the end rows make them no waves."""
+    from safetensors.torch import load_file
+
+    from bertembed.explain import analyze_positions
+
+    report = analyze_positions(real_mpnet)
+    table = load_file(real_mpnet / "model.safetensors")["embeddings.position_embeddings.weight"][2:].double()
+    cos = torch.nn.functional.cosine_similarity(table[:-1], table[1:])  # boundary b: rows b, b + 1
+    b = 8 + int(cos[8:-10].argmin())
+    (seam,) = report.seams
+    assert seam["at"] == b + 1 + 2 and seam["neighbour_cosine"] == pytest.approx(float(cos[b]))
+    assert seam["cosine_before"] == pytest.approx(float(torch.quantile(cos[b - 8:b], 0.5)))
+    assert seam["cosine_after"] == pytest.approx(float(torch.quantile(cos[b + 2:b + 10], 0.5)))
+    assert seam["cosine_after"] - seam["cosine_before"] > 0.02
+    assert report.model in report.verdict and "MiniLM" not in report.verdict
+    u, s, _ = torch.linalg.svd(table - table.mean(0), full_matrices=False)
+    power = torch.fft.rfft(u[:, :2] * s[:2], dim=0).abs()[1:] ** 2  # frequencies 1, 2, ...
+    for i, f in enumerate((power.argmax(0) + 1).tolist()):
+        near = float(power[max(0, f - 1 - max(1, f // 10)):f + max(1, f // 10), i].sum() / power[:, i].sum())
+        assert report.components[i]["cycles"] == f and report.components[i]["near"] == pytest.approx(near)
+        assert near < 0.1  # (the end rows, not a wave)
+    assert "a few sinusoids" not in report.verdict and "pair" not in report.verdict
+
 def _trainable(name: str, head: str = "AutoModel"):
     from conftest import member_or_skip
 

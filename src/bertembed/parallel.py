@@ -1,18 +1,20 @@
 """Scaling out on PyTorch's own engines (docs/distributed.md): `shard_vocab` shards the word tables by rows (tensor
-parallel), `rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
+parallel) and a masked-LM head tied to one, `vocab_parallel_cross_entropy` is the loss on the head's sharded logits,
+`rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from bertembed.family import MEMBERS, module_names
 from bertembed.validation import check_id_ranges
@@ -26,8 +28,9 @@ WORD_NAMES = tuple(sorted({module_names(member).get("word_embeddings", "word_emb
 def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """Shard every word table [V, E] in `module` (a bertembed layer, a transformers model of BERT's family, patched or
     not, or an `nn.Embedding`) by rows over the 1-D `device_mesh`, in place; returns `module`. Every rank passes the
-    same ids [B, L] and gets the same rows [B, L, E]. Pass the whole model, not its base, so that a table tied to a
-    head is seen (and refused).
+    same ids [B, L] and gets the same rows [B, L, E]. Pass the whole model, not its base, so that a head tied to a
+    table is seen: an nn.Linear head (a masked-LM decoder) keeps the table's sharded weight, its bias is sharded too,
+    and it gives logits [B, L, V] as a DTensor sharded by columns, for `vocab_parallel_cross_entropy`.
     """
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
@@ -39,20 +42,66 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     for name, table in tables.items():
         if isinstance(table.weight, DTensor):
             continue  # sharded before: a second call changes nothing
+        old = table.weight
         tied = [n for n, p in module.named_parameters(remove_duplicate=False)
-                if p is table.weight and n != f"{name}.weight".lstrip(".")]
-        if tied:
-            raise ValueError(f"{name}.weight is tied to {', '.join(tied)}: sharding the word table would untie them "
-                             f"(the tied module would keep a whole copy). Train this model with FSDP2's fully_shard "
-                             f"instead, or untie the weights (config.tie_word_embeddings=False) first")
-        parallelize_module(table, device_mesh, RowwiseParallel(input_layouts=Replicate()))
-        table.register_forward_pre_hook(_before_lookup, prepend=True)  # (before torch's hook makes ids a DTensor)
+                if p is old and n != f"{name}.weight".lstrip(".")]
+        heads = [module.get_submodule(n.rpartition(".")[0]) for n in tied]
+        if any(type(head) is not nn.Linear for head in heads):
+            raise ValueError(f"{name}.weight is tied to {', '.join(tied)}: shard_vocab shards a table tied to an "
+                             f"nn.Linear head alone. Train this model with FSDP2's fully_shard instead, or untie the "
+                             f"weights (config.tie_word_embeddings=False) first")
+        # (torch's split of the rows; its own sharded lookup's backward would build the whole [V, E] gradient)
+        table.weight = nn.Parameter(distribute_tensor(old, device_mesh, [Shard(0)]), old.requires_grad)
+        _retie(module, old, table.weight)
+        for head in heads:  # logits [B, L, V] sharded by columns (a DTensor): vocab_parallel_cross_entropy's input
+            bias = head.bias
+            parallelize_module(head, device_mesh, ColwiseParallel(use_local_output=False))
+            head.weight = table.weight  # (ColwiseParallel made a parameter of its own)
+            if bias is not None:
+                _retie(module, bias, head.bias)  # (transformers ties the decoder's bias to predictions.bias)
+        table.forward = MethodType(_lookup, table)
+        table.register_forward_pre_hook(_before_lookup, prepend=True)
         if "." in name or name in WORD_NAMES:  # (the layer that holds the table, which checks ids before its lookup)
             layer = module.get_submodule(name.rpartition(".")[0])
             layer.register_forward_pre_hook(_before_layer)
             layer.register_forward_hook(_after_layer, always_call=True)
     log.info("bertembed.shard_vocab: %s sharded by rows over %d ranks", ", ".join(tables), device_mesh.size())
     return module
+
+
+def _retie(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Every module of `module` that holds `old` holds `new` instead."""
+    for sub in module.modules():
+        for key, param in sub._parameters.items():
+            if param is old:
+                sub._parameters[key] = new
+
+
+def _first_row(mesh: DeviceMesh, rows: int) -> tuple[int, int]:
+    """(first, stop): the rows [first, stop) of `rows` this rank holds in torch's split (`torch.chunk`: ceil(rows /
+    world) rows each, fewer or none on the last ranks)."""
+    chunk = -(-rows // mesh.size())
+    first = min(mesh.get_local_rank() * chunk, rows)
+    return first, min(first + chunk, rows)
+
+
+def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The sharded table's forward: rows [B, L, E] of ids [B, L], the same on every rank. Each rank reads the ids in
+    its rows from its local shard (zeros elsewhere) and an all-reduce sums them; the backward of the local lookup
+    writes the rank's rows alone, a DTensor gradient of the table's placement (no [V, E] tensor on any rank)."""
+    weight = table.weight
+    if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
+        ids = ids.to_local()
+    first, stop = _first_row(weight.device_mesh, weight.shape[0])
+    inside = (ids >= first) & (ids < stop)
+    pad = table.padding_idx
+    pad = pad - first if pad is not None and first <= pad < stop else None
+    local = weight.to_local()
+    if local.shape[0] == 0:  # (a rank that torch's split leaves without rows)
+        local = nn.functional.pad(local, (0, 0, 0, 1))
+    rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad)
+    rows = rows.masked_fill_(~inside.unsqueeze(-1), 0)  # (in place: one [B, L, E] less at the peak)
+    return DTensor.from_local(rows, weight.device_mesh, [Partial()]).full_tensor()
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
@@ -70,7 +119,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
             continue
         name, table = f"{prefix}.{attribute}".lstrip("."), getattr(layer, attribute)
         if type(table) is not nn.Embedding:
-            raise ValueError(f"{name} is a {type(table).__name__}, not an nn.Embedding: torch's RowwiseParallel shards "
+            raise ValueError(f"{name} is a {type(table).__name__}, not an nn.Embedding: shard_vocab shards "
                              f"nn.Embedding tables only; shard before wrapping it (LoRA), or merge the wrapper first")
         found[name] = table
     return found
@@ -78,8 +127,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
     """Forward pre-hook: a ValueError on every rank where any rank has an id outside all V rows (a rank left alone
-    would wait in the lookup's all-reduce); and the gradient kept sharded, hooked on the parameter of the moment
-    (`.to()` may replace it)."""
+    would wait in the lookup's all-reduce)."""
     ids = args[0]
     if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
         ids = ids.to_local()
@@ -91,10 +139,6 @@ def _before_lookup(table: nn.Embedding, args: tuple) -> None:
     if _any_rank(table, False):
         raise ValueError(f"input_ids of another rank hold an id outside the word table's {table.num_embeddings} rows "
                          f"(that rank's error names it): every rank raises; fix the ids on that rank")
-    weight = table.weight
-    if isinstance(weight, DTensor) and not getattr(weight, "_bertembed_resharded", False):
-        weight.register_post_accumulate_grad_hook(_resharded)
-        weight._bertembed_resharded = True
 
 
 def _any_rank(table: nn.Embedding, failed: bool) -> bool:
@@ -124,10 +168,60 @@ def _word_name(layer: nn.Module) -> str | None:
     return next((n for n in WORD_NAMES if isinstance(layer._modules.get(n), nn.Module)), None)
 
 
-def _resharded(weight: DTensor) -> None:
-    """Keep the table's gradient as sharded as the table (torch's sharded lookup computes it whole)."""
-    if weight.grad is not None and weight.grad.placements != weight.placements:
-        weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """torch's `cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=..., label_smoothing=...)` (the mean
+    over the labels not ignored) of logits [..., V] sharded by columns (the DTensor a head sharded by `shard_vocab`
+    gives) and labels [...], the same on every rank, without gathering the logits: each rank reads its columns, and
+    all-reduces per token the maximum, then the sum of exponentials, the label's logit and the sum of logits. Returns
+    the loss, the same on every rank; its backward writes each rank's columns' gradient alone."""
+    if not isinstance(logits, DTensor) or tuple(logits.placements) != (Shard(logits.ndim - 1),):
+        raise ValueError(f"logits must be a DTensor sharded by its last dimension (Shard({logits.ndim - 1}),), as "
+                         f"shard_vocab's head gives it; got {type(logits).__name__} "
+                         f"{getattr(logits, 'placements', '')}")
+    vocab = logits.shape[-1]
+    labels = labels.reshape(-1)
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        raise ValueError(f"labels hold {labels[bad][0].item()}, outside the {vocab} classes and not ignore_index "
+                         f"({ignore_index})")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    local = logits.to_local()
+    return _VocabParallelCrossEntropy.apply(local.reshape(-1, local.shape[-1]), labels, logits.device_mesh, vocab,
+                                            ignore_index, label_smoothing)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy on the columns [N, V / world] of one rank: per token, the log of the sum
+    of exponentials lse, the label's logit z_y and (label smoothing e) the sum of logits; loss = lse - (1 - e) z_y -
+    e sum(z) / V, averaged over the N' tokens not ignored. Gradient: (softmax - (1 - e) onehot(y) - e / V) / N'."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, mesh, vocab, ignore_index, smoothing):
+        group, z = mesh.get_group(), logits.to(torch.promote_types(logits.dtype, torch.float32))
+        first, stop = _first_row(mesh, vocab)
+        top = z.amax(-1)
+        torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
+        mine = (labels >= first) & (labels < stop)
+        column = torch.where(mine, labels - first, 0).unsqueeze(-1)
+        sums = torch.stack([(z - top.unsqueeze(-1)).exp().sum(-1), z.gather(-1, column).squeeze(-1) * mine, z.sum(-1)])
+        torch.distributed.all_reduce(sums, group=group)  # (one all-reduce of three numbers a token)
+        lse = top + sums[0].log()
+        kept = labels != ignore_index
+        losses = lse - (1 - smoothing) * sums[1] - smoothing * sums[2] / vocab
+        count = kept.sum()
+        ctx.save_for_backward(logits, lse, column, mine & kept, kept, count)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
+        return torch.where(kept, losses, 0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, column, labelled, kept, count = ctx.saved_tensors
+        scale = grad * kept / count
+        z = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp() - ctx.smoothing / ctx.vocab
+        z.scatter_add_(-1, column, labelled.to(z.dtype).unsqueeze(-1) * (ctx.smoothing - 1))
+        return (z * scale.unsqueeze(-1)).to(logits.dtype), None, None, None, None, None
 
 
 def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
@@ -136,9 +230,8 @@ def rank_reader(device_mesh: DeviceMesh) -> Callable[[Any], DTensor]:
 
     def read(sliced) -> DTensor:
         rows, width = sliced.get_shape()
-        chunk = -(-rows // device_mesh.size())
-        start = min(device_mesh.get_local_rank() * chunk, rows)
-        return DTensor.from_local(sliced[start:min(start + chunk, rows)], device_mesh, [Shard(0)], run_check=False,
+        first, stop = _first_row(device_mesh, rows)
+        return DTensor.from_local(sliced[first:stop], device_mesh, [Shard(0)], run_check=False,
                                   shape=torch.Size((rows, width)), stride=(width, 1))
 
     return read

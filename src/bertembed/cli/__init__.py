@@ -2,9 +2,9 @@
 
 import os
 
-# numpy's OpenBLAS on one thread (before numpy loads; a user's setting wins): the matrices are small. At load 3.4-4.3 on
-# 2 cores, medians of 9 runs alternating with 2 threads: `inspect positions` 1.02 -> 0.70 s CPU (1.39 -> 0.95 s wall),
-# `inspect onehot` 1.22 -> 0.76 s CPU (1.50 -> 0.81 s wall).
+# numpy's OpenBLAS on one thread for every command (before numpy loads; a user's setting wins): the matrices are
+# small. At load 3.4-4.3 on 2 cores, medians of 9 runs alternating with 2 threads: `inspect positions` 1.02 -> 0.70 s
+# CPU (1.39 -> 0.95 s wall), `inspect onehot` 1.22 -> 0.76 s CPU (1.50 -> 0.81 s wall).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # each module registers its commands (or its group of them) on `app`

@@ -212,7 +212,7 @@ def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")
 def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
-    """Are the learned position embeddings sinusoidal? Similarity structure, spectrum, positions past 128."""
+    """Are the learned position embeddings sinusoidal? Similarity structure, components, spectrum, seams."""
     with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 

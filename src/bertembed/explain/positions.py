@@ -11,8 +11,15 @@ from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, ax
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
-SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) both the dip and the step must pass
-SEAM_WINDOW = 8  # rows on each side whose mean norms make the step
+SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) the dip and a level change must pass
+SEAM_WINDOW = 8  # rows on each side whose medians make a level
+COMPONENTS = 4  # the leading principal components measured and drawn
+WAVE = 0.5  # a component is called a wave when this share of its variance lies near its strongest frequency
+LABELLED = 24  # positions named on the principal-component plot
+SEAM_TEXT = (" A seam at position {at}: the cosine between neighbours dips to {neighbour_cosine:.2f} "
+             "({cosine_before:.2f} before, {cosine_after:.2f} after), and the norms' level (median of {w} rows each "
+             "side, the seam's row left out) goes from {norm_before:.3f} to {norm_after:.3f}. ")
+TABLES = ("learned position vectors", "sinusoidal table, same size")
 WANG_AND_CHEN = ("Wang & Chen (2020), \"What Do Position Embeddings Learn? An Empirical Study of Pre-Trained Language "
                  "Model Positional Encoding\", EMNLP")
 
@@ -42,46 +49,61 @@ def spectrum(matrix: np.ndarray) -> np.ndarray:
     return power / max(power.sum(), 1e-300)
 
 
-def lowfreq_share(matrix: np.ndarray, k: int) -> float:
-    """Share of the variance over positions at the frequencies 1..k (cycles over the whole table)."""
-    return float(spectrum(matrix)[1:k + 1].sum())
-
-
 def peak_frequencies(matrix: np.ndarray) -> np.ndarray:
     """Per column of [P, H]: the frequency (cycles over P positions, >= 1) holding most of its variance: [H]."""
     return 1 + np.argmax(_power(matrix)[1:], axis=0)
 
 
 def find_seams(matrix: np.ndarray, first: int = 0) -> list[dict]:
-    """Boundaries where the neighbour cosine dips and the mean norm steps, each by more than SEAM_SCORE robust
-    z-scores; adjacent ones merge, the two at each end are left out. `first`: the position of the table's first row."""
-    norms = row_norms(matrix)
-    count = len(norms)
-    if count < 4 * SEAM_WINDOW:
+    """Boundaries where the cosine between neighbours dips below the cosines on either side (4 * SEAM_WINDOW
+    boundaries each), and the level of the norms or of that cosine changes across more than at other boundaries,
+    each by more than SEAM_SCORE robust z-scores. A level is the median of SEAM_WINDOW rows, the row after the
+    boundary left out (a one-row spike is no step). Rows within SEAM_WINDOW of an end (the first is every sequence's
+    [CLS]) have no level on one side: not tested. Of seams closer than 4, the deepest dip stays. `first`: the
+    position of the table's first row."""
+    norms, w = row_norms(matrix), SEAM_WINDOW
+    if len(norms) < 4 * w:
         return []
     cos = (matrix[:-1] * matrix[1:]).sum(1) / np.maximum(norms[:-1] * norms[1:], 1e-30)  # boundary b: rows b, b+1
-    step = np.array([abs(norms[b + 1:b + 1 + SEAM_WINDOW].mean() - norms[max(0, b + 1 - SEAM_WINDOW):b + 1].mean())
-                     for b in range(count - 1)])
-    dip, jump = _robust_z(np.median(cos) - cos), _robust_z(step - np.median(step))
-    score = np.minimum(dip, jump)
+    norm_level, cos_level = (np.median(np.lib.stride_tricks.sliding_window_view(x, w), 1) for x in (norms, cos))
+    b = np.arange(w, len(norms) - w - 2)  # level before b: rows b-w+1..b (cosines b-w..b-1), after: from b+2
+    level = np.maximum(_robust_z(abs(norm_level[b + 2] - norm_level[b + 1 - w])),
+                       _robust_z(abs(cos_level[b + 2] - cos_level[b - w])))
+    dip = [min(_robust_z(-cos[i], -side) for side in (cos[max(0, i - 4 * w):i - 1], cos[i + 2:i + 2 + 4 * w]))
+           for i in b]  # (the boundaries touching row i + 1 left out)
     seams: list[dict] = []
-    for b in np.flatnonzero(score > SEAM_SCORE):
-        if b < 2 or b > count - 4:
-            continue
-        entry = {"at": int(b + 1 + first), "neighbour_cosine": float(cos[b]), "typical_neighbour_cosine":
-                 float(np.median(cos)), "norm_before": float(norms[max(0, b + 1 - SEAM_WINDOW):b + 1].mean()),
-                 "norm_after": float(norms[b + 1:b + 1 + SEAM_WINDOW].mean()), "score": float(score[b])}
-        if seams and entry["at"] - seams[-1]["at"] <= 3:
-            if entry["score"] > seams[-1]["score"]:
-                seams[-1] = entry
-            continue
-        seams.append(entry)
-    return seams
+    for at in b[np.minimum(dip, level) > SEAM_SCORE]:
+        seam = {"at": int(at + 1 + first), "neighbour_cosine": cos[at], "cosine_before": cos_level[at - w],
+                "cosine_after": cos_level[at + 2], "norm_before": norm_level[at + 1 - w],
+                "norm_after": norm_level[at + 2]}
+        if seams and seam["at"] - seams[-1]["at"] <= 3:
+            seams[-1] = min(seams[-1], seam, key=lambda s: s["neighbour_cosine"])
+        else:
+            seams.append(seam)
+    return [{k: float(v) if k != "at" else v for k, v in seam.items()} for seam in seams]
 
 
-def _robust_z(x: np.ndarray) -> np.ndarray:
-    mad = 1.4826 * np.median(np.abs(x - np.median(x)))
-    return (x - np.median(x)) / max(mad, 1e-12)
+def _robust_z(x: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray:
+    """(x - median) / (1.4826 MAD) of `sample` (default `x`): robust z-scores."""
+    sample = x if sample is None else sample
+    return (x - np.median(sample)) / max(1.4826 * np.median(np.abs(sample - np.median(sample))), 1e-12)
+
+
+def components(matrix: np.ndarray, count: int = COMPONENTS) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """The principal components of [P, H] (each column centred over positions): the share of the variance on each
+    (descending), the positions' coordinates [P, count] on the first `count`, and for each of those its strongest
+    frequency ("cycles" over the P positions, >= 1), "period" (positions) and "near": the share of its variance within
+    10% of that frequency (at least 1 either side)."""
+    centred = matrix - matrix.mean(0)
+    values, vectors = np.linalg.eigh(centred.T @ centred)  # (ascending; cheaper than an SVD of [P, H])
+    shares = np.clip(values[::-1], 0, None) / max(values.sum(), 1e-300)
+    coords = centred @ vectors[:, ::-1][:, :count]
+    power = _power(coords)[1:]  # [P//2, count]: frequencies 1, 2, ...
+    power /= np.maximum(power.sum(0), 1e-300)
+    peaks = [int(f) for f in 1 + np.argmax(power, axis=0)]
+    return shares, coords, [{"component": i + 1, "share": float(shares[i]), "cycles": f, "period": len(matrix) / f,
+                             "near": float(power[max(0, f - 1 - max(1, f // 10)):f + max(1, f // 10), i].sum())}
+                            for i, f in enumerate(peaks)]
 
 
 @dataclass
@@ -98,7 +120,8 @@ class PositionReport(Result):
     structure_correlation: float  # learned vs sinusoidal similarity structure
     pca_share_2: float  # share of the variance over positions on the first 2 principal components
     pca_share_10: float
-    pca_coords: np.ndarray = field(repr=False)  # [P, 2] positions on the first two components
+    pca_coords: np.ndarray = field(repr=False)  # [P, COMPONENTS] positions on the leading principal components
+    components: list[dict]  # the leading components' share, cycles, period and near (see `components`)
     k: int  # the low-frequency band: frequencies 1..k (cycles over the table)
     lowfreq_share: float  # of the learned table's variance over positions
     lowfreq_share_sinusoid: float
@@ -116,34 +139,63 @@ class PositionReport(Result):
         return float(np.diag(self.similarity, 1).mean())
 
     @property
-    def noise_like(self) -> bool:
-        """No more structure than a random table: an untrained one?"""
-        return bool(abs(float(np.median(np.diag(self.similarity, 1)))) < 0.2
-                    and self.lowfreq_share < 3 * self.lowfreq_share_noise)
+    def kind(self) -> str:
+        """"sinusoidal" (the sin/cos table's structure), "noise" (no more structure than a random, untrained table)
+        or "learned"."""
+        noise = abs(np.median(np.diag(self.similarity, 1))) < 0.2 and self.lowfreq_share < 3 * self.lowfreq_share_noise
+        return "sinusoidal" if self.structure_correlation > 0.95 else "noise" if noise else "learned"
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.arange(self.first, self.first + len(self.norms))
+
+    def describe_components(self) -> str:
+        """The leading components in words: each one's strongest frequency and its variance near it; a pair at one
+        frequency, both waves (`WAVE`), as a circle."""
+        c = self.components
+        pair = len(c) > 1 and c[0]["cycles"] == c[1]["cycles"] and min(c[0]["near"], c[1]["near"]) >= WAVE
+        said = [f"component {x['component']} ({x['share']:.0%}) peaks at {_cycles(x)} ({x['near']:.0%} of its "
+                f"variance within 10% of that frequency)" for x in c[2 * pair:]]
+        if pair:
+            turn = 360 / c[0]["period"]
+            said.insert(0, f"components 1 and 2 ({c[0]['share']:.0%} and {c[1]['share']:.0%} of the variance) are a "
+                           f"sin/cos pair at {_cycles(c[0])} ({c[0]['near']:.0%} and {c[1]['near']:.0%} of their "
+                           f"variance within 10% of it): on them each position turns {turn:.2g}° round a circle from "
+                           f"the last, neighbours {2 * np.sin(np.radians(turn) / 2):.2f} radii apart")
+        return "Of its principal components, " + "; ".join(said) + "."
 
     @property
     def verdict(self) -> str:
-        if self.structure_correlation > 0.95:
+        if self.kind == "sinusoidal":
             return (f"Yes, in structure: its similarity pattern matches the sinusoidal table's (r = "
                     f"{self.structure_correlation:.2f}).")
-        if self.noise_like:
+        if self.kind == "noise":
             return (f"This table is no different from noise: neighbouring positions have cosine "
                     f"{self.adjacent_cosine:.2f}, the first 10 principal components hold {self.pca_share_10:.0%} of "
                     f"its variance and frequencies 1-{self.k} {self.lowfreq_share:.0%} (white noise: "
                     f"{self.lowfreq_share_noise:.0%}). An untrained (random) table looks like this; there is no code "
                     f"of position in it to compare with sin/cos.")
-        text = (f"Entry by entry the learned and sin/cos tables correlate r = {self.entrywise_correlation:+.3f}, but "
+        waves = min(x["near"] for x in self.components[:2]) >= WAVE
+        return (f"Entry by entry the learned and sin/cos tables correlate r = {self.entrywise_correlation:+.3f}, but "
                 f"that is the wrong test: a table rotated in the hidden space works as well, and no training would "
                 f"pick the formula's axes. In structure (which positions are alike) they correlate r = "
-                f"{self.structure_correlation:.2f}. The learned table is low-dimensional and smooth: 2 principal "
-                f"components hold {self.pca_share_2:.0%} of its variance over positions and 10 hold "
-                f"{self.pca_share_10:.0%}, and frequencies 1-{self.k} hold {self.lowfreq_share:.0%} (sin/cos "
-                f"{self.lowfreq_share_sinusoid:.0%}, noise {self.lowfreq_share_noise:.0%}): order is encoded along a "
-                f"smooth curve, not by the formula (compare {WANG_AND_CHEN}, who find BERT's table far less "
-                f"sinusoidal than GPT-2's).")
-        return text + "".join(map(describe_seam, self.seams)) + (
-            " Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the training "
-            "length; a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
+                f"{self.structure_correlation:.2f}. {self.describe_components()} "
+                + ("So in its largest components the learned table is a few sinusoids in a rotated basis: the kind of "
+                   "code sin/cos is, at frequencies and axes of its own. " if waves else "")
+                + f"10 components hold {self.pca_share_10:.0%} of its variance over positions, and frequencies "
+                f"1-{self.k} {self.lowfreq_share:.0%} (sin/cos {self.lowfreq_share_sinusoid:.0%}, noise "
+                f"{self.lowfreq_share_noise:.0%}); compare {WANG_AND_CHEN}, who find BERT's table far less "
+                f"sinusoidal than GPT-2's." + "".join(map(self.describe_seam, self.seams))
+                + " Sinusoids were proposed because they are fixed (nothing to learn) and extrapolate past the "
+                "training length; a learned table has exactly its rows, which is why BERT stops at 512 tokens.")
+
+    def describe_seam(self, seam: dict) -> str:
+        """One seam from `find_seams` in words, with what may have left it (a hypothesis, naming this checkpoint)."""
+        tokens = seam["at"] - self.first  # (the tokens before it)
+        bert = "; BERT pre-trained 90% of its steps on 128 tokens, and a fine-tune cut at 128 would leave it too"
+        return (SEAM_TEXT.format(**seam, w=SEAM_WINDOW) + f"A hypothesis: training on sequences of about {tokens} "
+                f"tokens leaves the rows past them trained less{bert if abs(tokens - 128) <= 2 else ''}; "
+                f"{self.model}'s training recipe would tell.")
 
     def summary(self) -> dict:
         return {"model": self.model, "positions": len(self.norms), "first_position": self.first,
@@ -153,17 +205,22 @@ class PositionReport(Result):
                 "lowfreq_share_sinusoid": self.lowfreq_share_sinusoid, "lowfreq_share_noise": self.lowfreq_share_noise,
                 "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
                 "mean_adjacent_cosine": self.adjacent_cosine,
-                "seams": [s["at"] for s in self.seams], "noise_like": self.noise_like, "verdict": self.verdict}
+                "component_shares": tuple(round(c["share"], 4) for c in self.components),  # (tables show tuples)
+                "component_cycles": tuple(c["cycles"] for c in self.components),
+                "component_periods": tuple(round(c["period"], 2) for c in self.components),
+                "seams": [s["at"] for s in self.seams], "noise_like": self.kind == "noise", "verdict": self.verdict}
 
     def figures(self) -> list[Figure]:
+        alike = {"sinusoidal": "the sinusoids' own structure, whatever the rotation of the hidden space",
+                 "noise": "no more alike than any two positions, unlike the sinusoids' bright diagonal",
+                 "learned": "alike near the diagonal as the sinusoids are, in a pattern of its own"}[self.kind]
         similarity = (f"Cosine similarity between every pair of the {len(self.norms)} learned position vectors (left) "
                       f"and of a sinusoidal table of the same size (right). The two patterns correlate r = "
                       f"{self.structure_correlation:.2f} (off-diagonal entries). Neighbouring learned positions have "
-                      f"cosine {self.adjacent_cosine:.2f} on average: similar near the diagonal, like the sinusoids, "
-                      f"but the learned table is not their formula.")
+                      f"cosine {self.adjacent_cosine:.2f} on average: {alike}.")
         norms = (f"Norm of each position vector: {self.norms.min():.3f} to {self.norms.max():.3f} (position "
                  f"{int(np.argmax(self.norms)) + self.first} is the largest), and the cosine of each with the next."
-                 + ("".join(map(describe_seam, self.seams))
+                 + ("".join(map(self.describe_seam, self.seams))
                     or " No seam: no boundary stands out from the rest of the table."))
         spectrum = (f"How each hidden dimension varies along the positions, as a spectrum. Frequencies 1-{self.k} (the "
                     f"shaded band) hold {self.lowfreq_share:.0%} of the learned table's variance over positions "
@@ -171,35 +228,45 @@ class PositionReport(Result):
                     f"white noise). Per hidden dimension, the strongest frequency has median "
                     f"{np.median(self.peaks):.0f} cycles over the table (sinusoidal: "
                     f"{np.median(self.sinusoid_peaks):.0f}).")
-        pca = (f"Each position on the table's first two principal components (each hidden dimension centred over "
-               f"positions): they hold {self.pca_share_2:.0%} of the variance, the first ten {self.pca_share_10:.0%}. "
-               f"Neighbouring positions lie next to each other on one curve: order is encoded smoothly, in a few "
-               f"directions of the hidden space, whatever their rotation.")
-        return [Figure("position_similarity", "Position similarity", similarity, self.plot_similarity),
-                Figure("position_norms", "Position norms", norms, self.plot_norms),
-                Figure("position_spectrum", "Position spectrum", spectrum, self.plot_spectrum),
-                Figure("position_pca", "Positions on two principal components", pca, self.plot_pca)]
+        named = self.positions[self.labelled()]
+        pca = (f"Left, each position on the table's first two principal components (each hidden dimension centred over "
+               f"positions), positions {named[0]}, {named[1]}, ... {named[-1]} named and joined in order; right, the "
+               f"first {len(self.components)} components against position. Two hold {self.pca_share_2:.0%} of the "
+               f"variance, ten {self.pca_share_10:.0%}. {self.describe_components()}")
+        return [Figure("position_similarity", "Position similarity", similarity, self.plot_similarity,
+                       self.plotly_similarity),
+                Figure("position_norms", "Position norms", norms, self.plot_norms, self.plotly_norms),
+                Figure("position_spectrum", "Position spectrum", spectrum, self.plot_spectrum, self.plotly_spectrum),
+                Figure("position_pca", "Positions on their principal components", pca, self.plot_pca, self.plotly_pca)]
+
+    def labelled(self) -> np.ndarray:
+        """The rows named on the principal-component plot: about 6 per period of component 1, `LABELLED` at most."""
+        return np.arange(0, len(self.norms), max(1, round(self.components[0]["period"] / 6)))[:LABELLED]
 
     def plot_similarity(self):
         """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
         fig, panels = axes(size=(10, 4.6), panels=2)
-        for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity),
-                                     ("learned position vectors", "sinusoidal table, same size"), strict=True):
+        for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity), TABLES, strict=True):
             image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
             ax.set(xlabel="position j", ylabel="position i", title=title)
         fig.colorbar(image, ax=list(panels), label="cosine similarity", shrink=0.85)
         fig.suptitle(f"Position-position similarity (structure correlation r = {self.structure_correlation:.2f})")
         return fig
 
+    def plotly_similarity(self):
+        fig = _plotly(2, TABLES)
+        for col, matrix in enumerate((self.similarity, self.sinusoid_similarity), 1):
+            fig.add_heatmap(z=matrix.astype(np.float32), x=self.positions, y=self.positions, zmin=-1, zmax=1,
+                            colorscale="RdBu_r", hovertemplate="positions %{y}, %{x}: cosine %{z:.3f}", row=1, col=col)
+        return fig.update_yaxes(autorange="reversed")
+
     def plot_norms(self, ax=None):
         """Norm of each position vector and the cosine with the next position; a line at each seam found."""
         fig, ax = axes(ax)
-        count, first = len(self.norms), self.first
-        ax.plot(range(first, first + count), self.norms, color=PART_COLOURS["position"], lw=1.2,
-                label="norm of position vector")
+        ax.plot(self.positions, self.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
         ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
         twin = ax.twinx()
-        twin.plot(range(first, first + count - 1), np.diag(self.similarity, 1), color="0.45", lw=0.8,
+        twin.plot(self.positions[:-1], np.diag(self.similarity, 1), color="0.45", lw=0.8,
                   label="cosine with next position")
         twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(self.similarity, 1).min())), 1.05))
         for seam in self.seams:
@@ -208,6 +275,15 @@ class PositionReport(Result):
         lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
         return fig
+
+    def plotly_norms(self):
+        fig = _plotly(secondary_y=True).add_scatter(x=self.positions, y=self.norms, name="norm of position vector",
+                                                    hovertemplate="position %{x}: norm %{y:.3f}")
+        fig.add_scatter(x=self.positions[:-1], y=np.diag(self.similarity, 1), name="cosine with next position",
+                        hovertemplate="position %{x} and next: cosine %{y:.3f}", secondary_y=True)
+        for seam in self.seams:
+            fig.add_vline(seam["at"], line_dash="dash", annotation_text=f"seam at {seam['at']}")
+        return fig.update_layout(xaxis_title="position", yaxis_title="L2 norm", yaxis2_title="cosine with next")
 
     def plot_spectrum(self, ax=None):
         """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
@@ -223,29 +299,54 @@ class PositionReport(Result):
         ax.legend(fontsize=8)
         return fig
 
-    def plot_pca(self, ax=None):
-        """The positions on the table's first two principal components, coloured by position."""
-        fig, ax = axes(ax, size=(6, 5))
-        x, y = self.pca_coords[:, 0], self.pca_coords[:, 1]
-        ax.plot(x, y, color="0.8", lw=0.6, zorder=1)
-        points = ax.scatter(x, y, c=np.arange(self.first, self.first + len(x)), cmap="viridis", s=8, zorder=2)
-        fig.colorbar(points, ax=ax, label="position")
-        ax.set(xlabel="first principal component", ylabel="second principal component",
+    def plotly_spectrum(self):
+        fig, freqs = _plotly(), np.arange(1, len(self.spectrum))
+        for name, values in (("learned table", self.spectrum[1:]), ("sinusoidal table", self.sinusoid_spectrum[1:]),
+                             ("white noise (flat)", np.full(len(freqs), 2 / (2 * len(freqs) - 1)))):
+            fig.add_scatter(x=freqs, y=values, name=name, hovertemplate="%{x} cycles: %{y:.2%} of the variance")
+        fig.add_vrect(0.5, self.k + 0.5, fillcolor="gray", opacity=0.25, line_width=0,
+                      showlegend=True, name=f"frequencies 1-{self.k}: {self.lowfreq_share:.0%} of the learned table")
+        return fig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="frequency (cycles over the table)")
+
+    def plot_pca(self):
+        """Left, the positions on the first two principal components, the `labelled` ones named and joined in order;
+        right, the leading components against position (the fast ones faint)."""
+        fig, (ax, right) = axes(size=(12, 4.8), panels=2)
+        (x, y), shown = self.pca_coords[:, :2].T, self.labelled()
+        fig.colorbar(ax.scatter(x, y, c=self.positions, s=8, zorder=2), ax=ax, label="position")
+        ax.plot(x[shown], y[shown], color="0.3", lw=0.7, zorder=1)
+        for i in shown:
+            ax.annotate(str(self.positions[i]), (x[i], y[i]), xytext=(3, 3), textcoords="offset points", fontsize=7)
+        ax.set(xlabel="principal component 1", ylabel="principal component 2",
                title=f"Positions on two components ({self.pca_share_2:.0%} of the variance)")
+        for c, coords in zip(self.components, self.pca_coords.T, strict=True):
+            right.plot(self.positions, coords, lw=0.8, alpha=0.4 if c["period"] < 24 else 1,
+                       label=f"component {c['component']} ({c['share']:.0%}): {_cycles(c)}")
+        right.set(xlabel="position", ylabel="coordinate", title="Leading components against position")
+        right.legend(fontsize=7)
+        return fig
+
+    def plotly_pca(self):
+        fig = _plotly(2, ("positions on components 1 and 2", "leading components against position"))
+        fig.add_scatter(x=self.pca_coords[:, 0], y=self.pca_coords[:, 1], mode="markers", text=self.positions,
+                        marker_color=self.positions, name="positions", row=1, col=1,
+                        hovertemplate="position %{text}: (%{x:.3f}, %{y:.3f})")  # (hover names every position)
+        for c, coords in zip(self.components, self.pca_coords.T, strict=True):
+            fig.add_scatter(x=self.positions, y=coords, name=f"component {c['component']}: {_cycles(c)}", row=1, col=2,
+                            hovertemplate=f"position %{{x}}: component {c['component']} %{{y:.3f}}")
         return fig
 
 
-def describe_seam(seam: dict) -> str:
-    """One seam from `find_seams` in words, with what may have left it (said as a hypothesis, with its confounds)."""
-    at = seam["at"]
-    text = (f" A seam at position {at}: the cosine between neighbours dips to {seam['neighbour_cosine']:.2f} "
-            f"(typically {seam['typical_neighbour_cosine']:.2f}) and the mean norm steps from "
-            f"{seam['norm_before']:.3f} to {seam['norm_after']:.3f}. ")
-    if abs(at - 128) <= 2:
-        return text + ("A hypothesis, not a proof: BERT pre-trained 90% of its steps on 128-token sequences; a "
-                       "fine-tune cut at 128 tokens could leave it too (all-MiniLM-L6-v2's own fine-tune was).")
-    return text + (f"A hypothesis: training on sequences of about {at} tokens (pre-training or a fine-tune) leaves "
-                   f"rows past them trained less; the model's training recipe would tell.")
+def _cycles(c: dict) -> str:
+    """A component's strongest frequency in words ("88 cycles over the table, a period of 5.82 positions")."""
+    return f"{c['cycles']} cycle{'s' * (c['cycles'] != 1)} over the table, a period of {c['period']:.3g} positions"
+
+
+def _plotly(panels: int = 1, titles: tuple = (), secondary_y: bool = False):
+    """An empty plotly figure of `panels` side by side (plotly imported here: an optional dependency)."""
+    from plotly.subplots import make_subplots
+
+    return make_subplots(1, panels, subplot_titles=titles, specs=[[{"secondary_y": secondary_y}] * panels])
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
@@ -261,14 +362,13 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
     k = min(k, count // 2)
     sinus = sinusoidal_table_np(*learned.shape)
     sim, sin_sim = cosine_matrix(learned), cosine_matrix(sinus)
-    u, singular, _ = np.linalg.svd(learned - learned.mean(0), full_matrices=False)  # principal components
-    shares, coords = singular ** 2 / max((singular ** 2).sum(), 1e-300), u[:, :2] * singular[:2]
+    (shares, coords, leading), spec, sin_spec = components(learned), spectrum(learned), spectrum(sinus)
     return PositionReport(
         source=layer.source, similarity=sim, sinusoid_similarity=sin_sim, norms=row_norms(learned),
         entrywise_correlation=float(np.corrcoef(learned.ravel(), sinus.ravel())[0, 1]),
         structure_correlation=structure_correlation(sim, sin_sim), pca_share_2=float(shares[:2].sum()),
-        pca_share_10=float(shares[:10].sum()), pca_coords=coords, k=k, lowfreq_share=lowfreq_share(learned, k),
-        lowfreq_share_sinusoid=lowfreq_share(sinus, k), lowfreq_share_noise=min(1.0, 2 * k / (count - 1)),
-        spectrum=spectrum(learned), sinusoid_spectrum=spectrum(sinus), peaks=peak_frequencies(learned),
-        sinusoid_peaks=peak_frequencies(sinus),
+        pca_share_10=float(shares[:10].sum()), pca_coords=coords, components=leading, k=k,
+        lowfreq_share=float(spec[1:k + 1].sum()), lowfreq_share_sinusoid=float(sin_spec[1:k + 1].sum()),
+        lowfreq_share_noise=min(1.0, 2 * k / (count - 1)), spectrum=spec, sinusoid_spectrum=sin_spec,
+        peaks=peak_frequencies(learned), sinusoid_peaks=peak_frequencies(sinus),
         seams=find_seams(learned, layer.config.first_position), first=layer.config.first_position)
