@@ -363,6 +363,31 @@ def test_onehot_equals_lookup(which, tiny):
         assert report.ids == [101, 1045, 2572, 8254, 2319, 102]  # the seed's ids for "I am Sinan"
 
 
+def test_onehot_times_are_medians_of_the_repeats_with_their_spread(tiny, monkeypatch):
+    """The time of one run swings with the machine's load: the report gives the median of the repeats, the fastest
+    and the slowest, never one run as fact. A timer that reports known seconds per repeat stands in for the clock."""
+    from bertembed.explain import onehot
+
+    class Timer:  # one call takes 1 s (so each repeat is one call); the repeats take these seconds
+        def __init__(self, fn):
+            self.fn = fn
+
+        def timeit(self, number):
+            return 1.0
+
+        def repeat(self, repeat, number):
+            return [0.3, 0.1, 0.2, 0.9, 0.5][:repeat]
+
+    monkeypatch.setattr(onehot.timeit, "Timer", Timer)
+    report = analyze_onehot("the cat sat", tiny, repeats=5)
+    assert report.repeats == 5 and report.onehot_seconds == report.lookup_seconds == 0.3
+    assert report.onehot_range == report.lookup_range == (0.1, 0.9)
+    summary = report.summary()
+    assert summary["onehot_us"] == pytest.approx(3e5) and summary["onehot_us_range"] == pytest.approx([1e5, 9e5])
+    assert "Medians of 5 repeats (fastest-slowest)" in report.figures()[0].caption
+    assert "(1e+05-9e+05 µs" in report.figures()[0].caption
+
+
 # --- drift ----------------------------------------------------------------------------------------------------
 
 def test_drift_finds_exactly_the_changed_rows(tiny, tiny_b):

@@ -358,3 +358,30 @@ def test_the_explain_table_is_the_members_own(member_checkpoint, tmp_path, name,
     token = json.loads(invoke("explain", "the quick fox", "--model", tmp_path / name, "--json").output)["tokens"][1]
     assert {k for k in token if k.endswith(("_norm", "_share")) and k != "output_norm"} == {
         f"{part}_{kind}" for part in ("word", *has) for kind in ("norm", "share")}
+
+
+def test_explain_warns_on_a_literal_separator_in_the_table_the_json_and_the_report():
+    """Seed 000's misconception: a literal [SEP] becomes the separator token, but the text stays one segment."""
+    from bertembed.explain.report import report_html, run_analyses
+
+    text = "Who wrote it? [SEP] Sinan did."
+    output = " ".join(invoke("explain", text).output.split())
+    assert "warning: text A holds a literal [SEP]" in output and "stays in segment A" in output
+    data = json.loads(invoke("explain", text, "--json").output)
+    tokens = [row["token"] for row in data["tokens"]]
+    assert "[SEP]" in tokens[1:-1] and {row["segment"] for row in data["tokens"]} == {0}  # what the warning says
+    assert "literal [SEP]" in data["warning"]
+    assert json.loads(invoke("explain", "Who wrote it?", "Sinan did.", "--json").output)["warning"] is None
+    results = run_analyses(text)
+    page = report_html(results, [[] for _ in results])  # (no figures drawn: the sections' text is what is tested)
+    assert page.count("<b>warning:</b> text A holds a literal [SEP]") == 2  # the decomposition's and the segments'
+
+
+@pytest.mark.parametrize("args, tag", [
+    (["inspect", "onehot", "the cat"], "holds for every BERT checkpoint"),
+    (["inspect", "positions"], "measured on this checkpoint"),
+    (["inspect", "tokens", "king"], "measured on this checkpoint"),
+    (["explain", "the cat"], "measured on this checkpoint"),
+])
+def test_each_answer_says_whether_it_holds_for_every_bert_or_this_checkpoint(tiny, args, tag):
+    assert f"({tag})" in " ".join(invoke(*args, "--model", tiny).output.split())

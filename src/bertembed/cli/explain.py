@@ -4,7 +4,6 @@ analysis each, as a table, JSON or a PNG)."""
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any, Optional
 
 import typer
@@ -40,8 +39,9 @@ def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None =
     for source in sources or (result.source,):
         say_model(source)
     verdict, warning = summary.pop("verdict", None), summary.pop("warning", None)
-    console.print(rows_table(result.question, [{"measure": label(k), "value": ", ".join(map(str, v)) if
-                                                isinstance(v, list) else v} for k, v in summary.items()]))
+    console.print(f"[bold]{escape(result.question)}[/bold] [dim]({result.tag})[/dim]")
+    console.print(rows_table("", [{"measure": label(k), "value": ", ".join(map(str, v)) if isinstance(v, list) else
+                                   v} for k, v in summary.items()]))
     if rows:
         console.print(rows_table(title, rows))
     if verdict:
@@ -142,7 +142,7 @@ def explain(
     rows = dec.rows()
     if as_json:
         return print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,
-                           "tokens": rows, "max_abs_diff": dec.max_abs_diff})
+                           "tokens": rows, "max_abs_diff": dec.max_abs_diff, "warning": dec.warning})
     say_model(dec.source)
     # a column for each part the member has (no |s| for DeBERTa v3)
     norms = [(f"|{part[0]}|", f"{part}_norm", "{:.3f}") for part in dec.parts]
@@ -150,20 +150,25 @@ def explain(
     columns = [("pos", "position", "{}"), ("token", "token", "{}"), ("id", "id", "{}"),
                *[("seg", "segment", "{}")] * ("segment" in dec.parts), *norms, ("mean", "ln_mean", "{:+.4f}"),
                ("std", "ln_std", "{:.4f}"), ("|out|", "output_norm", "{:.2f}")]
+    console.print(f"[bold]{escape(dec.question)}[/bold] [dim]({dec.tag})[/dim]")
     console.print(rows_table(f"{dec.recipe}, one row per token", rows, columns, f"{' '.join(h for h, _, _ in norms)}: "
                              f"norms of the {named} vectors; mean, std: LayerNorm's statistics of their sum; |out|: "
                              f"norm of the output"))
     verdict = "[green]equal[/green]" if dec.max_abs_diff < 1e-5 else "[red]NOT equal[/red]"
     console.print(f"check: {dec.recipe} by hand in float64 is {verdict} to the layer's output ({dec.engine}): "
                   f"max |diff| = {dec.max_abs_diff:.2e}")
+    if dec.warning:
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(dec.warning)}")
 
 
 @app.command()
 def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")],
                 text_b: Annotated[Optional[str], typer.Argument(
                     help="a second text (segment B), making a pair")] = None,
-                model: ModelOpt = None, as_json: JsonOpt = False) -> None:
-    """Rebuild the layer's output by hand, step by step, each step checked against the layer's own intermediate."""
+                model: ModelOpt = None, as_json: JsonOpt = False,
+                rows: Annotated[int, typer.Option(min=1, help="how many tokens' rows each step shows")] = 16) -> None:
+    """Rebuild the layer's output by hand, step by step, each step checked against the member's own transformers
+    module (or, without transformers, bertembed's numpy reference)."""
     with user_errors():
         from rich.syntax import Syntax
 
@@ -175,12 +180,17 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
             print_json(result.summary())
         else:
             say_model(result.source)
-            console.print(f"the layer's recipe: {result.member}'s")
+            console.print(f"the layer's recipe: {result.member}'s; each step checked against {result.reference} "
+                          f"(ref: its intermediates)")
+            if result.warning:
+                console.print(f"[bold yellow]warning:[/bold yellow] {escape(result.warning)}")
             for step in result.steps:
                 console.rule(f"[bold]{escape(step.title)}[/bold]")
                 console.print(escape(step.why))
                 console.print(Syntax(step.code, "python", theme="ansi_dark", background_color="default"))
-                console.print(rows_table(f"shape {step.shape}; the first rows and values", step.preview))
+                console.print(rows_table("", step.preview[:rows]))
+                shown = "every token" if len(step.preview) <= rows else f"the first {rows} tokens (--rows N for more)"
+                console.print(f"shape {step.shape}; {shown}")
                 for note in step.notes:
                     console.print(escape(note))
                 console.print(f"check: {escape(step.check)}")
@@ -192,12 +202,14 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
 
 @app.command()
 def notebook(out: Annotated[str, typer.Argument(help="the .ipynb file to write")], model: ModelOpt = None,
-             text: Annotated[str, typer.Option(help="the text the notebook starts with")] = FOX) -> None:
+             text: Annotated[str, typer.Option(help="the text the notebook starts with")] = FOX,
+             text_b: Annotated[Optional[str], typer.Option("--text-b", help="a second text (segment B), making a "
+                                                           "pair")] = None) -> None:
     """Write a Jupyter notebook that rebuilds the layer by hand in cells you can edit (needs nbformat)."""
     with user_errors(needs=("nbformat",)):
         from bertembed.explain.walkthrough import write_notebook
 
-        written = write_notebook(out, model, text)
+        written = write_notebook(out, model, text, text_b)
         say_model(model)
         console.print(f"wrote {written}")
 
@@ -207,7 +219,6 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, components, spectrum, seams."""
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # (numpy's BLAS, before numpy loads: threads only spin here)
     with plotting(plot):
         from bertembed.explain.positions import analyze_positions
 

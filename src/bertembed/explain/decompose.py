@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, Result, axes, load_layer, plotly_fig
+from bertembed.explain.segments import literal_separator
 from bertembed.sources import Source
 
 PARTS = ("word", "position", "segment")
@@ -41,6 +42,7 @@ class TextDecomposition(Result):
     eps: float
     parts: tuple[str, ...] = PARTS  # the parts the member adds (a table it lacks adds nothing: DeBERTa v3's segment)
     recipe: str = "LayerNorm(word + segment + position)"  # the member's own, in its order (`recipe`)
+    warning: str | None = None  # a literal separator in a text (it stays in that text's segment)
 
     def by_hand(self) -> np.ndarray:
         """LayerNorm(word + position + segment) recomputed from the parts in float64: [L, H]."""
@@ -93,7 +95,7 @@ class TextDecomposition(Result):
         out |= {f"{k}_share": v for k, v in self.overall_shares().items()}
         out |= {f"mean_{k}_norm": float(v.mean()) for k, v in norms.items()}
         out["max_abs_diff"] = self.max_abs_diff
-        return out
+        return out | ({"warning": self.warning} if self.warning else {})
 
     def figures(self) -> list[Figure]:
         n, s = self.norms(), self.overall_shares()
@@ -189,4 +191,5 @@ def explain_text(text: str, text_b: str | None = None, model=None, *, engine: st
         segments=list(enc.token_type_ids),
         positions=list(range(config.first_position, config.first_position + len(enc.input_ids))),
         **{k: parts[k][0] for k in ("word", "position", "segment", "sum", "mean", "std", "output")},
-        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=f"LayerNorm({total})")
+        gamma=gamma, beta=beta, eps=config.layer_norm_eps, parts=has, recipe=f"LayerNorm({total})",
+        warning=literal_separator(layer.tokenizer, text, text_b))

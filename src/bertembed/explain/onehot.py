@@ -38,21 +38,29 @@ class OneHotReport(Result):
     onehot_bytes: int  # bytes of the one-hot matrix plus the whole table read by the product
     vocab_size: int
     hidden: int
+    repeats: int = 1  # the times are medians of this many repeats; their spread, the fastest and slowest:
+    lookup_range: tuple[float, float] = (0.0, 0.0)
+    onehot_range: tuple[float, float] = (0.0, 0.0)
 
     def summary(self) -> dict:
         return {"model": self.model, "tokens": len(self.ids), "equal": self.equal, "max_abs_diff": self.max_abs_diff,
-                "lookup_us": self.lookup_seconds * 1e6, "onehot_us": self.onehot_seconds * 1e6,
+                "repeats": self.repeats, "lookup_us": self.lookup_seconds * 1e6,
+                "lookup_us_range": [round(t * 1e6, 3) for t in self.lookup_range],
+                "onehot_us": self.onehot_seconds * 1e6,
+                "onehot_us_range": [round(t * 1e6, 1) for t in self.onehot_range],
                 "slowdown": self.onehot_seconds / max(self.lookup_seconds, 1e-12),
                 "lookup_bytes": self.lookup_bytes, "onehot_bytes": self.onehot_bytes,
                 "memory_ratio": self.onehot_bytes / max(self.lookup_bytes, 1)}
 
     def figures(self) -> list[Figure]:
         s, same = self.summary(), "identical" if self.equal else "different"
+        spans = ["-".join(f"{t * 1e6:.3g}" for t in times) + " µs" for times in (self.lookup_range, self.onehot_range)]
         caption = (f"one_hot(ids) @ W and W[ids] on {len(self.ids)} tokens: {same}"
-                   f" (max |diff| {self.max_abs_diff:.1e}). The lookup took {s['lookup_us']:.2g} µs and touched "
-                   f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs ({s['slowdown']:.0f}x)"
-                   f" and touched {self.onehot_bytes / 1e6:.3g} MB, because it reads all {self.vocab_size} rows of "
-                   f"the table.")
+                   f" (max |diff| {self.max_abs_diff:.1e}). Medians of {self.repeats} repeats (fastest-slowest): the "
+                   f"lookup took {s['lookup_us']:.2g} µs ({spans[0]}) and touched "
+                   f"{self.lookup_bytes / 1e3:.3g} kB; the product took {s['onehot_us']:.3g} µs "
+                   f"({spans[1]}; {s['slowdown']:.0f}x) and touched {self.onehot_bytes / 1e6:.3g} MB, "
+                   f"because it reads all {self.vocab_size} rows of the table.")
         return [Figure("onehot", "One-hot vs lookup", caption, self.plot, self.plotly)]
 
     def plot(self):
@@ -87,16 +95,16 @@ def one_hot(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     return out
 
 
-def _median_time(fn, repeats: int, budget: float = 0.02) -> float:
-    """Median seconds per call, each repeat looping enough calls to last about `budget` seconds."""
+def _times(fn, repeats: int, budget: float = 0.02) -> tuple[float, tuple[float, float]]:
+    """(median, (fastest, slowest)) seconds per call over `repeats`, each looping calls for about `budget` seconds."""
     timer = timeit.Timer(fn)
-    once = max(timer.timeit(number=1), 1e-7)
-    number = max(1, int(budget / once))
-    return float(np.median(timer.repeat(repeat=repeats, number=number))) / number
+    number = max(1, int(budget / max(timer.timeit(number=1), 1e-7)))
+    times = [t / number for t in timer.repeat(repeat=repeats, number=number)]
+    return float(np.median(times)), (min(times), max(times))
 
 
 def analyze_onehot(text: str, model: ModelArg = None, *, text_b: str | None = None,
-                   repeats: int = 5) -> OneHotReport:
+                   repeats: int = 7) -> OneHotReport:
     """Embed the ids of `text` (with `text_b`, of the pair) both ways, compare exactly, and time both (median of
     `repeats`). ValueError for a blank text, one longer than the position table, or one whose one-hot matrix would
     exceed MAX_ONEHOT_BYTES."""
@@ -119,9 +127,11 @@ def analyze_onehot(text: str, model: ModelArg = None, *, text_b: str | None = No
         raise ValueError(f"the tokenizer gave id {ids.max()}, but the word table has {vocab} rows; "
                          f"the tokenizer and the weights come from different models")
     looked_up, product = words[ids], one_hot(ids, vocab) @ words
+    (lookup, lookup_range), (onehot, onehot_range) = (_times(f, repeats) for f in (
+        lambda: words[ids], lambda: one_hot(ids, vocab) @ words))
     return OneHotReport(
         source=layer.source, tokens=list(enc.tokens), ids=ids.tolist(),
         equal=bool(np.array_equal(looked_up, product)), max_abs_diff=float(np.abs(looked_up - product).max()),
-        lookup_seconds=_median_time(lambda: words[ids], repeats),
-        onehot_seconds=_median_time(lambda: one_hot(ids, vocab) @ words, repeats),
-        lookup_bytes=tokens * hidden * 4, onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden)
+        lookup_seconds=lookup, onehot_seconds=onehot, lookup_bytes=tokens * hidden * 4,
+        onehot_bytes=size + vocab * hidden * 4, vocab_size=vocab, hidden=hidden, repeats=repeats,
+        lookup_range=lookup_range, onehot_range=onehot_range)

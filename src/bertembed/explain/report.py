@@ -79,11 +79,12 @@ def report_html(results: list[Any]) -> str:
     body.append("</ol>")
     for i, result in enumerate(results):
         summary = result.summary()
-        verdict = summary.pop("verdict", "")
+        verdict, warning = summary.pop("verdict", ""), summary.pop("warning", None)
         rows = result.rows() if hasattr(result, "rows") else summary_rows(summary)
         tag = f'<span class="tag">{html.escape(result.tag)}</span>' if result.tag else ""
         body += [f'<h2 id="s{i}">{html.escape(result.question)}{tag}</h2>',
                  f'<p class="verdict">{html.escape(result.answer or verdict)}</p>',
+                 f"<p><b>warning:</b> {html.escape(warning)}</p>" if warning else "",
                  f'<div class="scroll">{html_table(rows)}</div>']
         body += [figure_html(f, interactive=True) for f in result.figures()]
         body.append(result.controls())

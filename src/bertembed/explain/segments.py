@@ -153,7 +153,7 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
         constant_shift_change=float(np.abs(_normed32(total + np.float32(1)) - _normed32(total)).max()),
         pair_tokens=[] if pair is None else list(pair.tokens),
         pair_segments=[] if pair is None else list(pair.token_type_ids),
-        warning=_literal_separator(layer.tokenizer, text))
+        warning=literal_separator(layer.tokenizer, text, text_b))
 
 
 def _normed32(x: np.ndarray) -> np.ndarray:
@@ -162,10 +162,12 @@ def _normed32(x: np.ndarray) -> np.ndarray:
     return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True, dtype=np.float32) + np.float32(1e-12))
 
 
-def _literal_separator(tokenizer, text: str) -> str | None:
-    """A warning when a text holds its tokenizer's separator literally: it stays in segment A, one text."""
-    for sep in ("[SEP]", "</s>"):
-        if sep in text and tokenizer.token_to_id(sep) is not None:
-            return (f"the text holds a literal {sep}: it becomes the separator token but stays in segment A, one "
-                    f"text; two texts make a pair (inspect segments TEXT --text-b B, or tok(a, b))")
+def literal_separator(tokenizer, text: str, text_b: str | None = None) -> str | None:
+    """A warning when a text holds its tokenizer's separator literally: it stays in that text's segment."""
+    for segment, which in (("A", text), ("B", text_b)):
+        for sep in ("[SEP]", "</s>"):
+            if which and sep in which and tokenizer.token_to_id(sep) is not None:
+                return (f"text {segment} holds a literal {sep}: it becomes the separator token but stays in segment "
+                        f"{segment}, one text; two texts make a pair: give the second as its own (explain A B, "
+                        f"inspect segments A --text-b B, or tok(a, b))")
     return None
