@@ -373,7 +373,7 @@ def test_explain_warns_on_a_literal_separator_in_the_table_the_json_and_the_repo
     assert "literal [SEP]" in data["warning"]
     assert json.loads(invoke("explain", "Who wrote it?", "Sinan did.", "--json").output)["warning"] is None
     results = run_analyses(text)
-    page = report_html(results, [[] for _ in results])  # (no figures drawn: the sections' text is what is tested)
+    page = report_html(results)
     assert page.count("<b>warning:</b> text A holds a literal [SEP]") == 2  # the decomposition's and the segments'
 
 
@@ -381,7 +381,7 @@ def test_explain_warns_on_a_literal_separator_in_the_table_the_json_and_the_repo
     (["inspect", "onehot", "the cat"], "holds for every BERT checkpoint"),
     (["inspect", "positions"], "measured on this checkpoint"),
     (["inspect", "tokens", "king"], "measured on this checkpoint"),
-    (["explain", "the cat"], "measured on this checkpoint"),
+    (["explain", "the cat"], "holds for every BERT checkpoint"),
 ])
 def test_each_answer_says_whether_it_holds_for_every_bert_or_this_checkpoint(tiny, args, tag):
     assert f"({tag})" in " ".join(invoke(*args, "--model", tiny).output.split())

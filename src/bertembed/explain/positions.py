@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, row_norms
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
@@ -254,7 +254,7 @@ class PositionReport(Result):
         return fig
 
     def plotly_similarity(self):
-        fig = _plotly(2, TABLES)
+        fig = _plotly("Position-position similarity", "position j", "position i", 2, TABLES)
         for col, matrix in enumerate((self.similarity, self.sinusoid_similarity), 1):
             fig.add_heatmap(z=matrix.astype(np.float32), x=self.positions, y=self.positions, zmin=-1, zmax=1,
                             colorscale="RdBu_r", hovertemplate="positions %{y}, %{x}: cosine %{z:.3f}", row=1, col=col)
@@ -277,13 +277,14 @@ class PositionReport(Result):
         return fig
 
     def plotly_norms(self):
-        fig = _plotly(secondary_y=True).add_scatter(x=self.positions, y=self.norms, name="norm of position vector",
-                                                    hovertemplate="position %{x}: norm %{y:.3f}")
+        fig = _plotly("Position vectors by position", "position", "L2 norm", secondary_y=True)
+        fig.add_scatter(x=self.positions, y=self.norms, name="norm of position vector",
+                        hovertemplate="position %{x}: norm %{y:.3f}")
         fig.add_scatter(x=self.positions[:-1], y=np.diag(self.similarity, 1), name="cosine with next position",
                         hovertemplate="position %{x} and next: cosine %{y:.3f}", secondary_y=True)
         for seam in self.seams:
             fig.add_vline(seam["at"], line_dash="dash", annotation_text=f"seam at {seam['at']}")
-        return fig.update_layout(xaxis_title="position", yaxis_title="L2 norm", yaxis2_title="cosine with next")
+        return fig.update_layout(yaxis2_title="cosine with next")
 
     def plot_spectrum(self, ax=None):
         """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
@@ -300,13 +301,14 @@ class PositionReport(Result):
         return fig
 
     def plotly_spectrum(self):
-        fig, freqs = _plotly(), np.arange(1, len(self.spectrum))
+        fig = _plotly("Spectrum over positions", "frequency (cycles over the table)", "share of variance (log)")
+        freqs = np.arange(1, len(self.spectrum))
         for name, values in (("learned table", self.spectrum[1:]), ("sinusoidal table", self.sinusoid_spectrum[1:]),
                              ("white noise (flat)", np.full(len(freqs), 2 / (2 * len(freqs) - 1)))):
             fig.add_scatter(x=freqs, y=values, name=name, hovertemplate="%{x} cycles: %{y:.2%} of the variance")
         fig.add_vrect(0.5, self.k + 0.5, fillcolor="gray", opacity=0.25, line_width=0,
                       showlegend=True, name=f"frequencies 1-{self.k}: {self.lowfreq_share:.0%} of the learned table")
-        return fig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="frequency (cycles over the table)")
+        return fig.update_layout(xaxis_type="log", yaxis_type="log")
 
     def plot_pca(self):
         """Left, the positions on the first two principal components, the `labelled` ones named and joined in order;
@@ -327,7 +329,8 @@ class PositionReport(Result):
         return fig
 
     def plotly_pca(self):
-        fig = _plotly(2, ("positions on components 1 and 2", "leading components against position"))
+        fig = _plotly("Positions on their principal components", "principal component 1", "principal component 2", 2,
+                      ("positions on components 1 and 2", "leading components against position"))
         fig.add_scatter(x=self.pca_coords[:, 0], y=self.pca_coords[:, 1], mode="markers", text=self.positions,
                         marker_color=self.positions, name="positions", row=1, col=1,
                         hovertemplate="position %{text}: (%{x:.3f}, %{y:.3f})")  # (hover names every position)
@@ -342,11 +345,13 @@ def _cycles(c: dict) -> str:
     return f"{c['cycles']} cycle{'s' * (c['cycles'] != 1)} over the table, a period of {c['period']:.3g} positions"
 
 
-def _plotly(panels: int = 1, titles: tuple = (), secondary_y: bool = False):
-    """An empty plotly figure of `panels` side by side (plotly imported here: an optional dependency)."""
+def _plotly(title: str, xtitle: str, ytitle: str, panels: int = 1, titles: tuple = (), secondary_y: bool = False):
+    """An empty plotly figure of `panels` side by side under the report's layout (plotly imported here: an optional
+    dependency); `xtitle` and `ytitle` name the first panel's axes."""
     from plotly.subplots import make_subplots
 
-    return make_subplots(1, panels, subplot_titles=titles, specs=[[{"secondary_y": secondary_y}] * panels])
+    fig = make_subplots(1, panels, subplot_titles=titles, specs=[[{"secondary_y": secondary_y}] * panels])
+    return fig.update_layout(plotly_fig([], title, xtitle, ytitle).layout)
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
