@@ -8,6 +8,8 @@ import errno
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -352,3 +354,21 @@ def test_copies_in_other_formats_are_left_out_and_added_tokens_json_follows(tmp_
     result = _run("prune-vocab", src, tmp_path / "pruned", "--keep-from", tmp_path / "corpus.txt")
     assert result.exit_code == 0 and "left out of DST" in result.output and "tf_model.h5" in result.output
     assert json.loads((tmp_path / "pruned" / "added_tokens.json").read_text()) == {}  # (119 is not in the corpus)
+
+
+def test_the_commands_import_only_what_they_need(tmp_path, bundled_path):
+    """Each command took 18-30 s on a busy machine, most of it imports no surgery needs: the layer built on the meta
+    device drew random tables there (importing torch._dynamo and sympy), and the save imported torch.distributed."""
+    (tmp_path / "corpus.txt").write_text("the lazy dog\n")
+    runs = [["extend-positions", bundled_path, tmp_path / "a", "--to", "1024"],
+            ["add-tokens", bundled_path, tmp_path / "b", "newword"],
+            ["prune-vocab", bundled_path, tmp_path / "c", "--keep-from", tmp_path / "corpus.txt"]]
+    code = ("import sys\nfrom bertembed.cli import main\n"
+            f"for args in {[['surgery', *map(str, run)] for run in runs]!r}:\n"
+            "    sys.argv = ['bertembed', *args]\n"
+            "    try:\n        main()\n    except SystemExit as exit:\n        assert not exit.code, exit.code\n"
+            "print('HEAVY', sorted(m for m in ('torch._dynamo', 'sympy', 'torch.distributed.tensor', 'transformers')"
+            " if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout and all((tmp_path / name).is_dir() for name in "abc"), done.stdout
