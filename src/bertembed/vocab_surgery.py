@@ -76,7 +76,7 @@ def text_files(paths: str | Path | list[str | Path], what: str, layout: str) -> 
 
 
 def text_batches(files: list[Path], what: str, layout: str, progress=None, size: int = 1 << 21):
-    """The lines of UTF-8 text `files` that are not blank, read as a stream in batches of about `size` characters;
+    """The lines of UTF-8 text `files` that are not blank, read as a stream in batches of about `size` bytes;
     `progress(bytes read, bytes in all)` after each. ValueError naming `what` and the file it cannot read."""
     total, done, batch, start = sum(f.stat().st_size for f in files), 0, [], 0
     for path in files:
@@ -225,16 +225,15 @@ def _size(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
 def _retokenized(batches, tokenizer, pruned, new_id: dict[int, int], unk: int | None) -> list[int]:
     """Check that each line of `batches` made only of kept tokens tokenizes as before (ValueError if not); the tokens
     of all lines before and after, and how many of them were unknown before and after."""
-    counts = [0, 0, 0, 0]
+    counts = np.zeros(4, dtype=np.int64)
     for batch in batches:
         for line, old, new in zip(batch, tokenizer.encode_batch(batch, add_special_tokens=False),
                                   pruned.encode_batch(batch, add_special_tokens=False), strict=True):
             if all(i in new_id for i in old.ids) and [new_id[i] for i in old.ids] != new.ids:
                 raise ValueError(f"pruning would change how {line[:60]!r} tokenizes; nothing was written (please "
                                  f"report it with the tokenizer)")
-            for at, n in enumerate((len(old.ids), len(new.ids), old.ids.count(unk), new.ids.count(new_id.get(unk)))):
-                counts[at] += n
-    return counts
+            counts += len(old.ids), len(new.ids), old.ids.count(unk), new.ids.count(new_id.get(unk))
+    return counts.tolist()
 
 
 def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set[int]) -> list[int]:
