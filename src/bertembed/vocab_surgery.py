@@ -161,7 +161,7 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
     """Write checkpoint `src` to `dst` keeping the special tokens and the tokens that `corpus` (text files, one text a
     line, or folders of them; read as a stream, `progress(bytes read, bytes in all)`) tokenizes into at least
     `min_frequency` times, the `target_size` most frequent of them if given, renumbered in their old order everywhere.
-    Checks that corpus lines (the first 4M characters) and `held_out` lines made of kept tokens tokenize as before, and
+    Checks that corpus lines (of the first 4 MB) and `held_out` lines made of kept tokens tokenize as before, and
     measures the share of `held_out`'s tokens that are unknown. Returns the sizes."""
     from tokenizers import Tokenizer
 
@@ -174,14 +174,15 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
     tokenizer, data = _tokenizer(whole)
     before = whole.layer.config.vocab_size
     counts = np.zeros(max(before, tokenizer.get_vocab_size()), dtype=np.int64)
-    lines, sample = 0, []
+    lines, checked = 0, []
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # (no offsets: 1.25x; tokenizers 0.20)
     for batch in text_batches(files, "corpus", "one text a line", progress):
-        ids = [e.ids for e in tokenizer.encode_batch(batch, add_special_tokens=False)]  # (on every core)
+        ids = [e.ids for e in encode(batch, add_special_tokens=False)]  # (on every core)
         found = np.bincount(np.fromiter(chain.from_iterable(ids), dtype=np.int64))
         counts[:found.size] += found
         lines += len(batch)
-        if sum(map(len, sample)) < 1 << 22:  # (the first 4 MB or so, to check)
-            sample += batch
+        if len(checked) < 2:  # (the first 4 MB, to check)
+            checked.append(batch)
     if not lines:
         raise ValueError(f"corpus {', '.join(map(str, files))} has no text: nothing tells which tokens to keep")
     total, unk = int(counts.sum()), _unk_id(tokenizer, data["model"])
@@ -195,7 +196,7 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
         raise ValueError(f"the tokenizer gives id {keep[-1]}, outside the {before}-row word table: fix the checkpoint")
     _renumber_tokenizer(data, new_id)
     pruned = Tokenizer.from_str(json.dumps(dict(data, padding=None, truncation=None)))
-    _retokenized([sample], tokenizer, pruned, new_id, unk)
+    _retokenized(checked, tokenizer, pruned, new_id, unk)
     unknown = {}
     if held_files:  # (no share without an unknown token: byte-level BPE loses the characters instead)
         n = _retokenized(text_batches(held_files, "held-out text", "one text a line"), tokenizer, pruned, new_id, unk)
