@@ -8,6 +8,8 @@ import errno
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,66 @@ def test_prune_vocab_keeps_the_corpus_outputs(tmp_path, name):
         torch.testing.assert_close(after.logits, before.logits[..., kept], rtol=1e-6, atol=1e-6)
 
 
+def test_prune_vocab_to_a_target_size_from_several_files_and_a_folder(tmp_path):
+    """--target-size keeps the N tokens the corpus uses most (counted here with transformers' tokenizer of SRC) among
+    those used --min-frequency times, from every file of a folder and a file; DST gives SRC's outputs on the texts
+    made only of kept tokens; the held-out text's unknown shares are those transformers' tokenizers give."""
+    from collections import Counter
+
+    corpus = ["the dog and the fox", "the lazy dog", "a quick brown fox", "the fox jumps over the dog", "the dog"]
+    held = ["the dog and the fox jumps", "a zebra quietly yawns", "the lazy fox", "the fox of the dog"]
+    src, original = _source(tmp_path, "xlm-roberta", head="AutoModelForMaskedLM")
+    _trained_tokenizer(src, (corpus + held) * 5, "unigram")
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("\n".join(corpus[:2]) + "\n\n")
+    (tmp_path / "corpus" / "sub" / "b.txt").write_text("\r\n".join(corpus[2:4]) + "\r\n")
+    (tmp_path / "corpus" / ".notes").write_text("quietly yawns\n" * 9)  # (hidden: not read)
+    (tmp_path / "more.txt").write_text(corpus[4])
+    (tmp_path / "held.txt").write_text("\n".join(held) + "\n")
+    result = _run("prune-vocab", src, tmp_path / "dst", "--keep-from", tmp_path / "corpus", "--keep-from",
+                  tmp_path / "more.txt", "--target-size", "9", "--min-frequency", "2", "--held-out",
+                  tmp_path / "held.txt", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    old_tok = transformers.AutoTokenizer.from_pretrained(src)
+    new_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dst")
+    specials = set(old_tok.all_special_ids)
+    counts = Counter(i for line in corpus for i in old_tok(line, add_special_tokens=False).input_ids)
+    often = sorted((i for i, n in counts.items() if n >= 2 and i not in specials), key=lambda i: (-counts[i], i))
+    kept = [old_tok.convert_tokens_to_ids(t) for t in new_tok.convert_ids_to_tokens(range(report["rows_after"]))]
+    assert kept == sorted(specials | set(often[:9])) and len(often) > 9 and len(counts) > len(often)
+    assert report["corpus_lines"] == 5 and report["corpus_tokens"] == sum(counts.values())
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "dst" / "model.safetensors").values()
+    assert report["parameters_after"] == sum(t.numel() for t in written if t.is_floating_point())
+    assert report["bytes_after"] == sum(t.nbytes for t in written) < report["bytes_before"]
+    pruned = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    only_kept = [line for line in corpus + held if set(old_tok(line).input_ids) <= set(kept)]
+    assert len(only_kept) >= 2, only_kept
+    for line in only_kept:
+        old, new = old_tok(line, return_tensors="pt"), new_tok(line, return_tensors="pt")
+        with torch.no_grad():
+            after, before = pruned(**new, output_hidden_states=True), original(**old, output_hidden_states=True)
+        torch.testing.assert_close(after.hidden_states[-1], before.hidden_states[-1], rtol=0, atol=0)
+        torch.testing.assert_close(after.logits, before.logits[..., kept], rtol=1e-6, atol=1e-6)
+    for tok, when in ((old_tok, "before"), (new_tok, "after")):
+        ids = [i for line in held for i in tok(line, add_special_tokens=False).input_ids]
+        assert report[f"held_out_unknown_{when}"] == ids.count(tok.unk_token_id) / len(ids)
+    assert report["held_out_unknown_before"] == 0 < report["held_out_unknown_after"]
+
+
+def test_a_corpus_is_read_as_a_stream_of_batches(tmp_path):
+    from bertembed.vocab_surgery import text_batches, text_files
+
+    (tmp_path / "a.txt").write_text("one\n\ntwo\nthree\n")
+    (tmp_path / "b.txt").write_text("four\nfive")
+    seen = []
+    batches = list(text_batches(text_files(tmp_path, "corpus", ""), "corpus", "", lambda *a: seen.append(a), size=8))
+    assert batches == [["one", "two"], ["three", "four"], ["five"]]
+    assert seen == [(9, 24), (20, 24), (24, 24)]  # (bytes read, of 15 + 9)
+
+
 def test_prune_vocab_of_the_bundled_model(tmp_path, bundled_path):
     (tmp_path / "corpus.txt").write_text("The quick brown fox jumps over the lazy dog\nUnbelievable, isn't it?\n")
     from bertembed.vocab_surgery import prune_vocab_checkpoint
@@ -216,6 +278,7 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
         ("add-tokens", src, tmp_path / "a", "x", "--init", "zeros"): "not one of",
         ("add-tokens", src, tmp_path / "a", "Newword"): "normalizes {'Newword': 'newword'}",
         ("prune-vocab", src, tmp_path / "a", "--keep-from", tmp_path / "nope.txt"): "corpus",
+        ("prune-vocab", src, tmp_path / "a", "--keep-from", src, "--target-size", "0"): "--target-size",
     }
     for args, message in cases.items():
         result = _run(*args)
@@ -352,3 +415,21 @@ def test_copies_in_other_formats_are_left_out_and_added_tokens_json_follows(tmp_
     result = _run("prune-vocab", src, tmp_path / "pruned", "--keep-from", tmp_path / "corpus.txt")
     assert result.exit_code == 0 and "left out of DST" in result.output and "tf_model.h5" in result.output
     assert json.loads((tmp_path / "pruned" / "added_tokens.json").read_text()) == {}  # (119 is not in the corpus)
+
+
+def test_the_commands_import_only_what_they_need(tmp_path, bundled_path):
+    """Each command took 18-30 s on a busy machine, most of it imports no surgery needs: the layer built on the meta
+    device drew random tables there (importing torch._dynamo and sympy), and the save imported torch.distributed."""
+    (tmp_path / "corpus.txt").write_text("the lazy dog\n")
+    runs = [["extend-positions", bundled_path, tmp_path / "a", "--to", "1024"],
+            ["add-tokens", bundled_path, tmp_path / "b", "newword"],
+            ["prune-vocab", bundled_path, tmp_path / "c", "--keep-from", tmp_path / "corpus.txt"]]
+    code = ("import sys\nfrom bertembed.cli import main\n"
+            f"for args in {[['surgery', *map(str, run)] for run in runs]!r}:\n"
+            "    sys.argv = ['bertembed', *args]\n"
+            "    try:\n        main()\n    except SystemExit as exit:\n        assert not exit.code, exit.code\n"
+            "print('HEAVY', sorted(m for m in ('torch._dynamo', 'sympy', 'torch.distributed.tensor', 'transformers')"
+            " if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout and all((tmp_path / name).is_dir() for name in "abc"), done.stdout

@@ -293,6 +293,18 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     return write
 
 
+def _skip_init():
+    """A torch function mode in which torch.nn.init's functions return their tensor untouched."""
+    from torch.overrides import TorchFunctionMode
+
+    class SkipInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__module__", None) == "torch.nn.init":
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **(kwargs or {}))
+    return SkipInit()
+
+
 class Pretrained:
     """`from_pretrained`, `load_pretrained_weights` and `save_pretrained` of `BertEmbeddings` (an nn.Module built from
     an `EmbeddingConfig`, with `load_state_dict` and `config`)."""
@@ -320,7 +332,9 @@ class Pretrained:
             reader = parallel.rank_reader(device_mesh)
         checkpoint = load_checkpoint(name_or_path, revision=revision, local_files_only=local_files_only,
                                      word_reader=reader)
-        with torch.device("meta"):  # (the checkpoint's tensors replace the tables at once)
+        # the checkpoint's tensors replace the tables at once: nothing drawn; on the meta device only for a mesh (the
+        # meta device's first draw and arange import torch._dynamo and sympy: seconds)
+        with torch.device("cpu" if device_mesh is None else "meta"), _skip_init():
             layer = cls(checkpoint.config, backend=backend)
         if device_mesh is not None:
             parallel.shard_vocab(layer, device_mesh)  # (on the meta device: to_empty allocates the rank's rows alone)

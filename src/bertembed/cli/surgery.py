@@ -84,15 +84,34 @@ def add_tokens(src: SrcArg, dst: DstArg,
 
 @surgery_app.command("prune-vocab")
 def prune_vocab(src: SrcArg, dst: DstArg,
-                keep_from: Annotated[Path, typer.Option("--keep-from", help="a corpus: text file, one text a line")],
+                keep_from: Annotated[list[Path], typer.Option("--keep-from", help="a corpus: a text file (one text a "
+                                                              "line) or a folder of them; repeat for more")],
+                target_size: Annotated[Optional[int], typer.Option(min=1, help="keep the N tokens the corpus uses "
+                                                                   "most (and the specials)")] = None,
+                min_frequency: Annotated[int, typer.Option(min=1, help="keep tokens the corpus uses K times or more")]
+                = 1,
+                held_out: Annotated[Optional[Path], typer.Option(help="a text file or folder: report the share of its "
+                                                                 "tokens that become unknown")] = None,
                 as_json: JsonOpt = False) -> None:
     """Keep only the special tokens and the tokens a corpus uses; ids renumbered in the tokenizer and every table."""
     with user_errors():
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
         from bertembed.vocab_surgery import prune_vocab_checkpoint
 
-        with console.status("tokenizing the corpus, pruning and writing the checkpoint"):
-            result = prune_vocab_checkpoint(src, dst, keep_from)
-        lines = [f"vocabulary {result['rows_before']} -> {result['rows_after']} rows ({result['corpus_lines']} corpus "
-                 f"lines, each tokenized as before); {result['bytes_saved'] / 2**20:.1f} MiB saved",
-                 f"wrote {result['destination']}"]
-        _report(result, as_json, lines)
+        with Progress(TextColumn("tokenizing the corpus"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=console, transient=True, disable=as_json or not console.is_terminal) as bar:
+            task = bar.add_task("", total=None)
+            result = prune_vocab_checkpoint(src, dst, keep_from, target_size=target_size, min_frequency=min_frequency,
+                                            held_out=held_out, progress=lambda done, total: bar.update(
+                                                task, completed=done, total=total))
+        mb = {k: f"{result[f'bytes_{k}'] / 1e6:,.1f} MB" for k in ("before", "after")}
+        lines = [f"vocabulary {result['rows_before']} -> {result['rows_after']} rows (from {result['corpus_tokens']:,} "
+                 f"tokens in {result['corpus_lines']:,} corpus lines); parameters {result['parameters_before']:,} -> "
+                 f"{result['parameters_after']:,}, {mb['before']} -> {mb['after']}"]
+        if "held_out_tokens" in result:
+            share = {k: "no unknown token" if (v := result[f"held_out_unknown_{k}"]) is None else f"{v:.3%}"
+                     for k in ("before", "after")}
+            lines.append(f"held-out text: {result['held_out_tokens']:,} tokens, unknown {share['after']} (before "
+                         f"{share['before']})")
+        _report(result, as_json, [*lines, f"wrote {result['destination']}"])
