@@ -280,9 +280,9 @@ def optimize_graph(model: onnx.ModelProto, heads: int, hidden: int) -> onnx.Mode
 
 def _padding_masks(model: onnx.ModelProto) -> None:
     """In place: the additive mask beside each layer's scaled scores (`Softmax(Add(Mul|Div(MatMul), mask))`) becomes
-    `(1 - float(attention_mask[:, None, None, :])) * lowest`, the form ONNX Runtime's attention fusion matches (the
-    masks transformers 5 builds, and the single Unsqueeze torch's exporter merges two into, it does not). The same
-    values for a padding mask; the nodes that built the old mask are dropped."""
+    `Where(bool(1 - attention_mask[:, None, None, :]), lowest, 0)`, a form ONNX Runtime's attention fusion matches
+    (not transformers 5's mask, nor one whose two Unsqueezes torch's exporter merged, nor a `Mul` of the mask beside
+    scores scaled by a `Mul`). The same values for a padding mask; the nodes that built the old mask are dropped."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
     from onnxscript.optimizer import remove_unused_nodes
