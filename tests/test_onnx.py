@@ -215,24 +215,100 @@ def test_whole_fused_refuses_a_member_without_position_table(member_checkpoint, 
     assert not list(tmp_path.iterdir())
 
 
-def test_cli_exports_the_fused_layer_and_the_fused_whole_model(member_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """Factory: member name -> (folder saved by transformers' save_pretrained, the model): FAMILY's member with two
+    encoder layers, so that counts per layer are counts of more than one."""
+    import transformers
+
+    from conftest import FAMILY
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            model_type, kwargs = FAMILY[name]
+            torch.manual_seed(0)
+            config = transformers.AutoConfig.for_model(model_type, **{**kwargs, "num_hidden_layers": 2})
+            hf = transformers.AutoModel.from_config(config).eval()
+            folder = tmp_path_factory.mktemp(f"{name}-2")
+            hf.save_pretrained(folder)
+            cache[name] = folder, hf
+        return cache[name]
+
+    return get
+
+
+def padded_feeds(config: EmbeddingConfig) -> list[dict[str, torch.Tensor]]:
+    """`batches`' padded batch with a row padded on both sides: the optimized graph's attention reads the 2D mask,
+    not a count of its ones."""
+    feed = {name: value.clone() for name, value in batches(config)[1].items()}
+    feed["attention_mask"][1, :2] = 0
+    feed["input_ids"][1, :2] = config.pad_token_id
+    return [feed, batches(config)[0]]
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_whole_optimized_fuses_every_layer_and_matches_transformers(two_layers, tmp_path, name):
+    folder, hf = two_layers(name)
+    path = export_whole(folder, tmp_path / "model.onnx", optimize=True)
+    ops = Counter(op for (_, op), n in op_counts(path).items() for _ in range(n))
+    layers = hf.config.num_hidden_layers
+    assert ops["Attention"] + ops["MultiHeadAttention"] == layers
+    assert ops["SkipLayerNormalization"] == 2 * layers
+    assert ops["FastGelu"] + ops["BiasGelu"] + ops["Gelu"] == layers
+    assert ops["EmbedLayerNormalization"] == 1
+    assert not ops["Softmax"] and not ops["LayerNormalization"] and not ops["Erf"]
+    config = EmbeddingConfig.from_hf_config(folder)
+    assert [i.name for i in onnx.load(str(path)).graph.input] == list(input_names(config))
+
+    def reference(feed):
+        with torch.no_grad():
+            return hf(**feed).last_hidden_state
+
+    assert_runs_like(path, reference, padded_feeds(config), WHOLE_TOLERANCE)
+
+
+def test_whole_int8_has_int8_weights_and_stays_close(two_layers, tmp_path):
+    """Dynamic quantization: int8 weight initializers, and sentence vectors (mean over the mask) still pointing the
+    same way as transformers' (the bundled model's cosine over real texts is in BENCHMARKS.md)."""
+    folder, hf = two_layers("bert")
+    path = export_whole(folder, tmp_path / "model.onnx", optimize=True, quantize="int8")
+    model = onnx.load(str(path))
+    assert any(t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2 for t in model.graph.initializer)
+    feed = padded_feeds(EmbeddingConfig.from_hf_config(folder))[0]
+    out = torch.from_numpy(session(path).run(None, {k: v.numpy() for k, v in feed.items()})[0])
+    with torch.no_grad():
+        expected = hf(**feed).last_hidden_state
+    mask = feed["attention_mask"][..., None]
+    cosine = torch.nn.functional.cosine_similarity((out * mask).sum(1), (expected * mask).sum(1))
+    assert cosine.min() > 0.99
+    with pytest.raises(ValueError, match="quantize='fp16'.*'int8'"):
+        export_whole(folder, tmp_path / "other.onnx", quantize="fp16")
+
+
+def test_cli_exports_the_fused_layer_and_the_fused_and_optimized_whole_model(member_checkpoint, tmp_path):
     folder, hf = member_checkpoint("roberta")
     layer = BertEmbeddings.from_pretrained(folder)
     runner = CliRunner()
     for args, reference, tolerance in (
         ([], lambda feed: layer_reference(layer, feed), LAYER_TOLERANCE),
         (["--whole"], lambda feed: hf(**feed).last_hidden_state.detach(), WHOLE_TOLERANCE),
+        (["--whole", "--optimize"], lambda feed: hf(**feed).last_hidden_state.detach(), WHOLE_TOLERANCE),
     ):
         out = tmp_path / f"model{len(args)}.onnx"
         done = runner.invoke(app, ["export", "onnx", str(out), "--model", str(folder), "--fused", *args])
         assert done.exit_code == 0, done.output
         assert f"wrote {out}" in " ".join(done.output.split())
         assert op_counts(out)[("com.microsoft", "EmbedLayerNormalization")] == 1
+        assert op_counts(out)[("com.microsoft", "Attention")] == ("--optimize" in args)
         assert_runs_like(out, reference, batches(layer.config)[1:2], tolerance)
 
 
 def test_cli_bad_output_exits_2_without_traceback(tmp_path):
     for args, message in ((["export", "onnx", str(tmp_path)], "is a folder"),
+                          (["export", "onnx", str(tmp_path / "m.onnx"), "--optimize"], "add --whole"),
+                          (["export", "onnx", str(tmp_path / "m.onnx"), "--quantize", "int8"], "add --whole"),
                           (["export", "onnx", str(tmp_path / "no" / "m.onnx")], "does not exist"),
                           (["export", "onnx", str(tmp_path / "m.onnx"), "--opset", "9"], "opset=9")):
         done = CliRunner().invoke(app, args)

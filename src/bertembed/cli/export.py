@@ -1,4 +1,5 @@
-"""`bertembed export onnx OUT [--model M] [--fused] [--whole]`: the embedding layer, or the whole model, as ONNX."""
+"""`bertembed export onnx OUT [--model M] [--fused] [--whole [--optimize] [--quantize int8]]`: the embedding layer, or
+the whole model, as ONNX."""
 
 from __future__ import annotations
 
@@ -21,20 +22,26 @@ def onnx_command(
                                         "instead of Gather, Add and LayerNormalization")] = False,
     whole: Annotated[bool, typer.Option("--whole", help="export the whole transformers model (needs transformers); "
                                         "with --fused its embedding subgraph becomes the fused op")] = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help="with --whole: --fused, then ONNX Runtime's transformer "
+                                           "optimizer (fused attention, SkipLayerNormalization, Gelu)")] = False,
+    quantize: Annotated[str | None, typer.Option(help="with --whole: 'int8', ONNX Runtime's dynamic quantization "
+                                                 "(int8 weights, for the CPU)")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset of the standard operators (17 or later)")] = 18,
 ) -> None:
     """Export the embedding layer (or, with --whole, the whole model) to ONNX, float32, dynamic batch and length,
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
     # the output, packages and opset checked before any work (onnxscript: torch's exporter, where every graph starts)
-    with user_errors(out, needs=("onnx", "onnxscript")):
+    with user_errors(out, needs=("onnx", "onnxscript", *(("onnxruntime",) if optimize or quantize else ()))):
         from bertembed.onnx_export import check_opset
 
         check_opset(opset)
+        if (optimize or quantize) and not whole:
+            raise ValueError("--optimize and --quantize work on the whole model: add --whole")
         say_model(model)
         if whole:
             from bertembed.onnx_export import export_whole
 
-            path = export_whole(model, out, fused=fused, opset=opset)
+            path = export_whole(model, out, fused=fused, optimize=optimize, quantize=quantize, opset=opset)
         else:
             import torch
 
@@ -43,5 +50,6 @@ def onnx_command(
             layer = BertEmbeddings.from_pretrained(model, dtype=torch.float32)
             path = export_onnx(layer, out, fused=fused, opset=opset)
         what = "the whole model" if whole else "the embedding layer"
-        how = "com.microsoft EmbedLayerNormalization" if fused else "plain operators"
+        how = ("ONNX Runtime's fused operators" if optimize else "com.microsoft EmbedLayerNormalization" if fused
+               else "plain operators") + (", int8 weights" if quantize else "")
         console.print(f"wrote {path}: {what}, {how}, opset {opset}")
