@@ -196,7 +196,19 @@ def cross_entropy(mesh) -> dict:
         loss = vocab_parallel_cross_entropy(logits, labels(), label_smoothing=smoothing)
         loss.backward()
         found[smoothing] = (loss.detach(), logits.grad.full_tensor())
+    logits = distribute_tensor(few_logits(), mesh, [Shard(1)]).requires_grad_()  # (3 ranks: 2, 2 and no columns)
+    loss = vocab_parallel_cross_entropy(logits, few_labels(), label_smoothing=SMOOTHING)
+    loss.backward()
+    found["4 classes"] = (loss.detach(), logits.grad.full_tensor())
     return found
+
+
+def few_logits() -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def few_labels() -> torch.Tensor:
+    return torch.tensor([3, 0, -100, 2, 1, 3])
 
 
 def ce_logits() -> torch.Tensor:
@@ -391,6 +403,14 @@ def test_vocab_parallel_cross_entropy_equals_torchs(ranks):
             got, gradient = seen["cross-entropy"][smoothing]
             torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
             torch.testing.assert_close(gradient, logits.grad, rtol=1e-10, atol=1e-15)
+    # 4 classes: torch's split leaves the third rank without columns
+    logits = few_logits().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, few_labels(), label_smoothing=SMOOTHING)
+    loss.backward()
+    for seen in ranks:
+        got, gradient = seen["cross-entropy"]["4 classes"]
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(gradient, logits.grad, rtol=1e-10, atol=1e-15)
 
 
 def test_cross_entropy_refuses_logits_not_sharded_by_columns():

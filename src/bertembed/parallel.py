@@ -6,6 +6,7 @@ parallel) and a masked-LM head tied to one, `vocab_parallel_cross_entropy` is th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from types import MethodType
 from typing import Any
@@ -188,8 +189,8 @@ def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignor
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     local = logits.to_local()
-    return _VocabParallelCrossEntropy.apply(local.reshape(-1, local.shape[-1]), labels, logits.device_mesh, vocab,
-                                            ignore_index, label_smoothing)
+    local = local.reshape(labels.numel(), local.shape[-1])  # (a shard may have no columns)
+    return _VocabParallelCrossEntropy.apply(local, labels, logits.device_mesh, vocab, ignore_index, label_smoothing)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -201,11 +202,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, mesh, vocab, ignore_index, smoothing):
         group, z = mesh.get_group(), logits.to(torch.promote_types(logits.dtype, torch.float32))
         first, stop = _first_row(mesh, vocab)
-        top = z.amax(-1)
+        columns = z.shape[-1]  # (0 on a rank torch's split leaves without rows: it adds nothing to the sums)
+        top = z.amax(-1) if columns else z.new_full(labels.shape, -math.inf)
         torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
         mine = (labels >= first) & (labels < stop)
         column = torch.where(mine, labels - first, 0).unsqueeze(-1)
-        sums = torch.stack([(z - top.unsqueeze(-1)).exp().sum(-1), z.gather(-1, column).squeeze(-1) * mine, z.sum(-1)])
+        sums = torch.stack([(z - top.unsqueeze(-1)).exp().sum(-1), z.gather(-1, column).squeeze(-1) * mine,
+                            z.sum(-1)]) if columns else z.new_zeros((3, *labels.shape))
         torch.distributed.all_reduce(sums, group=group)  # (one all-reduce of three numbers a token)
         lse = top + sums[0].log()
         kept = labels != ignore_index
@@ -220,7 +223,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits, lse, column, labelled, kept, count = ctx.saved_tensors
         scale = grad * kept / count
         z = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp() - ctx.smoothing / ctx.vocab
-        z.scatter_add_(-1, column, labelled.to(z.dtype).unsqueeze(-1) * (ctx.smoothing - 1))
+        if z.shape[-1]:
+            z.scatter_add_(-1, column, labelled.to(z.dtype).unsqueeze(-1) * (ctx.smoothing - 1))
         return (z * scale.unsqueeze(-1)).to(logits.dtype), None, None, None, None, None
 
 

@@ -191,14 +191,17 @@ def axes(ax=None, size=(7.5, 3.6), panels=1, tokens=None, segments=()):
     return fig, ax
 
 
+# the report's layout for every interactive figure (a template by name: a Layout object would be validated again)
+PLOTLY_LAYOUT = {"height": 420, "template": "plotly_white", "margin": {"t": 50, "b": 40},
+                 "legend": {"orientation": "h", "x": 1, "xanchor": "right", "y": 1, "yanchor": "bottom"}}
+
+
 def plotly_fig(traces: list[dict], title: str, xtitle: str, ytitle: str, tokens=None, segments=(), **layout):
     """A figure's interactive twin: plotly `traces` (dicts, as plotly's JSON has them) under the report's layout;
     `tokens` and `segments` as for `axes`, `layout` adds to or overrides it."""
     import plotly.graph_objects as go
 
-    fig = go.Figure(traces, layout={"title": title, "xaxis_title": xtitle, "yaxis_title": ytitle, "height": 420,
-                                    "template": "plotly_white", "margin": {"t": 50, "b": 40}, "legend": {
-                                        "orientation": "h", "x": 1, "xanchor": "right", "y": 1, "yanchor": "bottom"}})
+    fig = go.Figure(traces, layout={"title": title, "xaxis_title": xtitle, "yaxis_title": ytitle, **PLOTLY_LAYOUT})
     if tokens is not None:
         fig.update_xaxes(tickvals=list(range(len(tokens))), ticktext=list(tokens), tickangle=-60)
     return fig.update_layout(shapes=[*layout.pop("shapes", []), *shade_segment_b(segments)], **layout)

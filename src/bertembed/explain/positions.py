@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
+from bertembed.explain._common import PART_COLOURS, PLOTLY_LAYOUT, Figure, ModelArg, Result, axes, load_layer, row_norms
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.sources import Source
 
@@ -351,7 +351,7 @@ def _plotly(title: str, xtitle: str, ytitle: str, panels: int = 1, titles: tuple
     from plotly.subplots import make_subplots
 
     fig = make_subplots(1, panels, subplot_titles=titles, specs=[[{"secondary_y": secondary_y}] * panels])
-    return fig.update_layout(plotly_fig([], title, xtitle, ytitle).layout)
+    return fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, **PLOTLY_LAYOUT)
 
 
 def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
