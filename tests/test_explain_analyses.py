@@ -4,6 +4,7 @@ a tiny random one."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -705,3 +706,20 @@ def test_only_claims_true_of_every_bert_checkpoint_are_tagged_structural(tiny, t
         if a.tag == STRUCTURAL:
             assert a.answer and a.answer == b.answer
     assert drift(tiny, tiny_b[0]).tag == MEASURED and NotMeasured("Segments", "no table").tag == ""
+
+
+def test_the_guides_distance_share_is_a_least_squares_toeplitz_fit(bundled):
+    """scripts/make_guide.py's share of the off-diagonal similarity explained by distance alone, against lstsq on
+    one indicator column per diagonal; a matrix of distance alone gives 1."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_guide", Path(__file__).parents[1] / "scripts/make_guide.py")
+    guide = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guide)
+    sim = analyze_positions(bundled).similarity[:64, :64]
+    i, j = np.triu_indices(64, k=1)
+    design = np.eye(64)[j - i][:, 1:]  # (offsets 1..63)
+    fit = design @ np.linalg.lstsq(design, sim[i, j], rcond=None)[0]
+    share = 1 - ((sim[i, j] - fit) ** 2).sum() / ((sim[i, j] - sim[i, j].mean()) ** 2).sum()
+    assert guide.distance_share(sim) == pytest.approx(share) and 0.2 < share < 0.95
+    assert guide.distance_share(np.cos(np.subtract.outer(np.arange(64), np.arange(64)) / 5.0)) == pytest.approx(1)
