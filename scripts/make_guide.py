@@ -28,7 +28,7 @@ from bertembed.explain import (
     finetune_demo,
 )
 from bertembed.explain._common import load_layer, to_jsonable
-from bertembed.explain.positions import SEAM_TEXT, SEAM_WINDOW, components
+from bertembed.explain.positions import NEAR, OUTLIER, SEAM_TEXT, SEAM_WINDOW, components, turning
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
 
@@ -110,9 +110,14 @@ def family_numbers() -> dict:
                 "pos_pad_norm": float(pos[c.pad_token_id].norm()) if c.positions_from_padding else float("nan"),
                 "word_median": float(word.norm(dim=1).median()), "pos_median": float(used.norm(dim=1).median()),
                 "pos_neighbour": float(torch.nn.functional.cosine_similarity(used[:-1], used[1:]).mean()),
+                "pos_first_norm": float(used[0].norm()), "pos_last_norm": float(used[-1].norm()),
                 "positions": str(positions[0].tolist()), "diff": diff}.items()}
             report = analyze_positions(source)
-            out |= {f"fam_{name}_pos_cycles": ", ".join(str(c["cycles"]) for c in report.components),
+            kept = [c for c in report.components if c["near"] >= NEAR and c["row_share"] < OUTLIER]
+            cycles = ", ".join(str(c["cycles"]) for c in kept) or "none"
+            if len(kept) < len(report.components):  # (the others have no dominant frequency)
+                cycles += f" (components {', '.join(str(c['component']) for c in kept)})"
+            out |= {f"fam_{name}_pos_cycles": cycles,
                     f"fam_{name}_seams": ", ".join(str(s["at"]) for s in report.seams) or "none"}
             if report.seams:
                 out |= {f"fam_{name}_seam_cos_{k}": report.seams[0][f"cosine_{k}"] for k in ("before", "after")}
@@ -165,16 +170,30 @@ def measure() -> tuple[dict, list]:
     for prefix, leading in (("pos", positions.components), ("pos_sin", components(sinusoidal_table_np(
             cfg.max_position_embeddings, cfg.hidden_size))[2])):
         numbers |= {f"{prefix}_pc{c['component']}_{k}": c[k] for c in leading for k in ("share", "cycles", "period",
-                                                                                          "near")}
-    numbers["pos_pc_turn"] = 360 / positions.components[0]["period"]
-    numbers["pos_pc_chord"] = 2 * np.sin(np.radians(numbers["pos_pc_turn"]) / 2)  # (a chord, in radii)
+                                                                                          "near", "width")}
+    sinus = components(sinusoidal_table_np(cfg.max_position_embeddings, cfg.hidden_size))[1]
+    for prefix, coords in (("pos", positions.pca_coords), ("pos_sin", sinus)):
+        numbers |= {f"{prefix}_pc_{k}": v for k, v in turning(coords).items()}  # (measured on components 1 and 2)
+    numbers["pos_pc_frequency_turn"] = 360 / positions.components[0]["period"]
+    numbers["pos_distance_share"] = distance_share(positions.similarity)
     radius, seam = np.hypot(*positions.pca_coords[:, :2].T), positions.seams[0]["at"] - positions.first
     numbers["pos_radius_before"], numbers["pos_radius_after"] = np.median(radius[1:seam]), np.median(radius[seam + 1:])
     numbers["pos_verdict"] = positions.verdict
+    numbers |= {f"oh_{k}_us_range": "-".join(f"{t:.3g}" for t in onehot.summary()[f"{k}_us_range"])
+                for k in ("lookup", "onehot")}
     numbers["pos_argmax_norm"] = int(np.argmax(positions.norms))
     numbers["tok_special"] = ", ".join(f"{s['token']} {s['norm']:.3f}" for s in tokens.special)
     numbers["drift_top_words"] = ", ".join(r["label"] for r in dr.tables[0].top[:5])
     return numbers, [dec, positions, segments, tokens, onehot, ft, dr]
+
+
+def distance_share(similarity: np.ndarray) -> float:
+    """The share of the variance of a [P, P] similarity's off-diagonal entries explained by the distance between the
+    two positions alone: the least-squares Toeplitz fit, each diagonal's mean."""
+    upper = np.triu_indices(len(similarity), k=1)
+    offset, values = upper[1] - upper[0], similarity[upper]
+    fit = (np.bincount(offset, values) / np.maximum(np.bincount(offset), 1))[offset]
+    return float(1 - ((values - fit) ** 2).sum() / ((values - values.mean()) ** 2).sum())
 
 
 class Numbers(dict):

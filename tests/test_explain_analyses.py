@@ -4,6 +4,7 @@ a tiny random one."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,7 +113,7 @@ def test_positions_bundled_against_torch(bundled):
     assert report.pca_share_10 > 0.5 and report.pca_coords.shape == (512, 4)
     # one seam, near 128, found from the table: a neighbour-cosine dip and a norm step far beyond the rest
     (seam,) = report.seams
-    assert 126 <= seam["at"] <= 129 and "hypothesis" in report.verdict and "128 tokens" in report.verdict
+    assert 126 <= seam["at"] <= 129 and "hypothesis" in report.verdict and "BERT pre-trained 90%" in report.verdict
     at = seam["at"]
     assert seam["neighbour_cosine"] == pytest.approx(float(F.cosine_similarity(table[at - 1], table[at], dim=0)))
     neighbours = F.cosine_similarity(table[:-1], table[1:])
@@ -147,9 +148,14 @@ def test_the_leading_components_are_a_sin_cos_pair_and_a_slow_cycle(bundled):
     z = torch.complex(coords[:, 0], coords[:, 1])
     turn = float(torch.angle(z[1:] * z[:-1].conj()).rad2deg().abs().median())  # degrees per position, measured
     assert turn == pytest.approx(360 * cycles[0] / 512, abs=3)
+    radius = z.abs()  # (the rows past the seam lie further out: no circle)
+    assert float((radius.quantile(0.9) - radius.quantile(0.1)) / radius.median()) > 0.3
     said = f"sin/cos pair at {cycles[0]} cycles over the table, a period of {512 / cycles[0]:.3g} positions"
     pca = next(f.caption for f in report.figures() if f.name == "position_pca")
-    assert said in report.verdict and said in pca and f"turns {360 * cycles[0] / 512:.2g}°" in pca
+    assert said in report.verdict and said in pca and f"turns a median {turn:.2g}° from the last" in pca
+    assert f"at a radius of {float(radius.min()):.3g} to {float(radius.max()):.3g}" in pca
+    assert "round a circle" not in pca
+    assert f"within ±{cycles[0] // 10} cycles of it" in pca and "within 10%" not in pca
     assert "component 3 (10%) peaks at 1 cycle over the table" in pca
     assert "a few sinusoids in a rotated basis" in report.verdict and "one curve" not in pca + report.verdict
     summary = report.summary()
@@ -188,8 +194,27 @@ def test_captions_and_verdict_follow_the_measurement(which, tmp_path):
         assert (power.argmax(0) + 1).tolist() == [1, 1] and float((power[0] / power.sum(0)).min()) > 0.8
         assert report.verdict.startswith("Yes") and "the sinusoids' own structure" in similarity
         assert "components 1 and 2" in pca and "sin/cos pair at 1 cycle over the table" in pca
+        # what the positions do on the pair, measured: 0.56° a step, 255° in all, at a radius that varies by half
+        z = np.array(u[:, 0] * s[0] + 1j * u[:, 1] * s[1])
+        angle, radius = np.degrees(np.angle(z[1:] * np.conj(z[:-1]))), np.abs(z)
+        turn = float(np.median(np.abs(angle)))
+        assert abs(turn - 360 / 512) > 0.1 and np.ptp(radius) / np.median(radius) > 0.4 and abs(angle.sum()) < 360
+        assert f"turns a median {turn:.2g}° from the last ({abs(angle.sum()):.0f}° in all" in pca
+        assert f"at a radius of {radius.min():.3g} to {radius.max():.3g}" in pca and "round a circle" not in pca
     if which == "bundled":
         assert "alike near the diagonal as the sinusoids are, in a pattern of its own" in similarity
+
+
+def test_a_circle_is_said_only_of_a_steady_radius_turning_at_the_frequency(tmp_path):
+    """A table whose two largest directions are an exact sin/cos pair at 10 cycles over 128 positions: the positions
+    turn 28.125° a step on a circle of one radius, neighbours 2 sin(14.0625°) radii apart."""
+    t = np.arange(128) * 2 * np.pi * 10 / 128
+    rng = np.random.default_rng(0)
+    table = np.column_stack([3 * np.sin(t), 3 * np.cos(t), *(np.sin(t * k / 10 + rng.uniform(0, 6)) for k in
+                                                             (1, 2, 3, 5, 20, 30))])
+    report = analyze_positions(_table_folder(tmp_path, torch.from_numpy(table)))
+    pca = next(f.caption for f in report.figures() if f.name == "position_pca")
+    assert f"turns {28.125:.2g}° round a circle from the last, neighbours {2 * np.sin(np.radians(14.0625)):.2f}" in pca
 
 
 def test_a_seam_is_a_dip_that_stands_out_with_a_level_change():
@@ -681,3 +706,20 @@ def test_only_claims_true_of_every_bert_checkpoint_are_tagged_structural(tiny, t
         if a.tag == STRUCTURAL:
             assert a.answer and a.answer == b.answer
     assert drift(tiny, tiny_b[0]).tag == MEASURED and NotMeasured("Segments", "no table").tag == ""
+
+
+def test_the_guides_distance_share_is_a_least_squares_toeplitz_fit(bundled):
+    """scripts/make_guide.py's share of the off-diagonal similarity explained by distance alone, against lstsq on
+    one indicator column per diagonal; a matrix of distance alone gives 1."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_guide", Path(__file__).parents[1] / "scripts/make_guide.py")
+    guide = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guide)
+    sim = analyze_positions(bundled).similarity[:64, :64]
+    i, j = np.triu_indices(64, k=1)
+    design = np.eye(64)[j - i][:, 1:]  # (offsets 1..63)
+    fit = design @ np.linalg.lstsq(design, sim[i, j], rcond=None)[0]
+    share = 1 - ((sim[i, j] - fit) ** 2).sum() / ((sim[i, j] - sim[i, j].mean()) ** 2).sum()
+    assert guide.distance_share(sim) == pytest.approx(share) and 0.2 < share < 0.95
+    assert guide.distance_share(np.cos(np.subtract.outer(np.arange(64), np.arange(64)) / 5.0)) == pytest.approx(1)

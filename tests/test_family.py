@@ -342,6 +342,15 @@ def test_a_real_mpnet_table_has_one_seam_and_its_hypothesis_names_mpnet(real_mpn
         assert report.components[i]["cycles"] == f and report.components[i]["near"] == pytest.approx(near)
         assert near < 0.1  # (the end rows, not a wave)
     assert "a few sinusoids" not in report.verdict and "pair" not in report.verdict
+    # ... but the end rows: each holds most of one component's variance, which has no dominant frequency
+    for i, (row, position) in enumerate(((0, 2), (-1, 513))):
+        held = float(u[row, i] ** 2 / (u[:, i] ** 2).sum())
+        assert held > 0.9 and report.components[i]["near"] < 0.1
+        said = f"component {i + 1} ({float(s[i] ** 2 / (s ** 2).sum()):.0%}) is the outlier row at position {position}"
+        assert f"{said} ({held:.0%} of its variance)" in report.verdict
+    assert "peaks at 1 cycle" not in report.verdict and "within 10%" not in report.verdict
+    # a seam near 128 tokens: the fine-tune hypothesis, not BERT's pre-training (this is MPNet)
+    assert "a fine-tune cut at 128 would leave it too" in report.verdict and "BERT pre-trained" not in report.verdict
 
 def _trainable(name: str, head: str = "AutoModel"):
     from conftest import member_or_skip

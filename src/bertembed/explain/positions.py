@@ -15,6 +15,8 @@ SEAM_SCORE = 6.0  # robust z-scores (median and MAD over all boundaries) the dip
 SEAM_WINDOW = 8  # rows on each side whose medians make a level
 COMPONENTS = 4  # the leading principal components measured and drawn
 WAVE = 0.5  # a component is called a wave when this share of its variance lies near its strongest frequency
+NEAR, OUTLIER = 0.1, 0.5  # no dominant frequency: under NEAR of a component's variance near it, or a row with OUTLIER
+CIRCLE = 0.25  # a pair's positions lie on a circle when their radius spreads less (see `turning`)
 LABELLED = 24  # positions named on the principal-component plot
 SEAM_TEXT = (" A seam at position {at}: the cosine between neighbours dips to {neighbour_cosine:.2f} "
              "({cosine_before:.2f} before, {cosine_after:.2f} after), and the norms' level (median of {w} rows each "
@@ -92,18 +94,31 @@ def _robust_z(x: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray:
 def components(matrix: np.ndarray, count: int = COMPONENTS) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """The principal components of [P, H] (each column centred over positions): the share of the variance on each
     (descending), the positions' coordinates [P, count] on the first `count`, and for each of those its strongest
-    frequency ("cycles" over the P positions, >= 1), "period" (positions) and "near": the share of its variance within
-    10% of that frequency (at least 1 either side)."""
+    frequency ("cycles" over the P positions, >= 1), "period" (positions), "near": the share of its variance within
+    +-"width" cycles of it (max(1, 10%)), and the "row" holding most of its variance and that "row_share"."""
     centred = matrix - matrix.mean(0)
     values, vectors = np.linalg.eigh(centred.T @ centred)  # (ascending; cheaper than an SVD of [P, H])
     shares = np.clip(values[::-1], 0, None) / max(values.sum(), 1e-300)
     coords = centred @ vectors[:, ::-1][:, :count]
     power = _power(coords)[1:]  # [P//2, count]: frequencies 1, 2, ...
     power /= np.maximum(power.sum(0), 1e-300)
-    peaks = [int(f) for f in 1 + np.argmax(power, axis=0)]
+    rows = coords ** 2 / np.maximum((coords ** 2).sum(0), 1e-300)
+    peaks = [(int(f), max(1, int(f) // 10)) for f in 1 + np.argmax(power, axis=0)]
     return shares, coords, [{"component": i + 1, "share": float(shares[i]), "cycles": f, "period": len(matrix) / f,
-                             "near": float(power[max(0, f - 1 - max(1, f // 10)):f + max(1, f // 10), i].sum())}
-                            for i, f in enumerate(peaks)]
+                             "width": w, "near": float(power[max(0, f - 1 - w):f + w, i].sum()),
+                             "row": int(np.argmax(rows[:, i])), "row_share": float(rows[:, i].max())}
+                            for i, (f, w) in enumerate(peaks)]
+
+
+def turning(coords: np.ndarray) -> dict:
+    """Positions on two components as z = pc1 + i pc2: the median "turn" |angle(z[t+1] / z[t])| (degrees), the angle
+    swept in "total", the radius |z| and its "spread" (90th - 10th percentile) / median, the median |dz| / |z|."""
+    z = coords[:, 0] + 1j * coords[:, 1]
+    angle, radius = np.degrees(np.angle(z[1:] * np.conj(z[:-1]))), np.abs(z)
+    p10, median, p90 = np.percentile(radius, [10, 50, 90])
+    return {"turn": float(np.median(np.abs(angle))), "total": float(angle.sum()), "radius_min": float(radius.min()),
+            "radius_median": float(median), "radius_max": float(radius.max()), "spread": float((p90 - p10) / median),
+            "chord": float(np.median(np.abs(np.diff(z)) / np.maximum(radius[:-1], 1e-300)))}
 
 
 @dataclass
@@ -132,10 +147,10 @@ class PositionReport(Result):
     sinusoid_peaks: np.ndarray = field(default=None, repr=False)  # [H] the same for the sinusoidal table
     seams: list[dict] = field(default_factory=list)  # from `find_seams`
     first: int = 0  # the first position a token uses (RoBERTa-style tables reserve the rows before it)
+    member: str = "bert"  # the checkpoint's model_type
 
     @property
     def adjacent_cosine(self) -> float:
-        """The mean cosine of neighbouring positions."""
         return float(np.diag(self.similarity, 1).mean())
 
     @property
@@ -150,18 +165,25 @@ class PositionReport(Result):
         return np.arange(self.first, self.first + len(self.norms))
 
     def describe_components(self) -> str:
-        """The leading components in words: each one's strongest frequency and its variance near it; a pair at one
-        frequency, both waves (`WAVE`), as a circle."""
+        """The leading components in words (an outlier row, `_cycles` or none); a pair at one frequency, both waves
+        (`WAVE`), as what positions do on them (`turning`): a circle only if the radius is steady, the turn as said."""
         c = self.components
         pair = len(c) > 1 and c[0]["cycles"] == c[1]["cycles"] and min(c[0]["near"], c[1]["near"]) >= WAVE
-        said = [f"component {x['component']} ({x['share']:.0%}) peaks at {_cycles(x)} ({x['near']:.0%} of its "
-                f"variance within 10% of that frequency)" for x in c[2 * pair:]]
+        said = [f"component {x['component']} ({x['share']:.0%}) " + (
+            f"is the outlier row at position {x['row'] + self.first} ({x['row_share']:.0%} of its variance)"
+            if x["row_share"] >= OUTLIER else "has no dominant frequency" if x["near"] < NEAR else
+            f"peaks at {_cycles(x)} ({x['near']:.0%} of its variance within {_within(x)} of that frequency)")
+            for x in c[2 * pair:]]
         if pair:
-            turn = 360 / c[0]["period"]
+            t, turn = turning(self.pca_coords), 360 / c[0]["period"]
+            moves = (f"turns {t['turn']:.2g}° round a circle from the last, neighbours {t['chord']:.2f} radii apart"
+                     if t["spread"] < CIRCLE and abs(t["turn"] - turn) <= 0.1 * turn else
+                     f"turns a median {t['turn']:.2g}° from the last ({abs(t['total']):.0f}° in all; the frequency "
+                     f"gives {turn:.2g}°), at a radius of {t['radius_min']:.3g} to {t['radius_max']:.3g} (median "
+                     f"{t['radius_median']:.3g}): no circle")
             said.insert(0, f"components 1 and 2 ({c[0]['share']:.0%} and {c[1]['share']:.0%} of the variance) are a "
                            f"sin/cos pair at {_cycles(c[0])} ({c[0]['near']:.0%} and {c[1]['near']:.0%} of their "
-                           f"variance within 10% of it): on them each position turns {turn:.2g}° round a circle from "
-                           f"the last, neighbours {2 * np.sin(np.radians(turn) / 2):.2f} radii apart")
+                           f"variance within {_within(c[0])} of it): on them each position {moves}")
         return "Of its principal components, " + "; ".join(said) + "."
 
     @property
@@ -192,10 +214,10 @@ class PositionReport(Result):
     def describe_seam(self, seam: dict) -> str:
         """One seam from `find_seams` in words, with what may have left it (a hypothesis, naming this checkpoint)."""
         tokens = seam["at"] - self.first  # (the tokens before it)
-        bert = "; BERT pre-trained 90% of its steps on 128 tokens, and a fine-tune cut at 128 would leave it too"
+        bert = "BERT pre-trained 90% of its steps on 128 tokens, and " * (self.member == "bert")
+        cut = f"; {bert}a fine-tune cut at 128 would leave it too" * (abs(tokens - 128) <= 2)
         return (SEAM_TEXT.format(**seam, w=SEAM_WINDOW) + f"A hypothesis: training on sequences of about {tokens} "
-                f"tokens leaves the rows past them trained less{bert if abs(tokens - 128) <= 2 else ''}; "
-                f"{self.model}'s training recipe would tell.")
+                f"tokens leaves the rows past them trained less{cut}; {self.model}'s training recipe would tell.")
 
     def summary(self) -> dict:
         return {"model": self.model, "positions": len(self.norms), "first_position": self.first,
@@ -244,7 +266,6 @@ class PositionReport(Result):
         return np.arange(0, len(self.norms), max(1, round(self.components[0]["period"] / 6)))[:LABELLED]
 
     def plot_similarity(self):
-        """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
         fig, panels = axes(size=(10, 4.6), panels=2)
         for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity), TABLES, strict=True):
             image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
@@ -261,7 +282,6 @@ class PositionReport(Result):
         return fig.update_yaxes(autorange="reversed")
 
     def plot_norms(self, ax=None):
-        """Norm of each position vector and the cosine with the next position; a line at each seam found."""
         fig, ax = axes(ax)
         ax.plot(self.positions, self.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
         ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
@@ -287,7 +307,6 @@ class PositionReport(Result):
         return fig.update_layout(yaxis2_title="cosine with next")
 
     def plot_spectrum(self, ax=None):
-        """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
         fig, ax = axes(ax)
         freqs = np.arange(len(self.spectrum))
         ax.semilogy(freqs[1:], self.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
@@ -341,8 +360,15 @@ class PositionReport(Result):
 
 
 def _cycles(c: dict) -> str:
-    """A component's strongest frequency in words ("88 cycles over the table, a period of 5.82 positions")."""
+    """A component's strongest frequency in words ("88 cycles over the table, a period of 5.82 positions"), where it
+    has one: `NEAR` of its variance near it, and no one row holding `OUTLIER` of it."""
+    if c["near"] < NEAR or c["row_share"] >= OUTLIER:
+        return "no dominant frequency"
     return f"{c['cycles']} cycle{'s' * (c['cycles'] != 1)} over the table, a period of {c['period']:.3g} positions"
+
+
+def _within(c: dict) -> str:
+    return f"±{c['width']} cycle{'s' * (c['width'] != 1)}"
 
 
 def _plotly(title: str, xtitle: str, ytitle: str, panels: int = 1, titles: tuple = (), secondary_y: bool = False):
@@ -376,4 +402,5 @@ def analyze_positions(model: ModelArg = None, *, k: int = 16) -> PositionReport:
         lowfreq_share=float(spec[1:k + 1].sum()), lowfreq_share_sinusoid=float(sin_spec[1:k + 1].sum()),
         lowfreq_share_noise=min(1.0, 2 * k / (count - 1)), spectrum=spec, sinusoid_spectrum=sin_spec,
         peaks=peak_frequencies(learned), sinusoid_peaks=peak_frequencies(sinus),
-        seams=find_seams(learned, layer.config.first_position), first=layer.config.first_position)
+        seams=find_seams(learned, layer.config.first_position), first=layer.config.first_position,
+        member=layer.config.model_type)
