@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from bertembed.family import MEMBERS, module_names
@@ -87,22 +87,33 @@ def _first_row(mesh: DeviceMesh, rows: int) -> tuple[int, int]:
 
 
 def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """The sharded table's forward: rows [B, L, E] of ids [B, L], the same on every rank. Each rank reads the ids in
-    its rows from its local shard (zeros elsewhere) and an all-reduce sums them; the backward of the local lookup
-    writes the rank's rows alone, a DTensor gradient of the table's placement (no [V, E] tensor on any rank)."""
-    weight = table.weight
-    if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
-        ids = ids.to_local()
-    first, stop = _first_row(weight.device_mesh, weight.shape[0])
-    inside = (ids >= first) & (ids < stop)
-    pad = table.padding_idx
-    pad = pad - first if pad is not None and first <= pad < stop else None
-    local = weight.to_local()
-    if local.shape[0] == 0:  # (a rank that torch's split leaves without rows)
-        local = nn.functional.pad(local, (0, 0, 0, 1))
-    rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad)
-    rows = rows.masked_fill_(~inside.unsqueeze(-1), 0)  # (in place: one [B, L, E] less at the peak)
-    return DTensor.from_local(rows, weight.device_mesh, [Partial()]).full_tensor()
+    """The sharded table's forward: rows [B, L, E] of ids [B, L], the same on every rank (`_SummedRows`)."""
+    ids = ids.to_local() if isinstance(ids, DTensor) else ids  # (a DTensor's values are the same on every rank)
+    return _SummedRows.apply(table.weight.to_local(), ids, table)
+
+
+class _SummedRows(torch.autograd.Function):
+    """Each rank reads the ids in its rows from its local shard [V / world, E] (zeros elsewhere) into one [B, L, E]
+    tensor, which an all-reduce sums in place: a DTensor `Partial` made `Replicate` without DTensor's copies of the
+    rows (each copy left a hole in the heap: about 10 MiB more at a step's peak). Backward: the upstream gradient of
+    the rank's ids (not the padding row's) `index_add_` into zeros of the shard's shape, the gradient of the rank's
+    rows alone (no [V, E] tensor); the shard is the one input that can require a gradient."""
+
+    @staticmethod
+    def forward(ctx, local, ids, table):
+        first, stop = _first_row(table.weight.device_mesh, table.weight.shape[0])
+        inside = (ids >= first) & (ids < stop)
+        read = local if local.shape[0] else local.new_zeros((1, local.shape[1]))  # (a rank left without rows)
+        rows = nn.functional.embedding(torch.where(inside, ids - first, 0), read).masked_fill_(~inside[..., None], 0)
+        torch.distributed.all_reduce(rows, group=table.weight.device_mesh.get_group())
+        ctx.save_for_backward(local, ids, inside if table.padding_idx is None else inside & (ids != table.padding_idx))
+        ctx.first = first
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, ids, written = ctx.saved_tensors
+        return torch.zeros_like(local).index_add_(0, ids[written] - ctx.first, grad[written]), None, None
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
