@@ -1,7 +1,6 @@
 """Scaling out on PyTorch's own engines (docs/distributed.md): `shard_vocab` shards the word tables by rows (tensor
 parallel) and a masked-LM head tied to one, `vocab_parallel_cross_entropy` is the loss on the head's sharded logits,
-`rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
-"""
+`rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     not, or an `nn.Embedding`) by rows over the 1-D `device_mesh`, in place; returns `module`. Every rank passes the
     same ids [B, L] and gets the same rows [B, L, E]. Pass the whole model, not its base, so that a head tied to a
     table is seen: an nn.Linear head (a masked-LM decoder) keeps the table's sharded weight, its bias is sharded too,
-    and it gives logits [B, L, V] as a DTensor sharded by columns, for `vocab_parallel_cross_entropy`.
-    """
+    and it gives logits [B, L, V] as a DTensor sharded by columns, for `vocab_parallel_cross_entropy`."""
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
                          f"); pass the tensor-parallel dimension, mesh['tp'] say")
@@ -58,8 +56,7 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
             bias = head.bias
             parallelize_module(head, device_mesh, ColwiseParallel(use_local_output=False))
             head.weight = table.weight  # (ColwiseParallel made a parameter of its own)
-            if bias is not None:
-                _retie(module, bias, head.bias)  # (transformers ties the decoder's bias to predictions.bias)
+            _retie(module, bias, head.bias)  # (transformers ties the decoder's bias to predictions.bias; None: none)
         table.forward = MethodType(_lookup, table)
         table.register_forward_pre_hook(_before_lookup, prepend=True)
         if "." in name or name in WORD_NAMES:  # (the layer that holds the table, which checks ids before its lookup)
@@ -106,14 +103,14 @@ class _SummedRows(torch.autograd.Function):
         read = local if local.shape[0] else local.new_zeros((1, local.shape[1]))  # (a rank left without rows)
         rows = nn.functional.embedding(torch.where(inside, ids - first, 0), read).masked_fill_(~inside[..., None], 0)
         torch.distributed.all_reduce(rows, group=table.weight.device_mesh.get_group())
-        ctx.save_for_backward(local, ids, inside if table.padding_idx is None else inside & (ids != table.padding_idx))
-        ctx.first = first
+        written = inside if table.padding_idx is None else inside & (ids != table.padding_idx)
+        ctx.save_for_backward(local, ids - first, written)
         return rows
 
     @staticmethod
     def backward(ctx, grad):
-        local, ids, written = ctx.saved_tensors
-        return torch.zeros_like(local).index_add_(0, ids[written] - ctx.first, grad[written]), None, None
+        local, rows, written = ctx.saved_tensors  # (rows: the ids' rows in the shard)
+        return torch.zeros_like(local).index_add_(0, rows[written], grad[written]), None, None
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
@@ -140,9 +137,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
     """Forward pre-hook: a ValueError on every rank where any rank has an id outside all V rows (a rank left alone
     would wait in the lookup's all-reduce)."""
-    ids = args[0]
-    if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
-        ids = ids.to_local()
+    ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]  # (the same values on every rank)
     try:
         check_id_ranges(ids, None, None, (table.num_embeddings, None, None))
     except ValueError:
