@@ -6,7 +6,8 @@ One spawn per world size runs every case on every rank and saves what each rank 
 single-process model, built from the same seed:
 - tensor parallel (`shard_vocab`) on bertembed's layer (reference and fused CPU backends), on a patched transformers
   model and on a plain one: outputs and whole gradients, and no allocation the size of a whole [V, H] table in the step
-  (torch's profiler: each rank writes its own rows' gradient);
+  (torch's profiler: each rank writes its own rows' gradient); a sharded nn.Embedding's lookup makes one [B, L, H]
+  tensor, its output, and its backward none;
 - a masked-LM model whose head is tied to the word table, sharded: the head's logits rest sharded by columns, the
   vocab-parallel cross-entropy gives one process's loss and gradients (the tied table's: the sum of both uses), and no
   allocation holds the whole logits; the cross-entropy alone against torch's (ignore_index, label smoothing);
@@ -135,6 +136,7 @@ def worker(rank: int, world: int, port: int, folder: str, earlier: str | None) -
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,))
         seen = {case: tensor_parallel(case, mesh) for case in TP_CASES}
+        seen["lookup"] = lookup(mesh)
         seen |= {"bad id": bad_ids(mesh), "ddp": ddp(rank, world), "fsdp2": fsdp2(rank, world),
                  "masked lm": tied_head(mesh), "cross-entropy": cross_entropy(mesh),
                  "dcp": dcp_round_trip(mesh, folder, earlier), "loading": rank_local(mesh, folder)}
@@ -161,6 +163,23 @@ def tensor_parallel(case: str, mesh) -> dict:
     return {"out": out, "grads": grads(net), "fell back": sorted(bertembed.fast._told),
             "rows": word.weight.to_local().shape[0], "grad rows": word.weight.grad.to_local().shape[0],
             "allocations": allocations(prof)}
+
+
+def lookup(mesh) -> dict:
+    """A sharded nn.Embedding (padding row 0) alone: its rows and gradient, and the sizes of what its forward and its
+    backward allocated."""
+    from bertembed.parallel import shard_vocab
+
+    torch.manual_seed(0)
+    table = shard_vocab(torch.nn.Embedding(VOCAB, HIDDEN, padding_idx=0), mesh)
+    ids, _, upstream = batch()
+    with profiled() as forward:
+        rows = table(ids)
+    with profiled() as backward:
+        rows.backward(upstream)
+    # (an op's own allocations, not its callees': each allocation counted once)
+    sizes = ([e.self_cpu_memory_usage for e in p.events() if e.self_cpu_memory_usage > 0] for p in (forward, backward))
+    return {"rows": rows.detach(), "grad": table.weight.grad.full_tensor(), "allocated": tuple(sizes)}
 
 
 def tied_head(mesh) -> dict:
@@ -355,6 +374,24 @@ def assert_grads_close(got: dict, expected: dict) -> None:
     for name, grad in expected.items():
         scale = grad.abs().max().item() if "embeddings" in name or "LayerNorm" in name else largest
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_sharded_lookup_makes_one_tensor_of_rows(ranks):
+    """Each rank's rows are summed by an all-reduce in place: the lookup's forward makes one [B, L, H] tensor (its
+    output), its backward none (the gradient of the rank's ids is gathered, a part of [B, L, H]); the rows and the
+    gradient equal one process's nn.Embedding's bit for bit (its backward adds the same rows in the same order)."""
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(VOCAB, HIDDEN, padding_idx=0)
+    ids, _, upstream = batch()
+    rows = table(ids)
+    rows.backward(upstream)
+    size = rows.nbytes
+    for seen in ranks:
+        got = seen["lookup"]
+        torch.testing.assert_close(got["rows"], rows.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(got["grad"], table.weight.grad, rtol=0, atol=0)
+        forward, backward = got["allocated"]
+        assert forward.count(size) == 1 and size not in backward
 
 
 @pytest.mark.parametrize("case", TP_CASES)

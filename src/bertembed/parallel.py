@@ -1,7 +1,6 @@
 """Scaling out on PyTorch's own engines (docs/distributed.md): `shard_vocab` shards the word tables by rows (tensor
 parallel) and a masked-LM head tied to one, `vocab_parallel_cross_entropy` is the loss on the head's sharded logits,
-`rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width.
-"""
+`rank_reader` reads a rank's rows of a checkpoint. B batch, L length, V vocabulary, E table width."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from bertembed.family import MEMBERS, module_names
@@ -31,8 +30,7 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     not, or an `nn.Embedding`) by rows over the 1-D `device_mesh`, in place; returns `module`. Every rank passes the
     same ids [B, L] and gets the same rows [B, L, E]. Pass the whole model, not its base, so that a head tied to a
     table is seen: an nn.Linear head (a masked-LM decoder) keeps the table's sharded weight, its bias is sharded too,
-    and it gives logits [B, L, V] as a DTensor sharded by columns, for `vocab_parallel_cross_entropy`.
-    """
+    and it gives logits [B, L, V] as a DTensor sharded by columns, for `vocab_parallel_cross_entropy`."""
     if device_mesh.ndim != 1:
         raise ValueError(f"shard_vocab takes a 1-D device mesh, got {device_mesh.ndim}-D ({device_mesh.mesh_dim_names}"
                          f"); pass the tensor-parallel dimension, mesh['tp'] say")
@@ -58,8 +56,7 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
             bias = head.bias
             parallelize_module(head, device_mesh, ColwiseParallel(use_local_output=False))
             head.weight = table.weight  # (ColwiseParallel made a parameter of its own)
-            if bias is not None:
-                _retie(module, bias, head.bias)  # (transformers ties the decoder's bias to predictions.bias)
+            _retie(module, bias, head.bias)  # (transformers ties the decoder's bias to predictions.bias; None: none)
         table.forward = MethodType(_lookup, table)
         table.register_forward_pre_hook(_before_lookup, prepend=True)
         if "." in name or name in WORD_NAMES:  # (the layer that holds the table, which checks ids before its lookup)
@@ -87,22 +84,33 @@ def _first_row(mesh: DeviceMesh, rows: int) -> tuple[int, int]:
 
 
 def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """The sharded table's forward: rows [B, L, E] of ids [B, L], the same on every rank. Each rank reads the ids in
-    its rows from its local shard (zeros elsewhere) and an all-reduce sums them; the backward of the local lookup
-    writes the rank's rows alone, a DTensor gradient of the table's placement (no [V, E] tensor on any rank)."""
-    weight = table.weight
-    if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
-        ids = ids.to_local()
-    first, stop = _first_row(weight.device_mesh, weight.shape[0])
-    inside = (ids >= first) & (ids < stop)
-    pad = table.padding_idx
-    pad = pad - first if pad is not None and first <= pad < stop else None
-    local = weight.to_local()
-    if local.shape[0] == 0:  # (a rank that torch's split leaves without rows)
-        local = nn.functional.pad(local, (0, 0, 0, 1))
-    rows = nn.functional.embedding(torch.where(inside, ids - first, 0), local, pad)
-    rows = rows.masked_fill_(~inside.unsqueeze(-1), 0)  # (in place: one [B, L, E] less at the peak)
-    return DTensor.from_local(rows, weight.device_mesh, [Partial()]).full_tensor()
+    """The sharded table's forward: rows [B, L, E] of ids [B, L], the same on every rank (`_SummedRows`)."""
+    ids = ids.to_local() if isinstance(ids, DTensor) else ids  # (a DTensor's values are the same on every rank)
+    return _SummedRows.apply(table.weight.to_local(), ids, table)
+
+
+class _SummedRows(torch.autograd.Function):
+    """Each rank reads the ids in its rows from its local shard [V / world, E] (zeros elsewhere) into one [B, L, E]
+    tensor, which an all-reduce sums in place: a DTensor `Partial` made `Replicate` without DTensor's copies of the
+    rows (each copy left a hole in the heap: about 10 MiB more at a step's peak). Backward: the upstream gradient of
+    the rank's ids (not the padding row's) `index_add_` into zeros of the shard's shape, the gradient of the rank's
+    rows alone (no [V, E] tensor); the shard is the one input that can require a gradient."""
+
+    @staticmethod
+    def forward(ctx, local, ids, table):
+        first, stop = _first_row(table.weight.device_mesh, table.weight.shape[0])
+        inside = (ids >= first) & (ids < stop)
+        read = local if local.shape[0] else local.new_zeros((1, local.shape[1]))  # (a rank left without rows)
+        rows = nn.functional.embedding(torch.where(inside, ids - first, 0), read).masked_fill_(~inside[..., None], 0)
+        torch.distributed.all_reduce(rows, group=table.weight.device_mesh.get_group())
+        written = inside if table.padding_idx is None else inside & (ids != table.padding_idx)
+        ctx.save_for_backward(local, ids - first, written)
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, rows, written = ctx.saved_tensors  # (rows: the ids' rows in the shard)
+        return torch.zeros_like(local).index_add_(0, rows[written], grad[written]), None, None
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
@@ -129,9 +137,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
     """Forward pre-hook: a ValueError on every rank where any rank has an id outside all V rows (a rank left alone
     would wait in the lookup's all-reduce)."""
-    ids = args[0]
-    if isinstance(ids, DTensor):  # (given as a DTensor already: its values are the same on every rank)
-        ids = ids.to_local()
+    ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]  # (the same values on every rank)
     try:
         check_id_ranges(ids, None, None, (table.num_embeddings, None, None))
     except ValueError:
