@@ -16,6 +16,7 @@ oversubscription, not scaling: they are not printed.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -87,6 +88,9 @@ def _rank(rank: int, world: int, port: int, engine: str, args, queue) -> None:
     mark = _status("VmRSS")
     model = _sharded(_model(args.vocab, args.hidden, args.layers), engine, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False) if args.adam else None
+    if world > 1:  # (rank 0 scatters the tables: every rank past it, its buffers freed, before the marks)
+        torch.distributed.barrier()
+    gc.collect()
     rest = _status("VmRSS") - mark
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the resident memory now
