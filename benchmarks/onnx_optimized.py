@@ -15,12 +15,18 @@ int8: bertembed's `--optimize --quantize int8` of all-MiniLM-L6-v2 against its f
 their sentence embeddings (mean pooling over the mask, as sentence-transformers does for this model) over `--texts`
 real texts, the first paragraphs of the docstrings of Python's standard library, tokenized by the model's tokenizer
 (truncated to 128 tokens, batches of 32); then timed as above.
+
+`--embedding-profile`: instead, ONNX Runtime's own per-node profile of the anchor and of `--optimize`, RoBERTa and
+XLM-R: the kernel time of the embedding part (the first norm, EmbedLayerNormalization or LayerNormalization, and every
+node it depends on: positions, gathers, sums) against all nodes' time, per call, where a whole model's timing cannot
+resolve a part this small.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import statistics
 import sysconfig
 import tempfile
@@ -82,6 +88,31 @@ def race(runs: dict[str, ort.InferenceSession], feed: dict[str, np.ndarray], pai
             if round_:  # (the first round warms up)
                 times[name].append((time.perf_counter() - start) / calls * 1e3)
     return times
+
+
+def embedding_profile(path: Path, feed: dict[str, np.ndarray], calls: int, threads: int) -> tuple[int, float, float]:
+    """(nodes in the embedding part, its kernel time, all nodes' kernel time) in us per call, ONNX Runtime's profile."""
+    graph = onnx.load(str(path)).graph
+    producer = {out: node for node in graph.node for out in node.output}
+    norm = next(n for n in graph.node if n.op_type in ("EmbedLayerNormalization", "LayerNormalization"))
+    part, stack = set(), [norm]
+    while stack:  # the norm and its ancestors
+        node = stack.pop()
+        if node.name not in part:
+            part.add(node.name)
+            stack += [producer[name] for name in node.input if name in producer]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.log_severity_level, options.enable_profiling = 3, True
+    options.profile_file_prefix = str(path.with_suffix(""))
+    run = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for _ in range(calls + 1):
+        run.run(None, feed)
+    events = json.load(open(run.end_profiling()))
+    kernels = [(e["name"].removesuffix("_kernel_time"), e["dur"]) for e in events
+               if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    kernels = kernels[len(kernels) // (calls + 1):]  # (the first call warms up)
+    return len(part), sum(d for n, d in kernels if n in part) / calls, sum(d for _, d in kernels) / calls
 
 
 def random_checkpoint(model_type: str, folder: Path, **kwargs) -> Path:
@@ -157,6 +188,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--texts", type=int, default=1200)
+    parser.add_argument("--embedding-profile", action="store_true", help="per-node profile of the embedding part")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"onnxruntime {ort.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -166,8 +198,12 @@ def main() -> None:
         members = {"all-MiniLM-L6-v2": bundled_folder(),
                    "RoBERTa": random_checkpoint("roberta", work / "roberta", vocab_size=50265),
                    "XLM-R": random_checkpoint("xlm-roberta", work / "xlmr", vocab_size=250002)}
-        print("| model | graph | fused nodes | (32, 128) ms | vs anchor | (1, 16) ms | vs anchor |")
-        print("|---|---|---|---:|---:|---:|---:|")
+        if args.embedding_profile:
+            print("| model | (B, L) | graph | embedding nodes | their us a call | all nodes' us | share |")
+            print("|---|---|---|---:|---:|---:|---:|")
+        else:
+            print("| model | graph | fused nodes | (32, 128) ms | vs anchor | (1, 16) ms | vs anchor |")
+            print("|---|---|---|---:|---:|---:|---:|")
         for member, folder in members.items():
             hf = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
             names = ["input_ids", "attention_mask", *(["token_type_ids"] if member.startswith("all") else [])]
@@ -176,6 +212,9 @@ def main() -> None:
                      "--fused": export_whole(folder, work / f"{member}-fused.onnx", fused=True)}
             if member.startswith("all"):
                 (work / "minilm-optimize.onnx").write_bytes(paths["--optimize"].read_bytes())
+            if args.embedding_profile:
+                print_profile(member, paths, names, hf.config.vocab_size, args.threads)
+                continue
             runs = {name: session(path, args.threads) for name, path in paths.items()}
             rows = {name: [] for name in runs}
             for batch, length in SHAPES:
@@ -197,7 +236,18 @@ def main() -> None:
                 ops = Counter(n.op_type for n in onnx.load(str(path)).graph.node)
                 fused = ", ".join(f"{ops[op]} {op}" for op in FUSED if ops[op])
                 print(f"| {member} | {name} | {fused or 'none'} | {' | '.join(rows[name])} |")
-        int8_check(bundled_folder(), work, args)
+        if not args.embedding_profile:
+            int8_check(bundled_folder(), work, args)
+
+
+def print_profile(member: str, paths: dict[str, Path], names: list[str], vocab: int, threads: int) -> None:
+    for batch, length in SHAPES:
+        ids = np.random.default_rng(0).integers(5, vocab, (batch, length))
+        feed = dict(zip(names, (ids, np.ones_like(ids), np.zeros_like(ids)), strict=False))
+        for name in ("anchor", "--optimize"):
+            nodes, part, total = embedding_profile(paths[name], feed, 200 if batch == 1 else 20, threads)
+            print(f"| {member} | ({batch}, {length}) | {name} | {nodes} | {part:.0f} | {total:.0f} | "
+                  f"{100 * part / total:.2f}% |")
 
 
 if __name__ == "__main__":
