@@ -77,7 +77,7 @@ def masked_lm(seed: int = 0):
 def labels() -> torch.Tensor:
     """Labels [BATCH, 10]: the last row among them, a third ignored (-100)."""
     found = torch.randint(0, VOCAB, (BATCH, 10), generator=torch.Generator().manual_seed(3))
-    found[0, 0], found[:, ::3] = VOCAB - 1, -100
+    found[:, ::3], found[0, 1] = -100, VOCAB - 1
     return found
 
 
@@ -198,7 +198,7 @@ def tied_head(mesh) -> dict:
     except ValueError as err:
         bad = str(err)
     return {"loss": loss.detach(), "grads": grads(net), "local logits": tuple(logits.to_local().shape),
-            "placements": logits.placements, "allocations": allocations(prof), "bad label": bad,
+            "allocations": allocations(prof), "bad label": bad,
             "tied": net.cls.predictions.decoder.weight is net.bert.embeddings.word_embeddings.weight,
             "fell back": sorted(bertembed.fast._told)}
 
@@ -257,7 +257,12 @@ def bad_ids(mesh) -> dict:
         alone = str(err)
     count = torch.ones(1)
     torch.distributed.all_reduce(count)  # every rank gets here: none waits in a lookup's all-reduce
-    return {"messages": messages, "ranks": count.item(), "rank 0 alone": alone}
+    try:
+        shard_vocab(torch.nn.Embedding(VOCAB, HIDDEN, max_norm=1.0, scale_grad_by_freq=True), mesh)
+        options = None
+    except ValueError as err:
+        options = str(err)
+    return {"messages": messages, "ranks": count.item(), "rank 0 alone": alone, "options": options}
 
 
 def ddp(rank: int, world: int) -> dict:
@@ -464,6 +469,14 @@ def test_a_bad_id_raises_on_every_rank(ranks):
         assert str(VOCAB) in messages[0] and "-1" in messages[1] and str(VOCAB + 5) in messages[3]
         assert seen["bad id"]["ranks"] == len(ranks)
     assert len({tuple(seen["bad id"]["messages"]) for seen in ranks}) == 1  # the same words everywhere
+
+
+def test_a_table_that_renormalises_or_scales_its_gradient_is_refused(ranks):
+    """max_norm and scale_grad_by_freq change what torch's lookup computes: refused, not silently dropped."""
+    for seen in ranks:
+        assert seen["bad id"]["options"] == (
+            "the table has max_norm, scale_grad_by_freq set: the sharded lookup reads its rows as they are and writes "
+            "dense, unscaled gradients; unset max_norm and scale_grad_by_freq first")
 
 
 def test_a_bad_id_on_one_rank_raises_on_every_rank(ranks):

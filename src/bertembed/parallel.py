@@ -41,6 +41,10 @@ def shard_vocab(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     for name, table in tables.items():
         if isinstance(table.weight, DTensor):
             continue  # sharded before: a second call changes nothing
+        options = [o for o in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(table, o) not in (None, False)]
+        if options:
+            raise ValueError(f"{name or 'the table'} has {', '.join(options)} set: the sharded lookup reads its rows "
+                             f"as they are and writes dense, unscaled gradients; unset {' and '.join(options)} first")
         old = table.weight
         tied = [n for n, p in module.named_parameters(remove_duplicate=False)
                 if p is old and n != f"{name}.weight".lstrip(".")]
@@ -104,13 +108,14 @@ class _SummedRows(torch.autograd.Function):
         rows = nn.functional.embedding(torch.where(inside, ids - first, 0), read).masked_fill_(~inside[..., None], 0)
         torch.distributed.all_reduce(rows, group=table.weight.device_mesh.get_group())
         written = inside if table.padding_idx is None else inside & (ids != table.padding_idx)
-        ctx.save_for_backward(local, ids - first, written)
+        ctx.save_for_backward(ids - first, written)
+        ctx.shard = local.shape
         return rows
 
     @staticmethod
     def backward(ctx, grad):
-        local, rows, written = ctx.saved_tensors  # (rows: the ids' rows in the shard)
-        return torch.zeros_like(local).index_add_(0, rows[written], grad[written]), None, None
+        rows, written = ctx.saved_tensors  # (rows: the ids' rows in the shard)
+        return grad.new_zeros(ctx.shard).index_add_(0, rows[written], grad[written]), None, None
 
 
 def word_tables(module: nn.Module) -> dict[str, nn.Module]:
