@@ -60,8 +60,8 @@ def test_ort_embed_layernorm_equals_reference(hidden):
 
 @pytest.mark.parametrize("member", ["roberta", "distilbert", "modernbert"])
 def test_member_cases_compare_against_the_members_own_transformers_layer(member, monkeypatch):
-    built, real = [], cands._transformers_layer
-    monkeypatch.setattr(cands, "_transformers_layer", lambda *args: built.append(real(*args)) or built[-1])
+    built, real = [], cands.transformers_layer
+    monkeypatch.setattr(cands, "transformers_layer", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     expected, make = cands.prepare(Case(32, 2, 7, member=member), vocab=100)
     for name in ("hf-eager", "bertembed-reference", "bertembed-fused"):
         torch.testing.assert_close(make(name)().double(), expected, rtol=0, atol=1e-5)

@@ -106,6 +106,25 @@ def layout(model_type: str) -> dict[str, str]:
     return keys
 
 
+def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
+    """transformers' own embeddings module of `config`'s member (its row's `hf_layer`), built from `config` as
+    transformers' config (with `settings` on top), holding `state`'s tables: the layer's tensors that `layout` puts in
+    the embeddings module. ValueError where the member has no such module; RuntimeError where its tables differ."""
+    import importlib
+
+    import transformers
+
+    if MEMBERS[config.model_type].hf_layer is None:
+        raise ValueError(f"transformers has no embeddings module of {config.model_type}'s own")
+    package, name = MEMBERS[config.model_type].hf_layer.split(".")
+    kind = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
+    module = kind(transformers.AutoConfig.for_model(**{**config.to_hf_config(), **settings}))
+    keys = layout(config.model_type)
+    module.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in state.items()
+                            if keys.get(k, "").startswith("embeddings.")})
+    return module
+
+
 def module_names(model_type: str) -> dict[str, str]:
     """bertembed's name -> transformers' of the submodules of the member's embeddings module named otherwise than
     BERT's (ModernBERT's `tok_embeddings`, ...)."""

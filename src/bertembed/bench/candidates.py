@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from bertembed.family import MEMBERS as FAMILY
+from bertembed.family import transformers_layer
 
 HIDDENS = (384, 768, 1024)  # MiniLM / bert-base / bert-large
 SHAPES = ((1, 11), (32, 128), (8, 512), (64, 512))  # (B, L): one sentence .. a full batch
@@ -18,6 +19,7 @@ MODES = ("fwd", "fwdbwd")  # forward in eval mode under no_grad; a training step
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("hf-eager", "hf-compile", "ort-fused", "bertembed-reference", "bertembed-fused")
 VOCAB = 30522
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
 # Largest |output - float32 reference| of the same layer (bfloat16: 4 ulps at 4-8; transformers' own is 0.058 off)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.125, "float16": 2e-2}
 
@@ -89,7 +91,8 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
         if name == "ort-fused":
             return _ort(reference, ids, types)
         if name.startswith("hf-"):
-            module = _transformers_layer(config, state)
+            # no special ids: ModernBERT's lie past the vocabulary here, and transformers would warn of each
+            module = transformers_layer(config, state, **dict.fromkeys(SPECIAL_IDS))
         else:  # (a fused backend that is not installed: an ImportError naming it)
             module = BertEmbeddings(config, backend="reference" if name == "bertembed-reference" else
                                     "cpu" if case.device == "cpu" else "triton")
@@ -108,22 +111,6 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
     return expected, make
 
 
-def _transformers_layer(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' own embeddings module of `config`'s member (its row's `hf_layer`), holding `state`'s tables."""
-    import importlib
-
-    import transformers
-
-    from bertembed.family import layout
-
-    # no special ids: ModernBERT's lie past the vocabulary here, and transformers would warn of each
-    specials = dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"))
-    hf_config = transformers.AutoConfig.for_model(**{**config.to_hf_config(), **specials})
-    package, name = FAMILY[config.model_type].hf_layer.split(".")
-    layer = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)(hf_config)
-    keys = layout(config.model_type)
-    layer.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in state.items()})
-    return layer
 
 
 def _ort(layer, ids: torch.Tensor, types: torch.Tensor) -> Callable[[], Any]:

@@ -4,7 +4,6 @@ the steps' code; `bertembed notebook` writes it into Jupyter cells."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from bertembed.config import EmbeddingConfig
 from bertembed.explain._common import ModelArg, load_layer
 from bertembed.explain.segments import DEFAULT_TEXT, literal_separator
-from bertembed.family import MEMBERS, layout, module_names
+from bertembed.family import module_names, transformers_layer
 from bertembed.sources import Source
 
 
@@ -120,6 +119,8 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None) ->
         exec(step.code, space)  # noqa: S102  (the steps' own code, the same the notebook shows)
         if step.result == "ids":
             against, space["ref"] = reference(layer, space["ids"], space["types"])
+        if step.result == "output" and against.startswith("transformers'"):  # (its own module: bit for bit)
+            step = replace(step, exact=True)
         results.append(_result(step, space))
     tokens = space["enc"].tokens
     _note_repeats(results[1], tokens, space["ids"][0].tolist())
@@ -140,13 +141,8 @@ def reference(layer, ids, types) -> tuple[str, dict]:
     try:
         import transformers
 
-        package, name = MEMBERS[config.model_type].hf_layer.split(".")  # (AttributeError: it has none)
-        kind = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
-        module = kind(transformers.AutoConfig.for_model(**config.to_hf_config())).eval()
-        keys = layout(config.model_type)  # (RuntimeError: its tables are not these, as a computed one)
-        module.load_state_dict({keys[k].removeprefix("embeddings."): v for k, v in layer.state_dict().items()
-                                if keys.get(k, "").startswith("embeddings.")})
-    except (ImportError, AttributeError, RuntimeError) as err:
+        module = transformers_layer(config, layer.state_dict()).eval()
+    except (ImportError, ValueError, RuntimeError) as err:
         tensors = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
         args = ids.numpy(), types.numpy() if config.type_vocab_size else None
         ref = NumpyEmbeddings(config, tensors, layer.source).decompose(*args)
@@ -171,7 +167,7 @@ def reference(layer, ids, types) -> tuple[str, dict]:
                 lambda _, args, out, key=key, taken=taken: ref.update({key: (args[0] if taken else out).clone()}))
     with torch.no_grad():
         ref["output"] = module(input_ids=ids, **({"token_type_ids": types} if config.type_vocab_size else {}))
-    return f"transformers' {name} (transformers {transformers.__version__}) on the same tables", ref
+    return f"transformers' {type(module).__name__} (transformers {transformers.__version__}) on the same tables", ref
 
 
 def _result(step: Step, space: dict, values: int = 4) -> Step:
