@@ -167,11 +167,10 @@ def measure() -> tuple[dict, list]:
     numbers["pos_median_peak_frequency_sinusoid"] = float(np.median(positions.sinusoid_peaks))
     numbers["pos_seams_text"] = "".join(SEAM_TEXT.format(**s, w=SEAM_WINDOW) for s in positions.seams).strip() or \
         "No seam stands out in this table."
-    for prefix, leading in (("pos", positions.components), ("pos_sin", components(sinusoidal_table_np(
-            cfg.max_position_embeddings, cfg.hidden_size))[2])):
+    _, sinus, sinus_leading = components(sinusoidal_table_np(cfg.max_position_embeddings, cfg.hidden_size))
+    for prefix, leading in (("pos", positions.components), ("pos_sin", sinus_leading)):
         numbers |= {f"{prefix}_pc{c['component']}_{k}": c[k] for c in leading for k in ("share", "cycles", "period",
                                                                                           "near", "width")}
-    sinus = components(sinusoidal_table_np(cfg.max_position_embeddings, cfg.hidden_size))[1]
     for prefix, coords in (("pos", positions.pca_coords), ("pos_sin", sinus)):
         numbers |= {f"{prefix}_pc_{k}": v for k, v in turning(coords).items()}  # (measured on components 1 and 2)
     numbers["pos_pc_frequency_turn"] = 360 / positions.components[0]["period"]

@@ -102,9 +102,9 @@ def explain(
                                                  "folder (needs matplotlib)")] = None,
     token: Annotated[Optional[str], typer.Option("--token", help="with --report or --plots: the word whose nearest "
                                                  "rows are shown (default: the text's first word)")] = None,
-    projector: Annotated[bool, typer.Option("--projector", help="with --report: also the whole word table in 2-D, "
-                                            "searchable (its neighbours found once per checkpoint, ~20 s, then "
-                                            "cached)")] = False,
+    projector: Annotated[bool, typer.Option("--projector", help="with --report or --plots: also the whole word "
+                                            "table in 2-D, searchable in the report (its neighbours found once per "
+                                            "checkpoint, ~20 s, then cached)")] = False,
     finetune: Annotated[bool, typer.Option("--finetune", help="with --report or --plots: also run the fine-tune "
                                            "demo (seconds, needs torch)")] = False,
 ) -> None:

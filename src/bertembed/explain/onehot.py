@@ -75,7 +75,6 @@ class OneHotReport(Result):
         fig.suptitle(f"Same result ({'identical' if self.equal else 'DIFFERENT'}), {len(self.ids)} tokens")
         return fig
 
-
     def plotly(self):
         ways, colours = ["lookup W[ids]", "one_hot(ids) @ W"], [PART_COLOURS["word"], "#737373"]
         traces = [{"type": "bar", "x": ways, "y": values, "marker": {"color": colours}, "showlegend": False,

@@ -72,7 +72,7 @@ def find_seams(matrix: np.ndarray, first: int = 0) -> list[dict]:
     level = np.maximum(_robust_z(abs(norm_level[b + 2] - norm_level[b + 1 - w])),
                        _robust_z(abs(cos_level[b + 2] - cos_level[b - w])))
     dip = [min(_robust_z(-cos[i], -side) for side in (cos[max(0, i - 4 * w):i - 1], cos[i + 2:i + 2 + 4 * w]))
-           for i in b]  # (the boundaries touching row i + 1 left out)
+           for i in b]  # (the boundaries touching rows i and i + 1 left out)
     seams: list[dict] = []
     for at in b[np.minimum(dip, level) > SEAM_SCORE]:
         seam = {"at": int(at + 1 + first), "neighbour_cosine": cos[at], "cosine_before": cos_level[at - w],
@@ -150,7 +150,13 @@ class PositionReport(Result):
     member: str = "bert"  # the checkpoint's model_type
 
     @property
+    def noise_share(self) -> float:
+        """The share of variance a table of white noise has at each frequency: 2 / (P - 1)."""
+        return 2 / (len(self.norms) - 1)
+
+    @property
     def adjacent_cosine(self) -> float:
+        """The mean cosine of neighbouring positions."""
         return float(np.diag(self.similarity, 1).mean())
 
     @property
@@ -266,6 +272,7 @@ class PositionReport(Result):
         return np.arange(0, len(self.norms), max(1, round(self.components[0]["period"] / 6)))[:LABELLED]
 
     def plot_similarity(self):
+        """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
         fig, panels = axes(size=(10, 4.6), panels=2)
         for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity), TABLES, strict=True):
             image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
@@ -282,6 +289,7 @@ class PositionReport(Result):
         return fig.update_yaxes(autorange="reversed")
 
     def plot_norms(self, ax=None):
+        """Norm of each position vector and the cosine with the next position; a line at each seam found."""
         fig, ax = axes(ax)
         ax.plot(self.positions, self.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
         ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
@@ -307,11 +315,12 @@ class PositionReport(Result):
         return fig.update_layout(yaxis2_title="cosine with next")
 
     def plot_spectrum(self, ax=None):
+        """Share of variance over positions at each frequency, learned vs sinusoidal; the band `lowfreq_share` sums."""
         fig, ax = axes(ax)
         freqs = np.arange(len(self.spectrum))
         ax.semilogy(freqs[1:], self.spectrum[1:], color=PART_COLOURS["position"], label="learned table")
         ax.semilogy(freqs[1:], self.sinusoid_spectrum[1:], color="0.3", ls="--", label="sinusoidal table")
-        ax.axhline(2 / (2 * len(freqs) - 3), color="0.6", ls=":", label="white noise (flat)")
+        ax.axhline(self.noise_share, color="0.6", ls=":", label="white noise (flat)")
         ax.axvspan(0.5, self.k + 0.5, color="#eeeeee", zorder=0,
                    label=f"frequencies 1-{self.k}: {self.lowfreq_share:.0%} of the learned table's variance")
         ax.set(xlabel="frequency (cycles over the whole position range)", ylabel="share of variance (log)",
@@ -323,7 +332,7 @@ class PositionReport(Result):
         fig = _plotly("Spectrum over positions", "frequency (cycles over the table)", "share of variance (log)")
         freqs = np.arange(1, len(self.spectrum))
         for name, values in (("learned table", self.spectrum[1:]), ("sinusoidal table", self.sinusoid_spectrum[1:]),
-                             ("white noise (flat)", np.full(len(freqs), 2 / (2 * len(freqs) - 1)))):
+                             ("white noise (flat)", np.full(len(freqs), self.noise_share))):
             fig.add_scatter(x=freqs, y=values, name=name, hovertemplate="%{x} cycles: %{y:.2%} of the variance")
         fig.add_vrect(0.5, self.k + 0.5, fillcolor="gray", opacity=0.25, line_width=0,
                       showlegend=True, name=f"frequencies 1-{self.k}: {self.lowfreq_share:.0%} of the learned table")
