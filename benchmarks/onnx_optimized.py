@@ -108,7 +108,8 @@ def embedding_profile(path: Path, feed: dict[str, np.ndarray], calls: int, threa
     run = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     for _ in range(calls + 1):
         run.run(None, feed)
-    events = json.load(open(run.end_profiling()))
+    with open(run.end_profiling()) as f:
+        events = json.load(f)
     kernels = [(e["name"].removesuffix("_kernel_time"), e["dur"]) for e in events
                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     kernels = kernels[len(kernels) // (calls + 1):]  # (the first call warms up)
@@ -208,13 +209,13 @@ def main() -> None:
             hf = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
             names = ["input_ids", "attention_mask", *(["token_type_ids"] if member.startswith("all") else [])]
             paths = {"anchor": anchor(hf, work / f"{member}-anchor.onnx", names),
-                     "--optimize": export_whole(folder, work / f"{member}-optimize.onnx", optimize=True),
-                     "--fused": export_whole(folder, work / f"{member}-fused.onnx", fused=True)}
-            if member.startswith("all"):
-                (work / "minilm-optimize.onnx").write_bytes(paths["--optimize"].read_bytes())
+                     "--optimize": export_whole(folder, work / f"{member}-optimize.onnx", optimize=True)}
             if args.embedding_profile:
                 print_profile(member, paths, names, hf.config.vocab_size, args.threads)
                 continue
+            if member.startswith("all"):
+                (work / "minilm-optimize.onnx").write_bytes(paths["--optimize"].read_bytes())
+            paths["--fused"] = export_whole(folder, work / f"{member}-fused.onnx", fused=True)
             runs = {name: session(path, args.threads) for name, path in paths.items()}
             rows = {name: [] for name in runs}
             for batch, length in SHAPES:

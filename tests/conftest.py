@@ -136,14 +136,14 @@ FAMILY = {
 }
 
 
-def make_member(name: str, seed: int = 0, head: str = "AutoModel"):
-    """A transformers model of family member `name` (FAMILY) with random tables and a random LayerNorm; None where the
-    installed transformers lacks the member (ModernBERT arrived in 4.48)."""
+def make_member(name: str, seed: int = 0, head: str = "AutoModel", **overrides):
+    """A transformers model of family member `name` (FAMILY, with `overrides` on its config) with random tables and a
+    random LayerNorm; None where the installed transformers lacks the member (ModernBERT arrived in 4.48)."""
     import transformers
 
     model_type, kwargs = FAMILY[name]
     try:
-        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        config = transformers.AutoConfig.for_model(model_type, **{**kwargs, **overrides})
     except (ValueError, KeyError):
         return None
     torch.manual_seed(seed)
@@ -157,12 +157,12 @@ def make_member(name: str, seed: int = 0, head: str = "AutoModel"):
     return model
 
 
-def member_or_skip(name: str, seed: int = 0, head: str = "AutoModel"):
+def member_or_skip(name: str, seed: int = 0, head: str = "AutoModel", **overrides):
     """`make_member`, or a skip where the installed transformers predates the member (the oldest release CI tests,
     4.40, has no ModernBERT: it arrived in 4.48)."""
     import transformers
 
-    model = make_member(name, seed, head)
+    model = make_member(name, seed, head, **overrides)
     if model is None:
         pytest.skip(f"transformers {transformers.__version__} has no {FAMILY[name][0]} (newer releases have it)")
     return model

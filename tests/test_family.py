@@ -316,7 +316,6 @@ def test_a_real_mpnet_checkpoint_equals_transformers_module(real_mpnet):
     assert not layer.position_embeddings.weight[1].any()
 
 
-
 def test_a_real_mpnet_table_has_one_seam_and_its_hypothesis_names_mpnet(real_mpnet):
     """all-mpnet-base-v2's position table: its first and last rows are outliers, not seams; one seam, where the
     neighbour cosine dips lowest away from the ends (its level 0.96 before, 0.99 after); its hypothesis names the

@@ -217,26 +217,11 @@ def test_whole_fused_refuses_a_member_without_position_table(member_checkpoint, 
 
 @pytest.fixture(scope="module")
 def two_layers(tmp_path_factory):
-    """Factory: member name -> (folder saved by transformers' save_pretrained, the model): FAMILY's member with two
-    encoder layers, so that counts per layer are counts of more than one."""
-    import transformers
+    """Factory: member name -> (folder saved by transformers' save_pretrained, the model): FAMILY's member (random
+    LayerNorms) with two encoder layers, so that counts per layer are counts of more than one."""
+    from conftest import _saved, member_or_skip
 
-    from conftest import FAMILY
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            model_type, kwargs = FAMILY[name]
-            torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **{**kwargs, "num_hidden_layers": 2})
-            hf = transformers.AutoModel.from_config(config).eval()
-            folder = tmp_path_factory.mktemp(f"{name}-2")
-            hf.save_pretrained(folder)
-            cache[name] = folder, hf
-        return cache[name]
-
-    return get
+    return _saved(tmp_path_factory, lambda name: member_or_skip(name, num_hidden_layers=2))
 
 
 def padded_feeds(config: EmbeddingConfig) -> list[dict[str, torch.Tensor]]:

@@ -322,12 +322,13 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    root = logging.getLogger()  # (its advice to pre-process the graph, on the root logger: `optimize_graph` has)
-    level = root.level
-    root.setLevel(logging.ERROR)
+    # its advice to pre-process the graph (`optimize_graph` has), logged on the root logger itself: a filter there
+    # drops the root's own records below ERROR, not those of other loggers, which reach its handlers without it
+    root, quiet = logging.getLogger(), lambda record: record.levelno >= logging.ERROR
+    root.addFilter(quiet)
     try:
         with tempfile.TemporaryDirectory() as folder:
             quantize_dynamic(model, Path(folder) / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True)
             return require_onnx().load(Path(folder) / "int8.onnx")
     finally:
-        root.setLevel(level)
+        root.removeFilter(quiet)
