@@ -12,20 +12,15 @@ from bertembed.sources import DEFAULT_MODEL
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "EmbeddingConfig": "bertembed.config",
-    "BertEmbeddings": "bertembed.embeddings",
-    "Embeddings": "bertembed.embeddings",
-    "Decomposition": "bertembed.embeddings",
-    "sinusoidal_table": "bertembed.embeddings",
-    "Tokenizer": "bertembed.tokenizer",
-    "Encoding": "bertembed.tokenizer",
-    "load_checkpoint": "bertembed.checkpoint",
-    "NumpyEmbeddings": "bertembed.numpy_layer",
-    "patch": "bertembed.dropin",
-    "unpatch": "bertembed.dropin",
-    "export_onnx": "bertembed.onnx_export",
-}
+_LAZY = {name: module for module, names in {
+    "bertembed.config": ("EmbeddingConfig",),
+    "bertembed.embeddings": ("BertEmbeddings", "Embeddings", "Decomposition", "sinusoidal_table"),
+    "bertembed.tokenizer": ("Tokenizer", "Encoding"),
+    "bertembed.checkpoint": ("load_checkpoint",),
+    "bertembed.numpy_layer": ("NumpyEmbeddings",),
+    "bertembed.dropin": ("patch", "unpatch"),
+    "bertembed.onnx_export": ("export_onnx",),
+}.items() for name in names}
 
 __all__ = ["DEFAULT_MODEL", "__version__", *_LAZY]
 
