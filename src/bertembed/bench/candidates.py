@@ -65,10 +65,9 @@ def runs(name: str, case: Case) -> bool:
 
 
 def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callable[[str], Callable[[], Any]]]:
-    """The float32 reference's output of `case`'s forward (None for a training step), and a function that makes a
-    candidate's no-argument call on the same weights and ids (uniform over the vocabulary; segments over {0, 1}): a
-    forward returning its output, or a training step (train mode, backward of a fixed output gradient, then
-    `zero_grad()`); ImportError where a package is missing."""
+    """The float32 reference's output [B, L, H] of `case`'s forward (None for a training step), and a function that
+    makes a candidate's no-argument call, a forward or a training step, on the same weights and random ids (an
+    ImportError where the candidate's package is missing)."""
     from bertembed import BertEmbeddings, EmbeddingConfig
 
     torch.manual_seed(seed)
@@ -80,9 +79,8 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
             param.add_(0.1 * torch.randn(case.hidden))
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     gen, shape = torch.Generator().manual_seed(0), (case.batch, case.length)
-    ids, types = torch.randint(0, vocab, shape, generator=gen), torch.randint(0, 2, shape, generator=gen)
+    ids, types = (torch.randint(0, high, shape, generator=gen).to(case.device) for high in (vocab, 2))
     grad = torch.randn(*shape, case.hidden, generator=gen).to(case.device, DTYPES[case.dtype])
-    ids, types = ids.to(case.device), types.to(case.device)
     given = {"input_ids": ids, "token_type_ids": types} if config.type_vocab_size > 1 else {"input_ids": ids}
     with torch.no_grad():
         expected = reference.to(case.device).eval()(**given).double() if case.mode == "fwd" else None
@@ -109,8 +107,6 @@ def prepare(case: Case, vocab: int = VOCAB, seed: int = 0) -> tuple[Any, Callabl
             module.zero_grad(set_to_none=True)
         return step
     return expected, make
-
-
 
 
 def _ort(layer, ids: torch.Tensor, types: torch.Tensor) -> Callable[[], Any]:
