@@ -3,9 +3,8 @@
 import os
 
 # numpy's OpenBLAS on one thread for every command (before numpy loads; a user's setting wins): the matrices are
-# small, but for `explain --projector`'s [V, V] cosines (about half of its ~20 s, on one thread too). At load 3.4-4.3
-# on 2 cores, medians of 9 runs alternating with 2 threads: `inspect positions` 1.02 -> 0.70 s CPU (1.39 -> 0.95 s
-# wall), `inspect onehot` 1.22 -> 0.76 s CPU (1.50 -> 0.81 s wall).
+# small, even `explain --projector`'s [V, V] cosines. Medians of 9 runs at load 3.4-4.3 on 2 cores, against 2 threads:
+# `inspect positions` 1.39 -> 0.95 s wall, `inspect onehot` 1.50 -> 0.81 s wall.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # each module registers its commands (or its group of them) on `app`

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from bertembed import __version__
 from bertembed.sources import DEFAULT_MODEL
 
 # the commands in the order of a first tour (the README's): one text taken apart, each part, then the tools
@@ -34,8 +35,6 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 def _version(asked: bool) -> None:
     if asked:
-        from bertembed import __version__
-
         print(f"bertembed {__version__}")
         raise typer.Exit()
 
@@ -56,8 +55,7 @@ EXTRAS = {"matplotlib": "viz", "plotly": "viz", "nbformat": "notebook", "numba":
 
 
 def make_console(**options) -> Console:
-    """A rich console, 120 columns wide into a pipe or a log (rich's 80 cuts a wide table's numbers) unless COLUMNS
-    says otherwise."""
+    """A rich console, 120 columns wide into a pipe unless COLUMNS says otherwise (rich's 80 cuts tables' numbers)."""
     made = Console(highlight=False, **options)
     if not made.is_terminal and "COLUMNS" not in os.environ:
         made.width = max(made.width, 120)
@@ -95,9 +93,8 @@ def missing(names: list[str]) -> str:
 
 @contextlib.contextmanager
 def user_errors(*outputs: str | Path | None, needs: Iterable[str] = ()) -> Iterator[None]:
-    """Bad input (a path or value given, a broken checkpoint file, an optional package missing) ends the command with
-    its message and exit status 2; anything else is a bug and keeps its traceback. `outputs` are checked first as
-    writable, then the packages the command `needs` are imported (all the missing ones named in one line)."""
+    """Bad input (a path or value, a broken checkpoint, a missing package) ends the command with its message and exit
+    status 2, anything else keeps its traceback; `outputs` are checked writable first, then the `needs` imported."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 

@@ -24,8 +24,7 @@ def plotting(plot: str | None):
 
 def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None = None, title: str = "",
          sources: tuple = ()) -> None:
-    """Name the checkpoint(s) measured (`sources`, default the result's), then print a result's summary (and `rows`,
-    under `title`) as rich tables or JSON, and write its figures to `plot`."""
+    """Print a result (the checkpoints `sources`, its summary, `rows` under `title`): tables or JSON; PNGs to `plot`."""
     from bertembed.explain._common import label
 
     summary = result.summary()
@@ -55,8 +54,7 @@ def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None =
 
 
 def rows_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]] | None = None, caption: str = ""):
-    """`rows` as a rich table: each key a column named as people read it, numbers to 4 digits; or the `columns`
-    given as (header, key, format)."""
+    """`rows` as a rich table, a column a key and numbers to 4 digits; or the `columns` as (header, key, format)."""
     from rich.table import Table
 
     from bertembed.explain._common import label
