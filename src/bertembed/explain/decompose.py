@@ -141,8 +141,7 @@ class TextDecomposition(Result):
         fig, ax = axes(ax, tokens=self.tokens, segments=self.segments)
         shares, x = self.variance_shares(), np.arange(len(self.tokens))
         pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
-        for name in self.parts:
-            value = shares[name]
+        for name, value in shares.items():
             ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
             pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")

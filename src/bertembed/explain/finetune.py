@@ -146,8 +146,7 @@ class FinetuneReport(Result):
         """|change| of the first position rows in each run: only positions that occurred move under Adam."""
         fig, ax = axes(ax)
         for run, style in zip(self.runs, ("-o", "--s", ":^", "-.d"), strict=False):
-            change = run.row_change.get("position")
-            if change is not None:
+            if (change := run.row_change.get("position")) is not None:
                 ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
         ax.axvline(max(self.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
         ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
