@@ -287,15 +287,14 @@ class PositionReport(Result):
         fig, ax = axes(ax)
         ax.plot(self.positions, self.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
         ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
-        twin = ax.twinx()
-        twin.plot(self.positions[:-1], np.diag(self.similarity, 1), color="0.45", lw=0.8,
-                  label="cosine with next position")
-        twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(self.similarity, 1).min())), 1.05))
+        twin, cos = ax.twinx(), np.diag(self.similarity, 1)
+        twin.plot(self.positions[:-1], cos, color="0.45", lw=0.8, label="cosine with next position")
+        twin.set(ylabel="cosine with next position", ylim=(min(0, float(cos.min())), 1.05))
         for seam in self.seams:
             ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
             ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
-        lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=8,
+                  loc="center right")
         return fig
 
     def plotly_norms(self):

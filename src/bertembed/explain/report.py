@@ -46,22 +46,19 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     # the neighbours of the word asked for, else of the text's first whole word (not special, not a ## piece)
     token = token or next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
                           dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")
-    results = [dec, _or_why("Positions", explain.analyze_positions, layer),
-               _or_why("Segments", explain.analyze_segments, text, text_b, layer),
-               explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer, text_b=text_b)]
+    results = [dec]
+    for title, analysis, args in (("Positions", explain.analyze_positions, [layer]),
+                                  ("Segments", explain.analyze_segments, [text, text_b, layer])):
+        try:
+            results.append(analysis(*args))
+        except NotInThisMember as err:  # (the member has no such table: a section saying why)
+            results.append(NotMeasured(title, str(err)))
+    results += [explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer, text_b=text_b)]
     if projector:
         results.insert(4, explain.word_map(text, text_b, layer, progress=progress))
     if finetune:
         results.append(explain.finetune_demo(layer, steps=steps, progress=progress))
     return results
-
-
-def _or_why(title: str, analysis: Callable, *args) -> Any:
-    """The analysis's result, or a `NotMeasured` saying why it does not apply to this member (no such table)."""
-    try:
-        return analysis(*args)
-    except NotInThisMember as err:
-        return NotMeasured(title, str(err))
 
 
 def report_html(results: list[Any]) -> str:
