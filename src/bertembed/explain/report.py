@@ -1,6 +1,5 @@
-"""The HTML report and the PNG files: every analysis of one text, each with its figures and their captions. The
-report is one self-contained page that opens from disk offline: plotly.js inlined once, every figure that has an
-interactive twin a plotly div (hover, zoom, pan), the others a PNG inline."""
+"""The HTML report and the PNG files of every analysis of one text. The report is one page that opens offline:
+plotly.js inlined once, each figure with an interactive twin a plotly div (hover, zoom, pan), the others PNGs."""
 
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ INTRO = ("Before any attention layer runs, the model turns text into vectors: ea
 def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
                  projector: bool = False, finetune: bool = False, steps: int = 12,
                  progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
-    """All analyses of one text (or pair), on one checkpoint read once: decomposition, positions, segments, the
-    nearest rows of `token` (default: the text's first whole word), one-hot; with `projector`, the whole word table
-    in 2-D (its neighbours found once per checkpoint and cached); with `finetune`, the fine-tune demo (needs torch;
-    seconds). `progress(what, done, total)` follows the long steps."""
+    """All analyses of one text (or pair) on one checkpoint read once: decomposition, positions, segments, `token`'s
+    neighbours (default: the text's first whole word), one-hot; with `projector` the word table in 2-D (cached), with
+    `finetune` the fine-tune demo (torch; seconds). `progress(what, done, total)` follows the long steps."""
     from bertembed import explain
     from bertembed.explain._common import load_layer
     from bertembed.tokenizer import check_not_blank
