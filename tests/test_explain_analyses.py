@@ -15,7 +15,6 @@ import conftest_explain as helpers
 from bertembed.embeddings import BertEmbeddings, sinusoidal_table
 from bertembed.explain import analyze_onehot, analyze_positions, analyze_segments, analyze_tokens, drift, explain_text
 from bertembed.explain.positions import find_seams, peak_frequencies, spectrum, structure_correlation
-from bertembed.explain.tokens import spearman
 from bertembed.numpy_layer import sinusoidal_table_np
 from bertembed.tokenizer import Tokenizer
 from conftest_explain import load_tables, make_tiny
@@ -340,7 +339,6 @@ def test_token_norm_rank_correlation_on_bundled(bundled):
     ranks[np.argsort(norms)] = np.arange(len(norms))
     expected = np.corrcoef(np.arange(len(norms)), ranks)[0, 1]
     assert report.rank_norm_correlation == pytest.approx(expected)
-    assert spearman(np.arange(10.0), np.arange(10.0) ** 3) == pytest.approx(1.0)
 
 
 def test_a_word_that_splits_gives_its_pieces_and_their_neighbours():

@@ -179,7 +179,7 @@ def test_inspect_tokens_refuses_a_text_of_many_pieces_before_any_search(tiny, mo
     def searched(*args):
         raise AssertionError("a neighbour search started")
 
-    monkeypatch.setattr(tokens, "nearest", searched)
+    monkeypatch.setattr(tokens, "row_norms", searched)  # (the search's first step: the word table's norms)
     text = "the cat sat " * 6  # 18 pieces of the tiny vocabulary
     assert len(Tokenizer.from_pretrained(tiny)(text, truncation=False).input_ids) == 18 + 2
     assert_user_error(invoke("inspect", "tokens", text, "--model", tiny),

@@ -1,6 +1,5 @@
-"""What the analyses share: the checkpoint resolved once and handed on, a table as they measure it, the base of their
-results (summary, figures, notebook HTML), figures and JSON. Nothing here imports torch or matplotlib at import time:
-matplotlib is imported when a figure is drawn (Agg backend), and plots return the figure, never calling `show()`."""
+"""What the analyses share: the checkpoint read once, its tables as measured, the base of their results, JSON, and
+figures (matplotlib imported only to draw one; plots return the figure and never call `show()`)."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 
 class Tables:
-    """A checkpoint resolved once for the analyses, which hand it on: its tokenizer and its tables (`numpy`, float32
-    arrays), each read on first use, so that a text the tokenizer refuses costs no table read. `model`: a hub id,
-    folder or weights file, None for the bundled default, its `Source`, or a loaded `NumpyEmbeddings`."""
+    """A checkpoint resolved once for the analyses: its tokenizer and float32 tables, each read on first use. `model`:
+    a hub id, folder or weights file, None for the bundled default, its `Source`, or a loaded `NumpyEmbeddings`."""
 
     def __init__(self, model: ModelArg = None):
         if isinstance(model, NumpyEmbeddings):
@@ -139,8 +137,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 def html_table(rows: list[dict], caption: str = "") -> str:
-    """A small HTML table of dicts (the keys of the first row are the columns, named by `label`), numbers to 4
-    digits."""
+    """An HTML table of dicts: the first row's keys (named by `label`) are the columns, numbers to 4 digits."""
     if not rows:
         return "<p>(no rows)</p>"
 
@@ -155,8 +152,8 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One figure of a result: the PNG's name, its title, its caption (the numbers in words), `draw()` (matplotlib),
-    and `plotly()`, the same data as an interactive plotly figure for the HTML report (None: it shows the PNG)."""
+    """One figure: its PNG's name, title, caption (the numbers in words), `draw()` (matplotlib) and `plotly()`, its
+    interactive twin for the HTML report (None: the report shows the PNG)."""
 
     name: str
     title: str
@@ -191,14 +188,13 @@ def axes(ax=None, size=(7.5, 3.6), panels=1, tokens=None, segments=()):
     return fig, ax
 
 
-# the report's layout for every interactive figure (a template by name: a Layout object would be validated again)
+# every interactive figure's layout (a template by name: a Layout object would be validated again)
 PLOTLY_LAYOUT = {"height": 420, "template": "plotly_white", "margin": {"t": 50, "b": 40},
                  "legend": {"orientation": "h", "x": 1, "xanchor": "right", "y": 1, "yanchor": "bottom"}}
 
 
 def plotly_fig(traces: list[dict], title: str, xtitle: str, ytitle: str, tokens=None, segments=(), **layout):
-    """A figure's interactive twin: plotly `traces` (dicts, as plotly's JSON has them) under the report's layout;
-    `tokens` and `segments` as for `axes`, `layout` adds to or overrides it."""
+    """A plotly figure of `traces` (dicts) under the report's layout; `tokens` and `segments` as for `axes`."""
     import plotly.graph_objects as go
 
     fig = go.Figure(traces, layout={"title": title, "xaxis_title": xtitle, "yaxis_title": ytitle, **PLOTLY_LAYOUT})
@@ -215,8 +211,7 @@ def shade_segment_b(segments: list[int]) -> list[dict]:
 
 
 def figure_html(figure: Figure, interactive: bool = False) -> str:
-    """A figure and its caption: its plotly twin as a div with `interactive` (the page loads plotly.js once), else
-    its PNG inline (a base64 data URI, so the page needs no other file)."""
+    """A figure and its caption: with `interactive` its plotly twin (the page loads plotly.js), else its PNG inline."""
     title = html.escape(figure.title)
     if interactive and figure.plotly is not None:
         import plotly.io
@@ -237,8 +232,7 @@ class Result:
     rows_title = ""  # the caption of the `rows()` table shown under the summary in notebooks; "" for none
 
     @property
-    def model(self) -> str:
-        """The name of the checkpoint measured (its `source`'s)."""
+    def model(self) -> str:  # the name of the checkpoint measured
         return self.source.name
 
     def figures(self) -> list[Figure]:

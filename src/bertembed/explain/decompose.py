@@ -10,6 +10,7 @@ import numpy as np
 from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, Result, axes, load_layer, plotly_fig
 from bertembed.explain.segments import literal_separator
 from bertembed.sources import Source
+from bertembed.tokenizer import check_not_blank
 
 PARTS = ("word", "position", "segment")
 
@@ -107,8 +108,12 @@ class TextDecomposition(Result):
                   f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
                   f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "
                   f"equals the layer's output to {self.max_abs_diff:.1e}.")
-        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms, self.plotly_norms),
-                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares, self.plotly_shares)]
+        return [Figure("decomposition_norms", "Norms per token", norms, self.plot_norms, lambda: self._plotly(
+                    self.norms(), "norm", "How long is each part of the sum? (per token; segment B shaded)",
+                    "L2 norm")),
+                Figure("variance_shares", "Variance shares", shares, self.plot_variance_shares, lambda: self._plotly(
+                    self.variance_shares(), "share", "Who decides what LayerNorm sees? (variance shares)",
+                    "share of Var(sum) over hidden dims", barmode="relative"))]
 
     def _plotly(self, values: dict[str, np.ndarray], what: str, title: str, ytitle: str, **layout):
         """Per token, one bar per part (hover: token, position, segment, the part's value), segment B shaded."""
@@ -118,14 +123,6 @@ class TextDecomposition(Result):
                    "hovertemplate": f"%{{customdata[0]}} (position %{{customdata[1]}}, segment %{{customdata[2]}})"
                                     f"<br>{name} {what} %{{y:.3f}}<extra></extra>"} for name in self.parts]
         return plotly_fig(traces, title, "", ytitle, self.tokens, self.segments, **layout)
-
-    def plotly_norms(self):
-        return self._plotly(self.norms(), "norm", "How long is each part of the sum? (per token; segment B shaded)",
-                            "L2 norm")
-
-    def plotly_shares(self):
-        return self._plotly(self.variance_shares(), "share", "Who decides what LayerNorm sees? (variance shares)",
-                            "share of Var(sum) over hidden dims", barmode="relative")
 
     def plot_norms(self, ax=None):
         """Per token: the norms of its word, position and segment vectors, those the member has (grouped bars)."""
@@ -144,8 +141,7 @@ class TextDecomposition(Result):
         fig, ax = axes(ax, tokens=self.tokens, segments=self.segments)
         shares, x = self.variance_shares(), np.arange(len(self.tokens))
         pos_base, neg_base = np.zeros(len(x)), np.zeros(len(x))
-        for name in self.parts:
-            value = shares[name]
+        for name, value in shares.items():
             ax.bar(x, value, 0.7, bottom=np.where(value >= 0, pos_base, neg_base), color=PART_COLOURS[name], label=name)
             pos_base, neg_base = pos_base + np.clip(value, 0, None), neg_base + np.clip(value, None, 0)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
@@ -157,8 +153,6 @@ class TextDecomposition(Result):
 def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with `model`'s tokenizer and decompose its embedding. ValueError
     for a text that gives no tokens, or one longer than the position table (never truncated)."""
-    from bertembed.tokenizer import check_not_blank
-
     check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")

@@ -43,9 +43,7 @@ class DriftReport(Result):
         out = {"model_a": self.source_a.name, "model_b": self.source_b.name}
         for t in self.tables:
             out |= {f"{t.table}_{k}": getattr(t, k) for k in ("relative_change", "rows_changed", "median_row_change")}
-        if self.warning():
-            out["warning"] = self.warning()
-        return out
+        return out | ({"warning": warning} if (warning := self.warning()) else {})
 
     def warning(self) -> str:
         """Which tensor of which checkpoint holds NaN or inf, and where; empty when every tensor is finite."""
@@ -111,24 +109,21 @@ def _labeller(layer, name: str):
 
 
 def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> TableDrift:
-    def rows_where(mask):  # the rows of a [N, H] mask (the elements of an [N] one) that hold any True
-        return np.flatnonzero(mask.any(-1) if mask.ndim == 2 else mask)
-
+    """One tensor's drift; a LayerNorm vector [N] is taken as N rows of one element."""
+    shape, a, b = list(a.shape), a.reshape(len(a), -1), b.reshape(len(b), -1)
     a64, delta = a.astype(np.float64), b.astype(np.float64) - a
-    per_row = row_norms(delta) if delta.ndim == 2 else np.abs(delta)
-    base = row_norms(a64) if delta.ndim == 2 else np.abs(a64)
+    per_row, base = row_norms(delta), row_norms(a64)
     differs = (a != b) & ~(np.isnan(a) & np.isnan(b))  # a NaN left as it was is no change
     relative = per_row / np.maximum(base, 1e-30)
     moved = (per_row > 0) & np.isfinite(relative)  # unchanged rows, NaN or inf drop out
     order = np.argsort(-np.where(moved, relative, -1.0), kind="stable")[:int(moved.sum())][:top]
-    non_finite = {side: rows_where(~np.isfinite(x)).tolist() for side, x in (("A", a), ("B", b))}
+    non_finite = {side: np.flatnonzero(~np.isfinite(x).all(1)).tolist() for side, x in (("A", a), ("B", b))}
     return TableDrift(
-        table=name, shape=list(a.shape), relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64),
-                                                                                          1e-30)),
-        max_abs_change=float(np.abs(delta).max()), rows_changed=len(rows_where(differs)),
+        table=name, shape=shape, relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64), 1e-30)),
+        max_abs_change=float(np.abs(delta).max()), rows_changed=int(differs.any(1).sum()),
         median_row_change=float(np.median(relative[moved])) if moved.any() else 0.0,
-        top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]),
-              "relative": float(per_row[i] / max(base[i], 1e-30))} for i in order],
+        top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]), "relative": float(relative[i])}
+             for i in order],
         non_finite={side: rows for side, rows in non_finite.items() if rows})
 
 

@@ -128,19 +128,16 @@ class FinetuneReport(Result):
     def plot_rows(self, ax=None):
         """Rows moved per table in each run (log scale), with the table sizes for reference."""
         fig, ax = axes(ax)
-        tables = [t.table for t in self.runs[0].tables]
         width = 0.8 / len(self.runs)
         for i, run in enumerate(self.runs):
-            offset = (i - (len(self.runs) - 1) / 2) * width
-            x = np.arange(len(tables)) + offset
+            x = np.arange(len(run.tables)) + (i - (len(self.runs) - 1) / 2) * width
             moved = [t.moved for t in run.tables]
             # a log axis has no 0: a table with no row moved gets no bar, only its "0" label at the axis
             bars = ax.bar(x, [m if m > 0 else np.nan for m in moved], width, label=run.spec.name)
             ax.bar_label(bars, labels=[str(m) if m > 0 else "" for m in moved], fontsize=7)
-            for xi, m in zip(x, moved, strict=True):
-                if m == 0:
-                    ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(tables)), [f"{t.table}\n({t.rows} rows)" for t in self.runs[0].tables])
+            for xi in x[np.equal(moved, 0)]:
+                ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(self.runs[0].tables)), [f"{t.table}\n({t.rows} rows)" for t in self.runs[0].tables])
         ax.set(yscale="log", ylabel="rows that moved (log)", title=f"Fine-tuning for {self.steps} steps: rows moved")
         ax.legend(fontsize=8)
         return fig
@@ -149,8 +146,7 @@ class FinetuneReport(Result):
         """|change| of the first position rows in each run: only positions that occurred move under Adam."""
         fig, ax = axes(ax)
         for run, style in zip(self.runs, ("-o", "--s", ":^", "-.d"), strict=False):
-            change = run.row_change.get("position")
-            if change is not None:
+            if (change := run.row_change.get("position")) is not None:
                 ax.plot(range(min(first, len(change))), change[:first], style, ms=4, label=run.spec.name)
         ax.axvline(max(self.occurred["position"]) + 0.5, color="k", ls="--", lw=0.8, label="longest sentence ends")
         ax.set(xlabel="position", ylabel="|row after - row before|", title="Position rows after fine-tuning",
@@ -216,14 +212,15 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
     after every step. `save`: a new (or empty) folder for the first run's layer and tokenizer, checked first."""
     import torch
 
+    from bertembed.atomic import atomic_folder
+    from bertembed.checkpoint import checkpoint_writer
     from bertembed.embeddings import BertEmbeddings
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
     if not lr > 0:
         raise ValueError(f"lr={lr}: the learning rate must be positive, e.g. 1e-3")
-    if save is not None:
-        check_save_folder(save)
+    folder = check_save_folder(save) if save is not None else None
     checkpoint = load_layer(model)
     source, tokenizer = checkpoint.source, checkpoint.tokenizer
     base = BertEmbeddings.from_pretrained(source)
@@ -242,8 +239,13 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
     for i, spec in enumerate(runs):
         result, layer = _run(spec, start, base.config, enc, labels, occurred, steps, lr, seed, progress)
         results.append(result)
-        if save is not None and i == 0:
-            save_with_tokenizer(layer, source, save)
+        if folder is not None and i == 0:  # (all or nothing: a failure or Ctrl-C leaves no folder, nor a partial one)
+            write = checkpoint_writer(layer, folder)
+            with atomic_folder(folder, keep_others=False) as staging:
+                write(staging)
+                for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                    if (path := source.file(name)) is not None:
+                        shutil.copyfile(path, staging / name)
     return FinetuneReport(source=source, trainable=trainable, occurred=occurred, runs=results, steps=steps,
                           lr=lr, seconds=time.perf_counter() - began, sentences=tuple(sentences))
 
@@ -264,19 +266,3 @@ def check_save_folder(folder: str | Path) -> Path:
         raise ValueError(f"cannot save to {folder}: {err.strerror or err}") from err
     return folder
 
-
-def save_with_tokenizer(layer, source, folder: str | Path) -> Path:
-    """Save an embedding layer with its checkpoint's tokenizer files into `folder`, all or nothing
-    (`atomic_folder`): a failure or Ctrl-C leaves no folder, partial or temporary; an OSError names `folder`."""
-    from bertembed.atomic import atomic_folder
-    from bertembed.checkpoint import checkpoint_writer
-
-    folder = check_save_folder(folder)
-    write = checkpoint_writer(layer, folder)
-    with atomic_folder(folder, keep_others=False) as staging:
-        write(staging)
-        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            path = source.file(name)
-            if path is not None:
-                shutil.copyfile(path, staging / name)
-    return folder

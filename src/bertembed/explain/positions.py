@@ -57,12 +57,9 @@ def peak_frequencies(matrix: np.ndarray) -> np.ndarray:
 
 
 def find_seams(matrix: np.ndarray, first: int = 0) -> list[dict]:
-    """Boundaries where the cosine between neighbours dips below the cosines on either side (4 * SEAM_WINDOW
-    boundaries each), and the level of the norms or of that cosine changes across more than at other boundaries,
-    each by more than SEAM_SCORE robust z-scores. A level is the median of SEAM_WINDOW rows, the row after the
-    boundary left out (a one-row spike is no step). Rows within SEAM_WINDOW of an end (the first is every sequence's
-    [CLS]) have no level on one side: not tested. Of seams closer than 4, the deepest dip stays. `first`: the
-    position of the table's first row."""
+    """Boundaries of [P, H] where the neighbours' cosine dips below those on either side and the level (median of
+    SEAM_WINDOW rows, the row after the boundary left out) of the norms or of that cosine steps, both by SEAM_SCORE
+    robust z-scores; of seams closer than 4 the deepest stays. `first`: the position of the table's first row."""
     norms, w = row_norms(matrix), SEAM_WINDOW
     if len(norms) < 4 * w:
         return []
@@ -92,10 +89,9 @@ def _robust_z(x: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray:
 
 
 def components(matrix: np.ndarray, count: int = COMPONENTS) -> tuple[np.ndarray, np.ndarray, list[dict]]:
-    """The principal components of [P, H] (each column centred over positions): the share of the variance on each
-    (descending), the positions' coordinates [P, count] on the first `count`, and for each of those its strongest
-    frequency ("cycles" over the P positions, >= 1), "period" (positions), "near": the share of its variance within
-    +-"width" cycles of it (max(1, 10%)), and the "row" holding most of its variance and that "row_share"."""
+    """The principal components of [P, H] centred: their variance shares (descending), coordinates [P, count], and
+    per component its strongest frequency ("cycles", "period"), the share "near" it (+-"width" cycles, max(1, 10%)),
+    and the "row" holding most of its variance with that "row_share"."""
     centred = matrix - matrix.mean(0)
     values, vectors = np.linalg.eigh(centred.T @ centred)  # (ascending; cheaper than an SVD of [P, H])
     shares = np.clip(values[::-1], 0, None) / max(values.sum(), 1e-300)
@@ -161,8 +157,7 @@ class PositionReport(Result):
 
     @property
     def kind(self) -> str:
-        """"sinusoidal" (the sin/cos table's structure), "noise" (no more structure than a random, untrained table)
-        or "learned"."""
+        """"sinusoidal" (sin/cos's structure), "noise" (no more than a random table's) or "learned"."""
         noise = abs(np.median(np.diag(self.similarity, 1))) < 0.2 and self.lowfreq_share < 3 * self.lowfreq_share_noise
         return "sinusoidal" if self.structure_correlation > 0.95 else "noise" if noise else "learned"
 
@@ -171,8 +166,7 @@ class PositionReport(Result):
         return np.arange(self.first, self.first + len(self.norms))
 
     def describe_components(self) -> str:
-        """The leading components in words (an outlier row, `_cycles` or none); a pair at one frequency, both waves
-        (`WAVE`), as what positions do on them (`turning`): a circle only if the radius is steady, the turn as said."""
+        """The leading components in words; a pair of waves at one frequency as what positions do on them."""
         c = self.components
         pair = len(c) > 1 and c[0]["cycles"] == c[1]["cycles"] and min(c[0]["near"], c[1]["near"]) >= WAVE
         said = [f"component {x['component']} ({x['share']:.0%}) " + (
@@ -293,15 +287,14 @@ class PositionReport(Result):
         fig, ax = axes(ax)
         ax.plot(self.positions, self.norms, color=PART_COLOURS["position"], lw=1.2, label="norm of position vector")
         ax.set(xlabel="position", ylabel="L2 norm", title="Position vectors by position")
-        twin = ax.twinx()
-        twin.plot(self.positions[:-1], np.diag(self.similarity, 1), color="0.45", lw=0.8,
-                  label="cosine with next position")
-        twin.set(ylabel="cosine with next position", ylim=(min(0, float(np.diag(self.similarity, 1).min())), 1.05))
+        twin, cos = ax.twinx(), np.diag(self.similarity, 1)
+        twin.plot(self.positions[:-1], cos, color="0.45", lw=0.8, label="cosine with next position")
+        twin.set(ylabel="cosine with next position", ylim=(min(0, float(cos.min())), 1.05))
         for seam in self.seams:
             ax.axvline(seam["at"], color="k", ls="--", lw=0.8)
             ax.text(seam["at"] + 3, ax.get_ylim()[1] * 0.95, f"seam at {seam['at']}", fontsize=8, va="top")
-        lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=8,
+                  loc="center right")
         return fig
 
     def plotly_norms(self):
@@ -339,8 +332,7 @@ class PositionReport(Result):
         return fig.update_layout(xaxis_type="log", yaxis_type="log")
 
     def plot_pca(self):
-        """Left, the positions on the first two principal components, the `labelled` ones named and joined in order;
-        right, the leading components against position (the fast ones faint)."""
+        """Left, positions on the first two components, the `labelled` ones named; right, components by position."""
         fig, (ax, right) = axes(size=(12, 4.8), panels=2)
         (x, y), shown = self.pca_coords[:, :2].T, self.labelled()
         fig.colorbar(ax.scatter(x, y, c=self.positions, s=8, zorder=2), ax=ax, label="position")
@@ -369,8 +361,7 @@ class PositionReport(Result):
 
 
 def _cycles(c: dict) -> str:
-    """A component's strongest frequency in words ("88 cycles over the table, a period of 5.82 positions"), where it
-    has one: `NEAR` of its variance near it, and no one row holding `OUTLIER` of it."""
+    """A component's strongest frequency in words ("88 cycles over the table, a period of 5.82 positions")."""
     if c["near"] < NEAR or c["row_share"] >= OUTLIER:
         return "no dominant frequency"
     return f"{c['cycles']} cycle{'s' * (c['cycles'] != 1)} over the table, a period of {c['period']:.3g} positions"
@@ -381,8 +372,7 @@ def _within(c: dict) -> str:
 
 
 def _plotly(title: str, xtitle: str, ytitle: str, panels: int = 1, titles: tuple = (), secondary_y: bool = False):
-    """An empty plotly figure of `panels` side by side under the report's layout (plotly imported here: an optional
-    dependency); `xtitle` and `ytitle` name the first panel's axes."""
+    """An empty plotly figure of `panels` side by side under the report's layout, the first panel's axes named."""
     from plotly.subplots import make_subplots
 
     fig = make_subplots(1, panels, subplot_titles=titles, specs=[[{"secondary_y": secondary_y}] * panels])

@@ -5,6 +5,7 @@ ids and float16 cosines), beside the text's own tokens. V vocabulary, E table wi
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import logging
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bertembed.atomic import write_atomic
 from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig
 from bertembed.explain.tokens import vocabulary
 from bertembed.sources import Source
+from bertembed.tokenizer import check_not_blank
 
 logger = logging.getLogger(__name__)
 # Every row's neighbours take a [V, V] product: about 20 s once for BERT's 30,522 rows (cached). The page holds ~150
@@ -110,11 +113,8 @@ def nearest_rows(words: np.ndarray, k: int = 10, progress: Callable[[str, int, i
     folder = os.environ.get("BERTEMBED_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                         "bertembed")
     path = Path(folder, f"neighbours-{key.hexdigest()}-k{k}.npz")
-    try:
-        with np.load(path) as cached:
-            return cached["ids"], cached["scores"], path
-    except (OSError, KeyError, ValueError):  # not found yet (or unreadable): found again
-        pass
+    with contextlib.suppress(OSError, KeyError, ValueError), np.load(path) as cached:  # (else: not found yet)
+        return cached["ids"], cached["scores"], path
     unit = words / np.maximum(np.linalg.norm(words, axis=1, keepdims=True), 1e-30)
     ids, scores, step = np.empty((len(words), k), np.int32), np.empty((len(words), k), np.float16), 1024
     for start in range(0, len(words), step):
@@ -129,8 +129,6 @@ def nearest_rows(words: np.ndarray, k: int = 10, progress: Callable[[str, int, i
     buffer = io.BytesIO()
     np.savez(buffer, ids=ids, scores=scores)
     try:
-        from bertembed.atomic import write_atomic
-
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, buffer.getvalue())
     except OSError as err:  # (a read-only home: the report is made all the same, the next one finds them again)
@@ -142,8 +140,6 @@ def word_map(text: str, text_b: str | None = None, model: ModelArg = None, *,
              progress: Callable[[str, int, int], None] | None = None) -> WordMap:
     """The word table of `model` on its two principal components, every row's 10 nearest rows (`nearest_rows`), and
     where the tokens of `text` (and `text_b`) sit. ValueError for a blank text or a table over MAX_ROWS rows."""
-    from bertembed.tokenizer import check_not_blank
-
     check_not_blank(text, "the text", text_b)
     layer = load_layer(model)
     enc = layer.encode(text, text_b)

@@ -1,6 +1,5 @@
-"""The HTML report and the PNG files: every analysis of one text, each with its figures and their captions. The
-report is one self-contained page that opens from disk offline: plotly.js inlined once, every figure that has an
-interactive twin a plotly div (hover, zoom, pan), the others a PNG inline."""
+"""The HTML report and the PNG files of every analysis of one text. The report is one page that opens offline:
+plotly.js inlined once, each figure with an interactive twin a plotly div (hover, zoom, pan), the others PNGs."""
 
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ INTRO = ("Before any attention layer runs, the model turns text into vectors: ea
 def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
                  projector: bool = False, finetune: bool = False, steps: int = 12,
                  progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
-    """All analyses of one text (or pair), on one checkpoint read once: decomposition, positions, segments, the
-    nearest rows of `token` (default: the text's first whole word), one-hot; with `projector`, the whole word table
-    in 2-D (its neighbours found once per checkpoint and cached); with `finetune`, the fine-tune demo (needs torch;
-    seconds). `progress(what, done, total)` follows the long steps."""
+    """All analyses of one text (or pair) on one checkpoint read once: decomposition, positions, segments, `token`'s
+    neighbours (default: the text's first whole word), one-hot; with `projector` the word table in 2-D (cached), with
+    `finetune` the fine-tune demo (torch; seconds). `progress(what, done, total)` follows the long steps."""
     from bertembed import explain
     from bertembed.explain._common import load_layer
     from bertembed.tokenizer import check_not_blank
@@ -46,22 +44,19 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     # the neighbours of the word asked for, else of the text's first whole word (not special, not a ## piece)
     token = token or next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
                           dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")
-    results = [dec, _or_why("Positions", explain.analyze_positions, layer),
-               _or_why("Segments", explain.analyze_segments, text, text_b, layer),
-               explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer, text_b=text_b)]
+    results = [dec]
+    for title, analysis, args in (("Positions", explain.analyze_positions, [layer]),
+                                  ("Segments", explain.analyze_segments, [text, text_b, layer])):
+        try:
+            results.append(analysis(*args))
+        except NotInThisMember as err:  # (the member has no such table: a section saying why)
+            results.append(NotMeasured(title, str(err)))
+    results += [explain.analyze_tokens(token, layer), explain.analyze_onehot(text, layer, text_b=text_b)]
     if projector:
         results.insert(4, explain.word_map(text, text_b, layer, progress=progress))
     if finetune:
         results.append(explain.finetune_demo(layer, steps=steps, progress=progress))
     return results
-
-
-def _or_why(title: str, analysis: Callable, *args) -> Any:
-    """The analysis's result, or a `NotMeasured` saying why it does not apply to this member (no such table)."""
-    try:
-        return analysis(*args)
-    except NotInThisMember as err:
-        return NotMeasured(title, str(err))
 
 
 def report_html(results: list[Any]) -> str:

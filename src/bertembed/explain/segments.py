@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertembed.config import NotInThisMember
 from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
 
@@ -39,9 +38,7 @@ class SegmentReport(Result):
     output_norm: float  # mean |out(A)|, for scale
     distance_from_zeros_and_ones: tuple[float, float] = (0.0, 0.0)  # |row A - 0|, |row B - 1|
     first_values: list[list[float]] = field(default_factory=list)
-    # max |LayerNorm(x + 1) - LayerNorm(x)| over the tokens, float32: LayerNorm subtracts the mean, so a constant row
-    # (all zeros, all ones) changes nothing
-    constant_shift_change: float = 0.0
+    constant_shift_change: float = 0.0  # max |LayerNorm(x + 1) - LayerNorm(x)| over the tokens, in float32
     pair_tokens: list[str] = field(default_factory=list)  # a pair (when a second text is given): one sequence
     pair_segments: list[int] = field(default_factory=list)
     warning: str | None = None
@@ -127,23 +124,19 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = layer.table("segment")
-    # the text, or the pair as one sequence: refused where it has no tokens or more than the positions
-    enc = layer.encode(text, text_b)
-    pair = enc if text_b is not None else None
+    enc = layer.encode(text, text_b)  # (the pair as one sequence; refused without tokens or past the positions)
     ids = np.array([enc.input_ids, enc.input_ids])
     parts = layer.numpy.decompose(ids, np.array([[0] * ids.shape[1], [1] * ids.shape[1]]))
     out_a, out_b = parts["output"].astype(np.float64)
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
-    try:
-        median_position_norm = float(np.median(row_norms(layer.table("position"))))
-    except NotInThisMember:
-        median_position_norm = float("nan")  # (no position table: nothing to compare the segment rows with)
+    position_norm = (float(np.median(row_norms(layer.table("position"))))  # (NaN: no position table to compare with)
+                     if layer.config.position_embedding_type != "none" else float("nan"))
     return SegmentReport(
         source=layer.source, vectors=seg, norms=[float(n) for n in norms],
         difference_norm=float(np.linalg.norm(seg[1] - seg[0])),
         cosine=float(seg[0] @ seg[1] / max(norms[0] * norms[1], 1e-30)),
-        median_word_norm=float(np.median(row_norms(layer.table("word")))), median_position_norm=median_position_norm,
+        median_word_norm=float(np.median(row_norms(layer.table("word")))), median_position_norm=position_norm,
         zeros_and_ones=bool(np.all(seg[0] == 0) and np.all(seg[1] == 1)), text=text, tokens=list(enc.tokens),
         output_change=row_norms(out_b - out_a),
         output_cosine=(out_a * out_b).sum(-1) / np.maximum(row_norms(out_a) * row_norms(out_b), 1e-30),
@@ -151,8 +144,8 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
         distance_from_zeros_and_ones=(float(np.linalg.norm(seg[0])), float(np.linalg.norm(seg[1] - 1))),
         first_values=[[float(v) for v in row[:6]] for row in seg[:2]],
         constant_shift_change=float(np.abs(_normed32(total + np.float32(1)) - _normed32(total)).max()),
-        pair_tokens=[] if pair is None else list(pair.tokens),
-        pair_segments=[] if pair is None else list(pair.token_type_ids),
+        pair_tokens=list(enc.tokens) if text_b is not None else [],
+        pair_segments=list(enc.token_type_ids) if text_b is not None else [],
         warning=literal_separator(layer.tokenizer, text, text_b))
 
 

@@ -12,9 +12,7 @@ from bertembed.sources import Source
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
-# Each piece of the input gets a search of the whole word table (a [V, H] product) and a line of its own: a word or
-# a few, not a text (600 words were 2 minutes of work and a table no one reads).
-MAX_PIECES = 16
+MAX_PIECES = 16  # each piece costs a search of the [V, H] table and a line: a word or a few, not a text
 
 
 @dataclass
@@ -115,23 +113,6 @@ def _listed(neighbours: list[dict]) -> str:
     return ", ".join(f"{n['token']} ({n['cosine']:.2f})" for n in neighbours[:5])
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation (ties are not handled: continuous norms, distinct ids)."""
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def nearest(words: np.ndarray, norms: np.ndarray, row: int, k: int) -> list[tuple[int, float]]:
-    """The k rows of `words` [V, H] with the highest cosine to row `row`, excluding itself: [(id, cosine)]. `norms`:
-    the rows' norms [V]."""
-    norms = np.maximum(norms, 1e-30)
-    cos = (words @ words[row]) / (norms * norms[row])
-    cos[row] = -np.inf
-    top = np.argpartition(-cos, k)[:k]
-    top = top[np.argsort(-cos[top], kind="stable")]
-    return [(int(i), float(cos[i])) for i in top]
-
-
 def _entries(tokenizer, token: str) -> tuple[list[str], str]:
     """The vocabulary entries `token` stands for (itself, its normalised form, or its pieces) and a note saying
     which. ValueError when it gives none."""
@@ -167,19 +148,23 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     words = layer.table("word")
     entries, note = _entries(tokenizer, token)
     norms = row_norms(words)
-    k = min(k, len(norms) - 1)
+    k, clamped = min(k, len(norms) - 1), np.maximum(norms, 1e-30)
     pieces = []
-    for entry in entries:
+    for entry in entries:  # each piece's k nearest rows by cosine, itself excluded, most similar first
         row = tokenizer.token_to_id(entry)
-        near = nearest(words, norms, row, k)
+        cos = (words @ words[row]) / (clamped * clamped[row])
+        cos[row] = -np.inf
+        top = np.argpartition(-cos, k)[:k]
         pieces.append({"token": entry, "id": row, "neighbours": [
-            {"token": tokenizer.backend.id_to_token(i), "id": i, "cosine": c} for i, c in near]})
+            {"token": tokenizer.backend.id_to_token(int(i)), "id": int(i), "cosine": float(cos[i])}
+            for i in top[np.argsort(-cos[top], kind="stable")]]})
     token_id = pieces[0]["id"]
     special = [{"token": t, "id": i, "norm": float(norms[i])} for t in SPECIAL_TOKENS
                if (i := tokenizer.token_to_id(t)) is not None]
     unused = [i for i in range(min(len(norms), 1000)) if tokenizer.backend.id_to_token(i).startswith("[unused")]
     start = tokenizer.token_to_id(RANK_START_TOKEN)
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
+    ranks = None if region is None else np.argsort(np.argsort(norms[region]))  # (Spearman: ids are their own ranks)
     pad = layer.config.pad_token_id
     return TokenReport(
         source=layer.source, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
@@ -187,7 +172,7 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
         special=special, pad_is_zero=bool(np.all(words[pad] == 0)), median_norm=float(np.median(norms)),
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
-        rank_norm_correlation=None if region is None else spearman(region, norms[region]), norms=norms,
+        rank_norm_correlation=None if ranks is None else float(np.corrcoef(region, ranks)[0, 1]), norms=norms,
         vocabulary=vocabulary(tokenizer, len(norms)))
 
 

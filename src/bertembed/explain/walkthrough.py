@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bertembed.atomic import check_output, write_atomic
 from bertembed.config import EmbeddingConfig
 from bertembed.explain._common import ModelArg, load_layer
 from bertembed.explain.segments import DEFAULT_TEXT, literal_separator
@@ -122,8 +123,12 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None) ->
         if step.result == "output" and against.startswith("transformers'"):  # (its own module: bit for bit)
             step = replace(step, exact=True)
         results.append(_result(step, space))
-    tokens = space["enc"].tokens
-    _note_repeats(results[1], tokens, space["ids"][0].tolist())
+    tokens, ids = space["enc"].tokens, space["ids"][0].tolist()
+    # step 2's note: a repeated id gets the very same row (at its second place), else the first token's lookup
+    repeats = [f"{tokens[i]} at {ids.index(t)} and {i}: the same id, so the same row, in any sentence"
+               for i, t in enumerate(ids) if ids[:i].count(t) == 1]
+    first = f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup"
+    results[1].notes.extend(repeats or [first])
     return Walkthrough(checkpoint.source, layer.config.model_type, tokens, results, against,
                        literal_separator(checkpoint.tokenizer, text, text_b))
 
@@ -200,18 +205,6 @@ def _result(step: Step, space: dict, values: int = 4) -> Step:
     return replace(step, shape=shape, preview=preview, check=check, max_abs_diff=diff)
 
 
-def _note_repeats(result: Step, tokens: list[str], ids: list[int]) -> None:
-    """Step 2's note: a repeated id gets the very same row (the seeds' [CLS]/[SEP] question)."""
-    places: dict[int, list[int]] = {}
-    for i, token_id in enumerate(ids):
-        if len(places.setdefault(token_id, [])) == 1:  # (its second place)
-            result.notes.append(f"{tokens[i]} at {places[token_id][0]} and {i}: the same id, so the same row, in "
-                                f"any sentence")
-        places[token_id].append(i)
-    if not result.notes:
-        result.notes.append(f"{tokens[0]} (id {ids[0]}) gets this same row in every sentence: it is a lookup")
-
-
 def check_walkthrough(result: Walkthrough) -> list[str]:
     """The steps whose check failed (an exact step that differs), for tests and the command's exit status."""
     return [s.title for s in result.steps if s.check.startswith("differs")]
@@ -256,15 +249,12 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = DEFAU
     """Write the walkthrough notebook to `path` (needs nbformat: pip install -e ".[notebook]")."""
     import nbformat
 
-    from bertembed.atomic import check_output, write_atomic
-
     layer = load_layer(model)
     layer.encode(text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
-    cells = notebook_cells(model, layer, text, text_b)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
-                  for kind, s in cells]
+                  for kind, s in notebook_cells(model, layer, text, text_b)]
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.validate(book)
     write_atomic(path, nbformat.writes(book).encode("utf-8"))
