@@ -78,6 +78,7 @@ def text_batches(files: list[Path], what: str, layout: str, progress=None, size:
     """The lines of UTF-8 text `files` that are not blank, read as a stream in batches of about `size` bytes;
     `progress(bytes read, bytes in all)` after each. ValueError naming `what` and the file it cannot read."""
     total, done, batch, start = sum(f.stat().st_size for f in files), 0, [], 0
+    progress = progress or (lambda done, total: None)
     for path in files:
         try:
             with open(path, "rb") as stream:
@@ -88,14 +89,12 @@ def text_batches(files: list[Path], what: str, layout: str, progress=None, size:
                     if done - start >= size:
                         yield batch
                         batch, start = [], done
-                        if progress:
-                            progress(done, total)
+                        progress(done, total)
         except (OSError, UnicodeError) as err:
             why = getattr(err, "strerror", None) or "not UTF-8 text"
             raise ValueError(f"cannot read {what} {path} ({why}); pass a UTF-8 text file, {layout}") from err
     yield batch
-    if progress:
-        progress(done, total)
+    progress(done, total)
 
 
 def text_lines(path: str | Path, what: str, layout: str) -> list[str]:
