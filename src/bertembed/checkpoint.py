@@ -52,26 +52,20 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
     source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
-    # A save may switch a new version in between config.json and the weights, which would load one version's config
-    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again. The
-    # folder is held open while it is read, so that its inode number, which tells a new folder from it, is not reused
-    # meanwhile. (The hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
+    # A save may switch a new version in between config.json and the weights: read again. The folder is held open
+    # while it is read, so that its inode number, which tells a new folder from it, is not reused meanwhile. (The
+    # hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
     pin = source.kind in ("folder", "file") and os.name == "posix"
     for attempt in range(5):
+        fd = None
         try:
             fd = os.open(source.folder, os.O_RDONLY) if pin else None
-        except OSError:  # (gone for a moment: between the two renames of a save without an atomic exchange)
-            if attempt == 4:
-                raise
-            continue
-        try:
             checkpoint = _read(source, framework, word_reader)
-        except (OSError, ValueError):
-            if _unchanged(fd, source.folder) or attempt == 4:  # (else the failure may come from a mix of two versions)
-                raise
-        else:
             if _unchanged(fd, source.folder):
                 return checkpoint
+        except (OSError, ValueError):  # from a mix of two versions, or the folder gone between a save's two renames
+            if attempt == 4 or not pin or fd is not None and _unchanged(fd, source.folder):
+                raise
         finally:
             if fd is not None:
                 os.close(fd)

@@ -95,34 +95,30 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
 
 
 def write_whole(whole: WholeCheckpoint) -> dict[str, Any]:
-    """Write DST: SRC's other files copied, the tensors as safetensors, DST's own text files; the report's entries."""
+    """Write DST: SRC's other files copied, the tensors as safetensors (in shards of at most 5 GB with an index above
+    that), DST's own text files; the report's entries."""
+    # (shards as huggingface_hub's save_torch_state_dict writes them: that one imports torch.distributed, a second or
+    # more, to unshare tensors, which `read_whole` did)
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from safetensors.torch import save_file
+
     skip = whole.weight_files | set(whole.files) | whole.dropped
+    split = split_state_dict_into_shards_factory(whole.tensors, get_storage_size=lambda t: t.nbytes,
+                                                 max_shard_size="5GB", filename_pattern="model{suffix}.safetensors")
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        whole.files["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
     with atomic_folder(whole.target, keep_others=False) as staging:
         for entry in whole.folder.iterdir():  # (links, as the hub cache's, copied as the files they point to)
             if entry.name in skip or entry.is_dir() and entry.name.startswith("."):
                 continue  # (a hidden folder, .git or .cache: a clone's or the hub's bookkeeping, not the model's)
             copy = shutil.copytree if entry.is_dir() else shutil.copy2
             copy(entry, staging / entry.name)
-        _save(whole.tensors, staging)
+        for name, keys in split.filename_to_tensors.items():
+            save_file({k: whole.tensors[k].contiguous() for k in keys}, str(staging / name), metadata={"format": "pt"})
         for name, text in whole.files.items():
             (staging / name).write_text(text, encoding="utf-8")
     return {"destination": str(whole.target), "dropped_files": sorted(whole.dropped)}
-
-
-def _save(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    """`tensors` as safetensors, in shards of at most 5 GB with an index above that, as huggingface_hub's
-    `save_torch_state_dict` writes them; that one imports torch.distributed (a second or more) to unshare tensors,
-    which `read_whole` did."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-    from safetensors.torch import save_file
-
-    split = split_state_dict_into_shards_factory(tensors, get_storage_size=lambda t: t.nbytes, max_shard_size="5GB",
-                                                 filename_pattern="model{suffix}.safetensors")
-    for name, keys in split.filename_to_tensors.items():
-        save_file({k: tensors[k].contiguous() for k in keys}, str(folder / name), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int, method: str = "copy") -> dict:

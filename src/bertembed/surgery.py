@@ -37,10 +37,8 @@ def extend_positions(layer, n: int, method: str = "copy"):
                              f"multiple of the {count} there are now (e.g. {2 * count}); or use method='copy'")
         at = torch.arange(n, dtype=torch.float64) / (n // count)
         low = at.floor().long()
-        high = (low + 1).clamp(max=count - 1)
-        weight = (at - low)[:, None]
-        weight[low == count - 1] = 0.0  # past the last old row: that row, repeated
-        grown = (old[low].double() * (1 - weight) + old[high].double() * weight).to(old.dtype)
+        high = (low + 1).clamp(max=count - 1)  # (past the last old row: that row, repeated)
+        grown = torch.lerp(old[low].double(), old[high].double(), (at - low)[:, None]).to(old.dtype)
     elif method == "sinusoidal":  # sin/cos rows scaled to the old rows' mean norm
         norm = old.double().norm(dim=1).mean()
         fresh = torch.from_numpy(sinusoidal_table_np(n, old.shape[1]))[count:]

@@ -1,6 +1,5 @@
-"""Vocabulary surgery on whole checkpoints (docs/surgery.md): tokens added, or the vocabulary pruned to a corpus's,
-in tokenizer.json (edited with `tokenizers`) and in every tensor indexed by token. V vocabulary rows, E table width.
-"""
+"""Vocabulary surgery on whole checkpoints (docs/surgery.md): tokens added, or the vocabulary pruned to a corpus's, in
+tokenizer.json (with `tokenizers`) and in every tensor indexed by token. V vocabulary rows, E table width."""
 
 from __future__ import annotations
 
@@ -79,6 +78,7 @@ def text_batches(files: list[Path], what: str, layout: str, progress=None, size:
     """The lines of UTF-8 text `files` that are not blank, read as a stream in batches of about `size` bytes;
     `progress(bytes read, bytes in all)` after each. ValueError naming `what` and the file it cannot read."""
     total, done, batch, start = sum(f.stat().st_size for f in files), 0, [], 0
+    progress = progress or (lambda done, total: None)
     for path in files:
         try:
             with open(path, "rb") as stream:
@@ -89,14 +89,12 @@ def text_batches(files: list[Path], what: str, layout: str, progress=None, size:
                     if done - start >= size:
                         yield batch
                         batch, start = [], done
-                        if progress:
-                            progress(done, total)
+                        progress(done, total)
         except (OSError, UnicodeError) as err:
             why = getattr(err, "strerror", None) or "not UTF-8 text"
             raise ValueError(f"cannot read {what} {path} ({why}); pass a UTF-8 text file, {layout}") from err
     yield batch
-    if progress:
-        progress(done, total)
+    progress(done, total)
 
 
 def text_lines(path: str | Path, what: str, layout: str) -> list[str]:
@@ -117,8 +115,7 @@ def _tokenizer(whole: WholeCheckpoint):
 
 
 def _indexed_by_token(whole: WholeCheckpoint, rows: int) -> dict[str, torch.Tensor]:
-    """The tensors indexed by token: the word table [V, E] and, outside the layer, every [V, E] table (an MLM decoder)
-    and [V] vector (its bias)."""
+    """The word table [V, E] and, outside the layer, every [V, E] table (an MLM decoder) and [V] vector (its bias)."""
     word_key = whole.keys["word_embeddings.weight"]
     width = whole.tensors[word_key].shape[1]
     return {word_key: whole.tensors[word_key]} | {
@@ -146,8 +143,7 @@ def _with_rows(value: torch.Tensor, ids: list[int], rows: int, pieces: list[list
 
 
 def _update_added_decoder(whole: WholeCheckpoint, change, change_legacy) -> None:
-    """Apply `change` to tokenizer_config.json's `added_tokens_decoder` (id -> token), and `change_legacy` to the slow
-    tokenizers' added_tokens.json (token -> id), where SRC has them."""
+    """`change` tokenizer_config.json's added_tokens_decoder (id -> token), `change_legacy` added_tokens.json's."""
     config = whole.json_file("tokenizer_config.json") or {}
     if isinstance(decoder := config.get("added_tokens_decoder"), dict):
         whole.set_json("tokenizer_config.json", dict(config, added_tokens_decoder=change(decoder)))
@@ -224,8 +220,7 @@ def _size(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def _retokenized(batches, tokenizer, pruned, new_id: dict[int, int], unk: int | None) -> list[int]:
-    """Check that each line of `batches` made only of kept tokens tokenizes as before (ValueError if not); the tokens
-    of all lines before and after, and how many of them were unknown before and after."""
+    """Check that lines of kept tokens tokenize as before; the tokens before and after, and the unknown ones of each."""
     counts = np.zeros(4, dtype=np.int64)
     for batch in batches:
         for line, old, new in zip(batch, tokenizer.encode_batch(batch, add_special_tokens=False),
@@ -238,8 +233,7 @@ def _retokenized(batches, tokenizer, pruned, new_id: dict[int, int], unk: int | 
 
 
 def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set[int]) -> list[int]:
-    """The ids to keep, in order: those the corpus `used`, the special and unknown tokens, the ids config.json names,
-    and for BPE every token the merges build the kept ones from."""
+    """The ids to keep, in order: `used`, the special and unknown ones, config.json's, for BPE the merges' parts."""
     model = data["model"]
     kept = used | {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
     kept |= {unk} if isinstance(unk := _unk_id(tokenizer, model), int) else set()
@@ -265,8 +259,7 @@ def _unk_id(tokenizer, model: dict[str, Any]) -> int | None:
 
 
 def _renumber_tokenizer(data: dict[str, Any], new_id: dict[int, int]) -> None:
-    """tokenizer.json's data with only the kept ids, renumbered (vocabulary, merges, added tokens, post-processor,
-    padding)."""
+    """tokenizer.json's data with only the kept ids, renumbered (vocabulary, merges, added tokens, specials, pad)."""
     model = data["model"]
     if isinstance(model["vocab"], dict):  # WordPiece, WordLevel, BPE: token -> id
         model["vocab"] = {t: new_id[i] for t, i in model["vocab"].items() if i in new_id}
