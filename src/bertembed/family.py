@@ -107,9 +107,8 @@ def layout(model_type: str) -> dict[str, str]:
 
 
 def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
-    """transformers' own embeddings module of `config`'s member (its row's `hf_layer`), built from `config` as
-    transformers' config (with `settings` on top), holding `state`'s tables: the layer's tensors that `layout` puts in
-    the embeddings module. ValueError where the member has no such module; RuntimeError where its tables differ."""
+    """transformers' own embeddings module of `config`'s member (`hf_layer`), built from `config` with `settings` on
+    top, holding `state`'s tables; ValueError where the member has no such module, RuntimeError where tables differ."""
     import importlib
 
     import transformers
@@ -126,8 +125,7 @@ def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
 
 
 def module_names(model_type: str) -> dict[str, str]:
-    """bertembed's name -> transformers' of the submodules of the member's embeddings module named otherwise than
-    BERT's (ModernBERT's `tok_embeddings`, ...)."""
+    """bertembed's name -> transformers' of the embeddings' submodules named otherwise (ModernBERT's tok_embeddings)."""
     return {ours: path.removeprefix("embeddings.") for ours, path in MEMBERS[model_type].modules.items()
             if path.startswith("embeddings.") and path.count(".") == 1}
 
