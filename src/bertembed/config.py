@@ -149,9 +149,7 @@ class EmbeddingConfig:
         ALiBi positions (in attention, not in this layer) read as "none"."""
         where = "the config dict"
         if not isinstance(source, dict):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
+            path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
             source, where = read_json(path, "an object of config keys"), str(path)
@@ -183,10 +181,9 @@ class EmbeddingConfig:
         back = {v: k for k, v in member.renames.items()}
         implied = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
         ours = {back.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("extra", "model_type", *implied)}
-        ours["embedding_size"] = self.table_width if "embedding_size" in member.defaults else ours["embedding_size"]
-        if ours["embedding_size"] is None:
-            del ours["embedding_size"]
+                if f.name not in ("extra", "model_type", "embedding_size", *implied)}
+        if "embedding_size" in member.defaults or self.embedding_size is not None:  # (ALBERT's, ELECTRA's: always)
+            ours["embedding_size"] = self.table_width
         if member.position_switch is not None:
             ours[member.position_switch] = self.position_embedding_type != "none"
         return {"model_type": self.model_type, **self.extra, **ours}

@@ -150,5 +150,4 @@ def padding_row(positions) -> int | None:
     """The index of an all-zero row of a [P, H] position table (numpy or torch) with nonzero rows after it: the
     padding row of a RoBERTa-style table, which BERT's never has; else None."""
     rows = (positions == 0).all(1).tolist()
-    first = rows.index(True) if True in rows else None
-    return first if first is not None and not all(rows[first:]) else None
+    return rows.index(True) if True in rows and not all(rows[rows.index(True):]) else None

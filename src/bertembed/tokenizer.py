@@ -15,7 +15,6 @@ from typing import Any
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
-TextPair = tuple[str, str]
 _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 
 
@@ -77,7 +76,7 @@ class Tokenizer:
 
     def __call__(
         self,
-        text: str | Sequence[str] | Sequence[TextPair],
+        text: str | Sequence[str] | Sequence[tuple[str, str]],
         text_pair: str | Sequence[str] | None = None,
         *,
         padding: bool | str = True,
@@ -92,9 +91,8 @@ class Tokenizer:
         padding: True pads a batch to its longest sequence, "max_length" to `max_length`, False not at all.
         truncation: cut to `max_length` (default: the model's position limit), longest segment first.
         return_tensors: None for lists, "pt" for [B, L] torch tensors.
-        return_overflowing_tokens: a text longer than `max_length` becomes several windows, each a full sequence with
-            its own specials, consecutive windows sharing `stride` tokens (transformers' sliding windows, from
-            `tokenizers` itself); the result is a batch of windows, `overflow_to_sample_mapping` naming each one's text.
+        return_overflowing_tokens: a text longer than `max_length` becomes a batch of windows (transformers' sliding
+            windows), each with its own specials, sharing `stride` tokens; `overflow_to_sample_mapping` names the text.
         """
         batched, items = _as_items(text, text_pair)
         for i, item in enumerate(items):
