@@ -22,15 +22,13 @@ POSITION_TYPES: tuple[str, ...] = get_args(PositionType)
 _CHOICES = {"position_embedding_type": POSITION_TYPES, "projection": ("none", "output", "before_norm"),
             "sum_order": ("type_first", "position_first")}
 
-# the facts a member implies (the field's default, BERT's, unless its row says otherwise): never written to
-# config.json, and never contradicted, so that a saved config means to transformers what it means here
+# what a member implies (BERT's value unless its row says otherwise): never written to config.json nor contradicted
 _FACTS = ("positions_from_padding", "sum_order", "norm_bias", "norm_in_float32", "projection", "mask_output")
 
 
 def implied_facts(model_type: str, embedding_size: int | None, position_embedding_type: str) -> dict[str, Any]:
-    """The `_FACTS` that `model_type` fixes: its row's `facts` over BERT's values (those its config.json holds, as
-    ModernBERT's `norm_bias`, left to it), a `factorised` projection only where E != H, and no position counting
-    without a position table."""
+    """The `_FACTS` that `model_type` fixes: its row's `facts` over BERT's (save those its config.json holds), its
+    `factorised` projection only where E != H, and no position counting without a position table."""
     member = MEMBERS[model_type]
     facts = {**{name: getattr(EmbeddingConfig, name) for name in _FACTS if name not in member.defaults}, **member.facts}
     if member.factorised is not None:
@@ -42,11 +40,8 @@ def implied_facts(model_type: str, embedding_size: int | None, position_embeddin
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """Sizes and constants of the embedding layer of BERT or one of its family (`MEMBERS`, docs/family.md).
-
-    Field names are Hugging Face's config.json keys where BERT has them; the rest are the facts in which the family
-    differs, which every engine reads: the family adds values, not paths.
-    """
+    """Sizes and constants of the embedding layer of BERT or one of its family (`MEMBERS`, docs/family.md): BERT's
+    config.json keys, then the facts in which the family differs, which every engine reads."""
 
     vocab_size: int = 30522  # WordPiece vocabulary of bert-base-uncased
     hidden_size: int = 768  # H: the width the encoder takes
@@ -84,11 +79,9 @@ class EmbeddingConfig:
             if value < (0 if name in ("pad_token_id", "type_vocab_size") else 1):
                 raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value}")
         for name in ("layer_norm_eps", "hidden_dropout_prob", "initializer_range"):
-            value = getattr(self, name)
-            real = math.nan
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                with contextlib.suppress(OverflowError):  # an integer past float's range
-                    real = float(value)
+            value, real = getattr(self, name), math.nan
+            with contextlib.suppress(OverflowError):  # an integer past float's range
+                real = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else real
             if not math.isfinite(real):
                 raise ValueError(f"EmbeddingConfig.{name} must be a finite real number, got {_shown(value)}")
             object.__setattr__(self, name, real)
@@ -114,8 +107,7 @@ class EmbeddingConfig:
         if not isinstance(self.extra, dict):
             raise ValueError(f"EmbeddingConfig.extra must be a dict of config.json keys, got {_shown(self.extra)}")
         facts = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
-        wrong = {k: v for k, v in facts.items() if getattr(self, k) != v}
-        if wrong:
+        if wrong := {k: v for k, v in facts.items() if getattr(self, k) != v}:
             raise ValueError(f"model_type={self.model_type!r} implies {wrong} (transformers computes it so); build "
                              f"the config with EmbeddingConfig.for_member({self.model_type!r}, ...)")
 
@@ -146,22 +138,18 @@ class EmbeddingConfig:
 
     @classmethod
     def for_member(cls, model_type: str, **keys: Any) -> EmbeddingConfig:
-        """A config of `model_type` with its facts applied: `keys` are config.json keys of that member (or this class's
-        field names), the rest its class defaults. `for_member("roberta", vocab_size=100)`."""
+        """A config of `model_type` with its facts applied, from its config.json `keys` (or this class's field names),
+        the rest its defaults: `for_member("roberta", vocab_size=100)`."""
         return cls.from_hf_config({**keys, "model_type": model_type})
 
     @classmethod
     def from_hf_config(cls, source: dict[str, Any] | str | Path) -> EmbeddingConfig:
-        """Build from a Hugging Face config of any member of `MEMBERS`: a dict, a config.json path, or a folder.
-
-        Keys the layer does not use are kept in `extra`; keys a config.json omits take the member's class defaults.
-        Relative, rotary and ALiBi position types put positions into attention, not into this layer: "none".
-        """
+        """Build from a Hugging Face config of any member of `MEMBERS`: a dict, a config.json path, or a folder. Keys
+        the layer does not use are kept in `extra`, omitted keys take the member's defaults; relative, rotary and
+        ALiBi positions (in attention, not in this layer) read as "none"."""
         where = "the config dict"
         if not isinstance(source, dict):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
+            path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; pass a folder that holds one, or a dict")
             source, where = read_json(path, "an object of config keys"), str(path)
@@ -193,10 +181,9 @@ class EmbeddingConfig:
         back = {v: k for k, v in member.renames.items()}
         implied = implied_facts(self.model_type, self.embedding_size, self.position_embedding_type)
         ours = {back.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("extra", "model_type", *implied)}
-        ours["embedding_size"] = self.table_width if "embedding_size" in member.defaults else ours["embedding_size"]
-        if ours["embedding_size"] is None:
-            del ours["embedding_size"]
+                if f.name not in ("extra", "model_type", "embedding_size", *implied)}
+        if "embedding_size" in member.defaults or self.embedding_size is not None:  # (ALBERT's, ELECTRA's: always)
+            ours["embedding_size"] = self.table_width
         if member.position_switch is not None:
             ours[member.position_switch] = self.position_embedding_type != "none"
         return {"model_type": self.model_type, **self.extra, **ours}
@@ -237,15 +224,12 @@ def check_config_family(config: dict[str, Any], where: str) -> str:
     model_type = config.get("model_type", "bert")
     if not isinstance(model_type, str) or model_type not in MEMBERS:
         raise ValueError(f"{where} has model_type {str(model_type)[:60]!r}, which bertembed does not read; {SUPPORTED}")
-    architectures = config.get("architectures")
-    if architectures is None:
-        return model_type
+    architectures = [] if config.get("architectures") is None else config["architectures"]
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ValueError(f"{where}: 'architectures' must be a list of class names, got {str(architectures)[:80]}; "
                          f"fix the file")
     stem = MEMBERS[model_type].architectures
-    foreign = [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}\w*", a, re.IGNORECASE)]
-    if foreign:
+    if foreign := [a for a in architectures if not re.fullmatch(rf"(TF|Flax)?{stem}\w*", a, re.IGNORECASE)]:
         raise ValueError(f"{where} says model_type {model_type!r} but names architecture {foreign[0]!r}, not one of "
                          f"its classes: the config is inconsistent; fix it")
     return model_type

@@ -107,9 +107,8 @@ def layout(model_type: str) -> dict[str, str]:
 
 
 def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
-    """transformers' own embeddings module of `config`'s member (its row's `hf_layer`), built from `config` as
-    transformers' config (with `settings` on top), holding `state`'s tables: the layer's tensors that `layout` puts in
-    the embeddings module. ValueError where the member has no such module; RuntimeError where its tables differ."""
+    """transformers' own embeddings module of `config`'s member (`hf_layer`), built from `config` with `settings` on
+    top, holding `state`'s tables; ValueError where the member has no such module, RuntimeError where tables differ."""
     import importlib
 
     import transformers
@@ -126,8 +125,7 @@ def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
 
 
 def module_names(model_type: str) -> dict[str, str]:
-    """bertembed's name -> transformers' of the submodules of the member's embeddings module named otherwise than
-    BERT's (ModernBERT's `tok_embeddings`, ...)."""
+    """bertembed's name -> transformers' of the embeddings' submodules named otherwise (ModernBERT's tok_embeddings)."""
     return {ours: path.removeprefix("embeddings.") for ours, path in MEMBERS[model_type].modules.items()
             if path.startswith("embeddings.") and path.count(".") == 1}
 
@@ -152,5 +150,4 @@ def padding_row(positions) -> int | None:
     """The index of an all-zero row of a [P, H] position table (numpy or torch) with nonzero rows after it: the
     padding row of a RoBERTa-style table, which BERT's never has; else None."""
     rows = (positions == 0).all(1).tolist()
-    first = rows.index(True) if True in rows else None
-    return first if first is not None and not all(rows[first:]) else None
+    return rows.index(True) if True in rows and not all(rows[rows.index(True):]) else None

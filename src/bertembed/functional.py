@@ -1,6 +1,5 @@
-"""The embedding layer's math as one function of its tables: what `bertembed.fast` runs wherever its kernels cannot
-(its `backend="reference"`, a double backward) and is tested against. The module (`embeddings.BertEmbeddings`) calls
-its submodules instead, so that their hooks and wrappers run. Dimension letters: B batch, L length, H hidden.
+"""The embedding layer's math as one function of its tables: what `bertembed.fast` is tested against and falls back
+to (`backend="reference"`, a double backward). Dimension letters: B batch, L length, H hidden.
 """
 
 from __future__ import annotations
@@ -13,12 +12,11 @@ def embed(input_ids: torch.Tensor, word: torch.Tensor, segment: torch.Tensor | N
           weight: torch.Tensor, bias: torch.Tensor | None, token_type_ids: torch.Tensor | None,
           position_ids: torch.Tensor | None, *, eps: float = 1e-12, p: float = 0.0, padding_idx: int | None = None,
           position_padding_idx: int | None = None) -> torch.Tensor:
-    """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H], the
-    layer's math on its tables, in the order the fused kernels add (a None table adds nothing); dropout only for p > 0.
+    """dropout(LayerNorm((word[input_ids] + segment[token_type_ids]) + position[position_ids])): [B, L, H], in the
+    order the fused kernels add (a None table adds nothing); dropout only for p > 0.
 
     input_ids [B, L]; token_type_ids, position_ids: any shape that broadcasts to [B, L] (None: with no table).
-    padding_idx, position_padding_idx: the rows whose gradients stay zero, as nn.Embedding's (None: none). The
-    fused kernels fall back to this function wherever they cannot compute (`bertembed.fast`)."""
+    padding_idx, position_padding_idx: the rows whose gradients stay zero, as nn.Embedding's (None: none)."""
     x = F.embedding(input_ids, word, padding_idx)
     if segment is not None:
         x = x + F.embedding(token_type_ids, segment)

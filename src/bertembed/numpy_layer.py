@@ -48,8 +48,8 @@ class NumpyEmbeddings:
             raise ValueError(f"input_ids must be an integer array [B, L], got {ids.dtype} {ids.shape}")
         types = np.zeros_like(ids) if token_type_ids is None else np.asarray(token_type_ids)
         length = ids.shape[1]
-        for name, values, limit in (("input_ids", ids, cfg.vocab_size), ("token_type_ids", types,
-                                                                          cfg.type_vocab_size or 1)):
+        for name, values, limit in (("input_ids", ids, cfg.vocab_size),
+                                    ("token_type_ids", types, cfg.type_vocab_size or 1)):
             if values.size and (values.min() < 0 or values.max() >= limit):
                 raise ValueError(f"{name} holds values outside [0, {limit}); use ids from this checkpoint's tokenizer")
         if cfg.position_embedding_type != "none" and cfg.first_position + length > cfg.max_position_embeddings:
@@ -58,7 +58,15 @@ class NumpyEmbeddings:
         word = t["word_embeddings.weight"][ids]
         zeros = np.zeros_like(word)
         segment = t["token_type_embeddings.weight"][types] if cfg.type_vocab_size else zeros
-        position = self._positions(ids) if cfg.position_embedding_type != "none" else zeros
+        # position rows 0, 1, 2, ...; or counted from the padding id (RoBERTa, MPNet), pads on the padding row
+        rows = np.broadcast_to(np.arange(length), ids.shape)
+        if cfg.positions_from_padding:
+            rows = np.cumsum(ids != cfg.pad_token_id, axis=1) * (ids != cfg.pad_token_id) + cfg.pad_token_id
+        position = zeros
+        if cfg.position_embedding_type == "absolute":
+            position = t["position_embeddings.weight"][rows]
+        elif cfg.position_embedding_type == "sinusoidal":
+            position = sinusoidal_table_np(int(rows.max()) + 1, cfg.table_width).astype(np.float32)[rows]
         # in the member's order, as the torch layer adds them (an absent table adds zeros: the same numbers)
         total = (word + position) + segment if cfg.sum_order == "position_first" else (word + segment) + position
         if cfg.projection == "before_norm":  # (DeBERTa's E -> H: the parts shown as they enter the norm)
@@ -70,15 +78,3 @@ class NumpyEmbeddings:
         output = (normed + t["LayerNorm.bias"] if cfg.norm_bias else normed).astype(np.float32)
         return {"word": word, "position": position, "segment": segment, "sum": total, "mean": mean.astype(np.float32),
                 "std": std.astype(np.float32), "output": output}
-
-    def _positions(self, ids: np.ndarray) -> np.ndarray:
-        """[B, L, E] position rows: 0, 1, 2, ...; or counted from the padding id (RoBERTa, MPNet)."""
-        cfg, length = self.config, ids.shape[1]
-        if cfg.positions_from_padding:
-            tokens = ids != cfg.pad_token_id
-            rows = np.cumsum(tokens, axis=1) * tokens + cfg.pad_token_id
-        else:
-            rows = np.broadcast_to(np.arange(length), ids.shape)
-        if cfg.position_embedding_type == "absolute":
-            return self.tensors["position_embeddings.weight"][rows]
-        return sinusoidal_table_np(int(rows.max()) + 1, cfg.table_width).astype(np.float32)[rows]

@@ -1,6 +1,5 @@
 """Where a checkpoint's files come from: the bundled default, a local folder, a single weights file, or the hub; a
-`Source` gives any file of the checkpoint the same way for all four. Nothing here imports torch.
-"""
+`Source` gives any file of the checkpoint the same way for all four. Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class Source:
 
 def present(path: Path) -> bool:
     """Whether a checkpoint's file is there: False if nothing has its name; ValueError if something that is not a
-    readable file has it (a folder, or a link to nothing, as a hub cache's snapshot whose blob was deleted): a broken
-    checkpoint is never read as one without that file."""
+    readable file has it (a folder, a link to a deleted blob): a broken checkpoint is never read as one without it."""
     if path.is_file():
         return True
     if not os.path.lexists(path):

@@ -1,6 +1,5 @@
-"""Reading tensors out of weight files (safetensors by name, `.bin`/`.pt` through `torch.load(weights_only=True)`),
-each refused unless it is a dense floating-point table. Torch is imported only for a `.bin`, or bfloat16 for numpy.
-"""
+"""Reading tensors out of weight files (safetensors, or `.bin`/`.pt` through `torch.load(weights_only=True)`), each
+refused unless it is a dense floating-point table. Torch is imported only for a `.bin`, or bfloat16 for numpy."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def read_tensor(handle, path: Path, key: str, framework: str, reader: Callable[[
     if reader is not None:
         return reader(value)
     if framework == "np" and not isinstance(value, np.ndarray):  # a torch tensor: from a .bin, or bfloat16
-        value = value.detach()
-        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
+        return (value.detach().float() if str(value.dtype) == "torch.bfloat16" else value.detach()).numpy()
     return value
 
 
@@ -59,9 +57,8 @@ def tensor_problem(value: Any, *, meta_ok: bool = False) -> str | None:
 
 
 def unshared(tensors: dict[str, Any]) -> dict[str, Any]:
-    """`tensors` (torch), each one that shares memory with an earlier one cloned: safetensors refuses shared tensors,
-    huggingface_hub's save keeps one name of a tied pair (maybe a head's) and drops the other, and a custom op's
-    outputs may not alias."""
+    """`tensors` (torch), each one that shares memory with an earlier one cloned: safetensors refuses shared tensors
+    (huggingface_hub's save would drop one name of a tied pair), and a custom op's outputs may not alias."""
     seen: set[int] = set()
     out = {}
     for key, value in tensors.items():

@@ -15,7 +15,6 @@ from typing import Any
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
-TextPair = tuple[str, str]
 _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 
 
@@ -72,13 +71,12 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
                                     f"pass the folder of a BERT checkpoint that includes its tokenizer")
-        backend.no_truncation()  # (some checkpoints store a fixed truncation; __call__ sets its own)
         return cls(backend, settings["max_length"], source, settings.get("pad_token"),
                    settings.get("one_segment", False))
 
     def __call__(
         self,
-        text: str | Sequence[str] | Sequence[TextPair],
+        text: str | Sequence[str] | Sequence[tuple[str, str]],
         text_pair: str | Sequence[str] | None = None,
         *,
         padding: bool | str = True,
@@ -93,9 +91,8 @@ class Tokenizer:
         padding: True pads a batch to its longest sequence, "max_length" to `max_length`, False not at all.
         truncation: cut to `max_length` (default: the model's position limit), longest segment first.
         return_tensors: None for lists, "pt" for [B, L] torch tensors.
-        return_overflowing_tokens: a text longer than `max_length` becomes several windows, each a full sequence with
-            its own specials, consecutive windows sharing `stride` tokens (transformers' sliding windows, from
-            `tokenizers` itself); the result is a batch of windows, `overflow_to_sample_mapping` naming each one's text.
+        return_overflowing_tokens: a text longer than `max_length` becomes a batch of windows (transformers' sliding
+            windows), each with its own specials, sharing `stride` tokens; `overflow_to_sample_mapping` names the text.
         """
         batched, items = _as_items(text, text_pair)
         for i, item in enumerate(items):
@@ -147,9 +144,8 @@ class Tokenizer:
 
     def require_tokens(self, text: str, name: str = "the text", text_b: str | None = None,
                        name_b: str = "text_b") -> None:
-        """Raise ValueError when `text` (or `text_b`, if given) gives no token of its own, so it would be embedded as
-        `[CLS] [SEP]` alone: empty, whitespace, or only characters BERT's normalizer drops (U+0000, U+200B, U+FEFF...).
-        `__call__` accepts such texts, as transformers does; the analyses call this first."""
+        """ValueError when `text` (or `text_b`) has no token of its own (empty, or only characters the normalizer
+        drops: U+0000, U+200B, ...), so it would be embedded as `[CLS] [SEP]` alone; `__call__` accepts such texts."""
         self.backend.no_truncation()  # (each __call__ sets it again)
         for value, label in check_not_blank(text, name, text_b, name_b):
             if not self.backend.encode(value, add_special_tokens=False).ids:
@@ -184,9 +180,8 @@ def check_not_blank(text: str, name: str = "the text", text_b: str | None = None
 
 
 def check_text(value: str, name: str = "the text") -> str:
-    """`value`, when it is a string of valid Unicode; else ValueError. Every text reaches the tokenizer through here:
-    Python turns the bytes of a command-line argument that are not UTF-8 into lone surrogates ("caf\\xe9", Latin-1,
-    arrives as "caf\\udce9"), which `tokenizers` refuses with a TypeError and no encoding can write."""
+    """`value` if it is a string of valid Unicode, else ValueError: a command-line argument's bytes that are not UTF-8
+    arrive as lone surrogates ("caf\\xe9", Latin-1, as "caf\\udce9"), which `tokenizers` refuses with a TypeError."""
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {type(value).__name__}")
     try:
@@ -243,23 +238,14 @@ def _read_settings(source: Source) -> dict[str, Any]:
 
 
 def _wordpiece_from_vocab(vocab: Path, settings: dict[str, Any]):
-    """A `tokenizers` pipeline equal to transformers' BertTokenizerFast built from a vocab.txt."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+    """`tokenizers`' BertWordPiece pipeline, transformers' BertTokenizerFast, built from a vocab.txt."""
+    from tokenizers.implementations import BertWordPieceTokenizer
 
     try:
-        wordpiece = models.WordPiece.from_file(str(vocab), unk_token="[UNK]", max_input_chars_per_word=100)
+        return BertWordPieceTokenizer(str(vocab), handle_chinese_chars=settings["tokenize_chinese_chars"],
+                                      strip_accents=settings["strip_accents"], lowercase=settings["do_lower_case"])
+    except TypeError as err:  # (its error for a vocabulary without [CLS] or [SEP])
+        raise ValueError(f"{vocab} has no [CLS] or [SEP] token; is it a BERT vocabulary?") from err
     except Exception as err:  # tokenizers raises a bare Exception, e.g. for a file that is not UTF-8
         raise ValueError(f"{vocab} is not a readable vocabulary ({err}); it must be UTF-8 text, one token a line: "
                          f"re-download or fix the file") from err
-    backend = Backend(wordpiece)
-    backend.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=settings["tokenize_chinese_chars"],
-        strip_accents=settings["strip_accents"], lowercase=settings["do_lower_case"])
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    if cls_id is None or sep_id is None:
-        raise ValueError(f"{vocab} has no [CLS] or [SEP] token; is it a BERT vocabulary?")
-    backend.post_processor = processors.BertProcessing(("[SEP]", sep_id), ("[CLS]", cls_id))  # segment 1: B [SEP]
-    backend.decoder = decoders.WordPiece(prefix="##")
-    return backend
