@@ -1,11 +1,6 @@
-"""The drop-in: bertembed's fused layer in place of the embedding layer of a transformers model of BERT's family.
-
-    model = bertembed.patch(BertForSequenceClassification.from_pretrained(...))  # same outputs, fused kernel
-    bertembed.unpatch(model)                                                     # transformers' layer again
-
-The new layer shares the old one's submodules (under the member's own names), so parameters, tied weights, state-dict
-keys and optimizer state stay as they were; it takes the old layer's hooks. (Not `patch`: it would shadow the function.)
-"""
+"""The drop-in: bertembed's fused layer in place of the embedding layer of a transformers model of BERT's family
+(`patch`, `unpatch`). It shares the old layer's submodules under their names, so parameters, tied weights, state-dict
+keys and optimizer state stay as they were, and takes its hooks. (Not named `patch`: it would shadow the function.)"""
 
 from __future__ import annotations
 
@@ -37,13 +32,8 @@ def _member(module: nn.Module) -> str | None:
     return _HF_LAYERS.get(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
 
 
-def _hf_name(member: str, name: str) -> str:
-    return module_names(member).get(name, name)
-
-
 def _base(module: nn.Module | None) -> nn.Module | None:
-    """The module a wrapper wraps (peft's adapters: `get_base_layer()`; its trainable-token wrapper:
-    `original_module`), or the module itself (None: None)."""
+    """The module a peft wrapper wraps (`get_base_layer()`, `original_module`), or the module itself."""
     if hasattr(module, "get_base_layer"):
         return module.get_base_layer()
     original = getattr(module, "original_module", None)
@@ -51,9 +41,10 @@ def _base(module: nn.Module | None) -> nn.Module | None:
 
 
 def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
-    """The layer's sizes and constants, read from its own tables (a wrapped one, as LoRA's, by the table it wraps),
-    and the member's facts. (transformers 4's DeBERTa's dropout: StableDropout, whose rate is drop_prob.)"""
-    word, positions, segments, norm, projection, dropout = (_base(getattr(hf, _hf_name(member, n), None)) for n in (
+    """The layer's sizes and constants, read from its own tables (a LoRA's, from the table it wraps), and the member's
+    facts. (transformers 4's DeBERTa's dropout: StableDropout, whose rate is drop_prob.)"""
+    names = module_names(member)
+    word, positions, segments, norm, projection, dropout = (_base(getattr(hf, names.get(n, n), None)) for n in (
         "word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "projection", "dropout"))
     vocab, width = word.weight.shape
     hidden = width if projection is None else projection.weight.shape[0]
@@ -75,13 +66,13 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
 _UNDERSTOOD = frozenset(("input_ids", "token_type_ids", "position_ids", "inputs_embeds", "past_key_values_length",
                          "cache_length", "mask"))
 _RENAMED = {"input_embeds": "inputs_embeds"}  # DistilBERT's name for it before transformers 4.47
+_warned: set = set()  # (kind, the unknown arguments) already logged
 
 
 class PatchedBertEmbeddings(BertEmbeddings):
-    """bertembed's layer standing in for a transformers embeddings layer of BERT's family. It takes exactly the
-    arguments of the installed transformers layer's `forward` (read from its signature); an argument bertembed does
-    not know, given a value other than its default, is run by transformers' own layer on this layer's tables, with a
-    warning. bertembed's names reach the submodules the member names otherwise (ModernBERT's `tok_embeddings`)."""
+    """bertembed's layer in place of a transformers embeddings layer, taking exactly the arguments of its `forward`; an
+    argument bertembed does not know, not at its default, runs transformers' own layer on these tables (a warning).
+    bertembed's names reach the submodules the member names otherwise (ModernBERT's `tok_embeddings`)."""
 
     _hf_params: tuple[str, ...] = ()  # its parameters after self, in order
     _hf_defaults: dict = {}
@@ -99,15 +90,18 @@ class PatchedBertEmbeddings(BertEmbeddings):
         foreign = [k for k, v in given.items()
                    if _RENAMED.get(k, k) not in _UNDERSTOOD and not _is_default(v, self._hf_defaults.get(k, None))]
         if foreign:
-            _warn_once(type(self._bertembed_original), foreign)
+            kind = type(self._bertembed_original)
+            if (kind, tuple(foreign)) not in _warned:
+                _warned.add((kind, tuple(foreign)))
+                log.warning("bertembed.patch: %s.forward's argument(s) %s are unknown to bertembed: transformers' own "
+                            "forward runs those calls (exact, not fused)", kind.__name__, ", ".join(foreign))
             return _synced_original(self).forward(**given)
         # (no walrus here: it makes a cell variable, which torch.compile cannot read)
         return super().forward(**{_RENAMED.get(k, k): v for k, v in given.items() if _RENAMED.get(k, k) in _UNDERSTOOD})
 
 
 def _bind(params: tuple[str, ...], takes_kwargs: bool, args: tuple, kwargs: dict, owner: str) -> dict:
-    """Positional and keyword arguments by parameter name, with Python's own errors for what `owner.forward` would
-    refuse (written out: `inspect.Signature.bind` is not traceable by torch.compile)."""
+    """The arguments by name, with Python's errors (`inspect.Signature.bind`, written out for torch.compile)."""
     if len(args) > len(params):
         raise TypeError(f"{owner}.forward() takes {len(params) + 1} positional arguments but {len(args) + 1} were "
                         f"given")
@@ -126,20 +120,8 @@ def _is_default(value, default) -> bool:
                                 and value == default)
 
 
-_warned: set = set()
-
-
-def _warn_once(kind: type, names: list[str]) -> None:
-    key = (kind, tuple(names))
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("bertembed.patch: %s.forward's argument(s) %s are unknown to bertembed: transformers' own forward "
-                    "runs those calls (exact, not fused)", kind.__name__, ", ".join(names))
-
-
 def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
-    """The parameter names after self of `kind.forward`, in order, their defaults, and whether it takes **kwargs. A
-    forward taking *args cannot be mirrored name for name: refused."""
+    """(`kind.forward`'s parameter names after self, their defaults, whether it takes **kwargs); *args: refused."""
     params = list(inspect.signature(kind.forward).parameters.values())[1:]
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
@@ -154,8 +136,7 @@ def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
 
 @functools.cache
 def _patched_class(hf_class: type) -> type:
-    """`PatchedBertEmbeddings` that is also an instance of `hf_class`, so transformers' own code (`_init_weights`, which
-    refills the default-id buffers after `to_empty`; its ties and checks by type) treats it as the layer it replaced."""
+    """`PatchedBertEmbeddings` that is also an `hf_class`, for transformers' checks by type (`_init_weights`, ties)."""
     return type(f"Patched{hf_class.__name__}", (PatchedBertEmbeddings, hf_class), {
         "__module__": __name__,  # (made at run time: pickled and deep-copied through `_unpickled`)
         "__reduce_ex__": lambda self, protocol: (_unpickled, (hf_class,), self.__getstate__())})
@@ -176,7 +157,7 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     layer.config, layer.backend, layer._stored_as = config, checked_backend(backend), module_names(member)
     layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
     # transformers' submodules under their own names, in their order (state-dict keys unchanged)
-    theirs = [_hf_name(member, name) for name in SUBMODULES]
+    theirs = [layer._stored_as.get(name, name) for name in SUBMODULES]
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})
     layer._modules.update({k: None for k in theirs if k not in layer._modules})
     layer._buffers.update(hf._buffers)
@@ -187,8 +168,7 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
 
 
 def _move_state(old: nn.Module, new: nn.Module) -> None:
-    """Give `new` the layer's own state outside its submodules: its hooks and its own training flag (not by `train()`,
-    which would also set the shared submodules)."""
+    """Give `new` the hooks and training flag of `old` (not by `train()`, which would set the shared submodules)."""
     for name in _HOOKS:
         if name in old.__dict__:
             object.__setattr__(new, name, old.__dict__[name])
@@ -196,13 +176,10 @@ def _move_state(old: nn.Module, new: nn.Module) -> None:
 
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Replace every transformers embeddings layer of BERT's family in `model` (BertModel, RobertaModel, ...,
-    ModernBertModel, their heads, sentence-transformers models built on them) with bertembed's fused layer, in place,
-    keeping the weights. Returns `model`.
-
-    A model patched before keeps its fused layers, now running `backend` (patching twice, as a notebook cell run
-    again does, changes nothing else). transformers 4's layers with relative position types add no position rows,
-    which the fused layer would: they are left as they are, with a warning."""
+    """Replace every transformers embeddings layer of BERT's family in `model` (BertModel, ..., ModernBertModel, their
+    heads, sentence-transformers models built on them) with bertembed's fused layer, in place, keeping the weights;
+    returns `model`. A model patched before keeps its fused layers, now running `backend`. transformers 4's layers
+    with relative position types (no position rows) are left as they are, with a warning."""
     swapped, left = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -231,8 +208,7 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
 
 
 def _synced_original(layer: nn.Module) -> nn.Module:
-    """The transformers layer that `layer` replaced, holding `layer`'s current submodules and buffers under its own
-    names (`.to()`, `to_empty()` or an assignment may have replaced them since `patch`)."""
+    """The layer that `layer` replaced, given `layer`'s current submodules and buffers (`.to()` may replace them)."""
     original = layer._bertembed_original
     original._modules.update({name: layer._modules[name] for name in original._modules})
     original._buffers.update({name: layer._buffers[name] for name in original._buffers})
@@ -241,7 +217,7 @@ def _synced_original(layer: nn.Module) -> nn.Module:
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Put back the transformers layers that `patch` replaced (current weights and buffers). Returns `model`."""
-    for _parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_bertembed_original", None)
             if original is not None:

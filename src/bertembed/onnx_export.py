@@ -1,7 +1,6 @@
 """The embedding layer, or a whole transformers model, as an ONNX graph: plain operators (torch's dynamo exporter),
-optionally rewritten to ONNX Runtime's fused EmbedLayerNormalization (`fuse_embeddings`); docs/onnx.md.
-B batch, L length.
-"""
+optionally rewritten to ONNX Runtime's fused EmbedLayerNormalization (`fuse_embeddings`); docs/onnx.md. B batch,
+L length."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bertembed.atomic import check_output
+from bertembed.atomic import check_output, write_atomic
 from bertembed.family import MEMBERS, NAMES, layout
 
 if TYPE_CHECKING:
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
     from bertembed.config import EmbeddingConfig
     from bertembed.embeddings import BertEmbeddings
 
-OUTPUT = "embeddings"
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
 TABLES = NAMES[:3]  # word, position, segment
 NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
@@ -71,16 +69,15 @@ def layer_graph(layer: BertEmbeddings, *, fused: bool = False, opset: int = 18) 
     def call(ref, attention_mask, **ids):  # (the mask only where the layer reads it: DeBERTa's)
         return ref(**ids, attention_mask=attention_mask if config.mask_output else None)
 
-    return torch_export(reference, call, config, OUTPUT, opset, f"this {config.model_type} layer", fused,
+    return torch_export(reference, call, config, "embeddings", opset, f"this {config.model_type} layer", fused,
                         layer.tables()[0].dtype)
 
 
 def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = False, optimize: bool = False,
                  quantize: str | None = None, opset: int = 18) -> Path:
-    """Export the transformers model of checkpoint `model` (hub id, local folder; None: the bundled default) to
-    `path`, atomically, with optimum's inputs and its `last_hidden_state` [batch, length, H] float32; returns the
-    path. `fused`: `fuse_embeddings`; `optimize`: that, then `optimize_graph`; `quantize="int8"`: ONNX Runtime's
-    dynamic quantization (int8 weights, for the CPU)."""
+    """Export the transformers model of checkpoint `model` (hub id, folder; None: the bundled default) to `path`,
+    atomically, with optimum's inputs and its `last_hidden_state` [B, L, H] float32; returns the path. `fused`:
+    `fuse_embeddings`; `optimize`: that, then `optimize_graph`; `quantize="int8"`: `quantize_int8`."""
     target, opset = check_output(path), check_opset(opset)
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r}: the one quantization offered is 'int8' (ONNX Runtime's dynamic)")
@@ -92,9 +89,8 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
 
 
 def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, EmbeddingConfig]:
-    """(transformers' base model of the checkpoint in float32 eval mode, with eager attention: a plain softmax that
-    ONNX Runtime can fuse, where the default (SDPA) exports with a NaN guard around it; the embedding layer's config).
-    `fused`: a layer `fuse_embeddings` cannot fuse is refused first, before the model is built."""
+    """(transformers' base model of the checkpoint, float32, eval, eager attention: SDPA exports with a NaN guard
+    ONNX Runtime cannot fuse; the layer's config). `fused`: an unfusable layer is refused before the model is built."""
     from bertembed.config import EmbeddingConfig
     from bertembed.sources import resolve
 
@@ -139,8 +135,6 @@ def check_opset(opset: Any) -> int:
 
 def write_model(model: onnx.ModelProto, path: Path) -> Path:
     """Check `model` with onnx.checker and write it to `path` through a temporary file and a rename."""
-    from bertembed.atomic import write_atomic
-
     if (size := model.ByteSize()) >= 2**31:
         raise ValueError(f"the model is {size / 2**30:.1f} GiB, past the 2 GiB limit of a single ONNX file "
                          f"(protobuf); export a smaller model or convert it to float16 first")
@@ -150,9 +144,8 @@ def write_model(model: onnx.ModelProto, path: Path) -> Path:
 
 def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, opset: int, what: str,
                  fused: bool = False, dtype: Any = "float32") -> onnx.ModelProto:
-    """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, the inputs [B, L] named by `input_names(config)`,
-    both axes dynamic, one output `output`; ValueError naming `what` where torch cannot export it. `fused`: then
-    `fuse_embeddings`, the tables' `dtype` checked first."""
+    """torch.onnx.export(dynamo=True) of `call(module, **inputs)`, inputs [B, L] named by `input_names(config)`, axes
+    dynamic, one output; ValueError naming `what` where torch cannot. `fused`: then `fuse_embeddings`."""
     import torch
 
     opset = check_opset(opset)
@@ -210,8 +203,7 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     from onnxscript.optimizer import remove_unused_nodes
 
     refuse_unfusable(config)
-    fused = onnx.ModelProto()
-    fused.CopyFrom(model)
+    fused = copy.deepcopy(model)
     graph = fused.graph
     norm, gathers = _embedding_subgraph(graph, config)
     casts = {role: helper.make_node("Cast", [gathers[role].input[1]], [f"embeddings_{role}_ids_i32"],
@@ -236,10 +228,8 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
 
 
 def _embedding_subgraph(graph, config: EmbeddingConfig) -> tuple[Any, dict[str, Any]]:
-    """(the first LayerNormalization over a sum that reads the word table; the layer's table name -> the Gather that
-    reads it), checking that the sum is of the tables' Gathers alone and that the norm has a bias and axis -1. A
-    table is an initializer named as the member's checkpoint key (a whole model's) or the layer's own name, after a
-    module path: not the norm's weight, which the exporter may share between equal initializers."""
+    """(the first LayerNormalization over a sum of Gathers of the tables alone; table name -> its Gather). A table is
+    found by its name (the checkpoint key or the layer's own), not as the norm's weight (the exporter may share it)."""
     keys, producer = layout(config.model_type), {out: node for node in graph.node for out in node.output}
 
     def leaves(name: str) -> list:  # (the operands of the sum of Adds that gives `name`; None: a graph input)
@@ -271,18 +261,15 @@ def optimize_graph(model: onnx.ModelProto, heads: int, hidden: int) -> onnx.Mode
 
     _padding_masks(model)
     options = FusionOptions("bert")
-    options.attention_mask_format = AttentionMaskFormat.AttentionMask  # (its default counts the mask's ones, which
-    # holds for right padding only; the 2D mask holds for any)
+    options.attention_mask_format = AttentionMaskFormat.AttentionMask  # (the default counts ones: right padding only)
     # opt_level 0: the fusions alone (ONNX Runtime's own pass first would drop the mask's Expand they match)
     return optimize_model(model, model_type="bert", num_heads=heads, hidden_size=hidden,
                           optimization_options=options, opt_level=0).model
 
 
 def _padding_masks(model: onnx.ModelProto) -> None:
-    """In place: the additive mask beside each layer's scaled scores (`Softmax(Add(Mul|Div(MatMul), mask))`) becomes
-    `Where(bool(1 - attention_mask[:, None, None, :]), lowest, 0)`, a form ONNX Runtime's attention fusion matches
-    (not transformers 5's mask, nor one whose two Unsqueezes torch's exporter merged, nor a `Mul` of the mask beside
-    scores scaled by a `Mul`). The same values for a padding mask; the nodes that built the old mask are dropped."""
+    """In place: each additive mask in `Softmax(Add(Mul|Div(MatMul), mask))` becomes `Where(bool(1 - attention_mask[:,
+    None, None, :]), lowest, 0)`, the same values in the one form ONNX Runtime's attention fusion matches."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
     from onnxscript.optimizer import remove_unused_nodes
@@ -315,15 +302,13 @@ def _padding_masks(model: onnx.ModelProto) -> None:
 
 
 def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with its weights in int8, a scale per output channel (ONNX Runtime's `quantize_dynamic`: activations
-    quantized per call), for the CPU. Per channel: all-MiniLM-L6-v2's sentence vectors keep a cosine of 0.993 with
-    float32's, against 0.962 with one scale per tensor (BENCHMARKS.md)."""
+    """`model` with int8 weights, a scale per output channel (ONNX Runtime's `quantize_dynamic`), for the CPU; per
+    channel keeps all-MiniLM-L6-v2's cosine to float32 at 0.993, against 0.962 per tensor (BENCHMARKS.md)."""
     import tempfile
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    # its advice to pre-process the graph (`optimize_graph` has), logged on the root logger itself: a filter there
-    # drops the root's own records below ERROR, not those of other loggers, which reach its handlers without it
+    # its advice to pre-process the graph, logged on the root logger itself: a filter there drops it, not others' logs
     root, quiet = logging.getLogger(), lambda record: record.levelno >= logging.ERROR
     root.addFilter(quiet)
     try:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from bertembed.embeddings import BertEmbeddings
 from bertembed.family import MEMBERS, module_names
 from bertembed.validation import check_id_ranges
 
@@ -80,8 +81,7 @@ def _retie(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
 
 
 def _first_row(mesh: DeviceMesh, rows: int) -> tuple[int, int]:
-    """(first, stop): the rows [first, stop) of `rows` this rank holds in torch's split (`torch.chunk`: ceil(rows /
-    world) rows each, fewer or none on the last ranks)."""
+    """The rows [first, stop) this rank holds in torch's split (`torch.chunk`: ceil(rows / world) rows a rank)."""
     chunk = -(-rows // mesh.size())
     first = min(mesh.get_local_rank() * chunk, rows)
     return first, min(first + chunk, rows)
@@ -94,11 +94,9 @@ def _lookup(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
 
 
 class _SummedRows(torch.autograd.Function):
-    """Each rank reads the ids in its rows from its local shard [V / world, E] (zeros elsewhere) into one [B, L, E]
-    tensor, which an all-reduce sums in place: a DTensor `Partial` made `Replicate` without DTensor's copies of the
-    rows (each copy left a hole in the heap: about 10 MiB more at a step's peak). Backward: the upstream gradient of
-    the rank's ids (not the padding row's) `index_add_` into zeros of the shard's shape, the gradient of the rank's
-    rows alone (no [V, E] tensor); the shard is the one input that can require a gradient."""
+    """Each rank's rows of the ids from its shard [V / world, E] (zeros elsewhere), summed by an in-place all-reduce
+    into [B, L, E] (DTensor's `Partial` to `Replicate` copies the rows: ~10 MiB more at a step's peak). Backward: the
+    gradient of the shard's rows alone, `index_add_` into zeros of its shape (no [V, E] tensor)."""
 
     @staticmethod
     def forward(ctx, local, ids, table):
@@ -125,9 +123,9 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
         return {"": module}
     found = {}
     for prefix, layer in module.named_modules():
-        kind = type(layer)  # bertembed's layer (a patched one keeps the member's names) or transformers'
-        family = (callable(getattr(layer, "submodules", None)) and hasattr(layer, "_stored_as")
-                  or kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Embeddings"))
+        kind = type(layer)
+        family = isinstance(layer, BertEmbeddings) or (kind.__module__.startswith("transformers.models.")
+                                                       and kind.__name__.endswith("Embeddings"))
         attribute = _word_name(layer)
         if not family or attribute is None:
             continue
@@ -140,8 +138,7 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def _before_lookup(table: nn.Embedding, args: tuple) -> None:
-    """Forward pre-hook: a ValueError on every rank where any rank has an id outside all V rows (a rank left alone
-    would wait in the lookup's all-reduce)."""
+    """Forward pre-hook: a ValueError on every rank where any rank has an id out of range (else the others wait)."""
     ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]  # (the same values on every rank)
     try:
         check_id_ranges(ids, None, None, (table.num_embeddings, None, None))
@@ -154,8 +151,7 @@ def _before_lookup(table: nn.Embedding, args: tuple) -> None:
 
 
 def _any_rank(table: nn.Embedding, failed: bool) -> bool:
-    """Whether any rank of the table's mesh `failed` before its lookup: one all-reduce of a flag a forward, in the
-    table's pre-hook or, where the layer raised before its lookup, in `_after_layer`."""
+    """Whether any rank `failed` before its lookup: one all-reduce of a flag a forward (or `_after_layer`'s)."""
     table._bertembed_flagged = True
     weight = table.weight
     if not isinstance(weight, DTensor) or torch.compiler.is_compiling():
@@ -182,11 +178,10 @@ def _word_name(layer: nn.Module) -> str | None:
 
 def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignore_index: int = -100,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """torch's `cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=..., label_smoothing=...)` (the mean
-    over the labels not ignored) of logits [..., V] sharded by columns (the DTensor a head sharded by `shard_vocab`
-    gives) and labels [...], the same on every rank, without gathering the logits: each rank reads its columns, and
-    all-reduces per token the maximum, then the sum of exponentials, the label's logit and the sum of logits. Returns
-    the loss, the same on every rank; its backward writes each rank's columns' gradient alone."""
+    """torch's `cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=..., label_smoothing=...)` of logits
+    [..., V] sharded by columns (as `shard_vocab`'s head gives them) and labels [...], the same on every rank, without
+    gathering the logits (`_VocabParallelCrossEntropy`). Returns the loss, the same on every rank; its backward writes
+    each rank's columns' gradient alone."""
     if not isinstance(logits, DTensor) or tuple(logits.placements) != (Shard(logits.ndim - 1),):
         raise ValueError(f"logits must be a DTensor sharded by its last dimension (Shard({logits.ndim - 1}),), as "
                          f"shard_vocab's head gives it; got {type(logits).__name__} "
