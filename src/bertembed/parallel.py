@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from bertembed.embeddings import BertEmbeddings
 from bertembed.family import MEMBERS, module_names
 from bertembed.validation import check_id_ranges
 
@@ -123,9 +122,9 @@ def word_tables(module: nn.Module) -> dict[str, nn.Module]:
         return {"": module}
     found = {}
     for prefix, layer in module.named_modules():
-        kind = type(layer)
-        family = isinstance(layer, BertEmbeddings) or (kind.__module__.startswith("transformers.models.")
-                                                       and kind.__name__.endswith("Embeddings"))
+        kind = type(layer)  # bertembed's layer (a patched one keeps the member's names) or transformers'
+        family = (callable(getattr(layer, "submodules", None)) and hasattr(layer, "_stored_as")
+                  or kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Embeddings"))
         attribute = _word_name(layer)
         if not family or attribute is None:
             continue
