@@ -218,42 +218,37 @@ class BertEmbeddings(Pretrained, nn.Module):
         bad value and the fix) and return (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding),
         the missing ids made as the member makes them, `padding` the word and position tables' padding rows (or None).
         The ids' values are checked where the tables are read (`_rows`, or the fused kernels)."""
+        c = self.config
         if mask is not None and attention_mask is not None:
             raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
         mask = attention_mask if mask is None else mask
-        if mask is not None and not self.config.mask_output:
-            raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
+        if mask is not None and not c.mask_output:
+            raise ValueError(f"a mask was given, but the {c.model_type} layer does not use one (only "
                              f"DeBERTa's multiplies its output by the mask); leave it out")
-        past_key_values_length = offset_given(past_key_values_length, cache_length)
-        check_table_shapes(tables, self.config.output_width)
+        past = offset_given(past_key_values_length, cache_length)
+        check_table_shapes(tables, c.output_width)
+        word, segments, positions = tables[:3]
         # (a padding_idx set after construction: F.embedding only asserts, the kernels would read it)
-        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), tables[0].shape[0]),
-                   None if tables[2] is None else
-                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), tables[2].shape[0]))
+        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), word.shape[0]),
+                   None if positions is None else
+                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), positions.shape[0]))
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
-                                                                  past_key_values_length)
-        c = self.config
-        _, length = check_inputs(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
-                                 table_rows(tables), c.table_width, c.first_position, c.positions_from_padding,
-                                 check_ranges=False)
-        if self.projection is None:
-            check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
+                                                                  past)
+        _, length, past = check_inputs(input_ids, token_type_ids, position_ids, inputs_embeds, past, table_rows(tables),
+                                       c.table_width, c.first_position, c.positions_from_padding, check_ranges=False)
+        if modules["projection"] is None:
+            check_norm_dtypes(summed_dtype(word if inputs_embeds is None else inputs_embeds, segments, positions),
                               tables[3], tables[4])
-        past = offset(past_key_values_length)
-        if position_ids is None and tables[2] is not None:
-            position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
-        if token_type_ids is None and tables[1] is not None:
-            token_type_ids = self._default_ids("token_type_ids", 0, length)
+        if position_ids is None and positions is not None:
+            if c.positions_from_padding:  # (RoBERTa, MPNet: counted from the padding id, functional.default_positions)
+                device = (inputs_embeds if input_ids is None else input_ids).device
+                position_ids = default_positions(length, past, input_ids, c.pad_token_id, device)
+            else:
+                position_ids = self._default_ids("position_ids", past, length, word.device)
+        if token_type_ids is None and segments is not None:
+            token_type_ids = self._default_ids("token_type_ids", 0, length, word.device)
         return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding
-
-    def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
-        """The member's default position ids (`functional.default_positions`), from the buffer where they count from
-        0 (BERT)."""
-        if not self.config.positions_from_padding:
-            return self._default_ids("position_ids", past, length)
-        device = (inputs_embeds if input_ids is None else input_ids).device
-        return default_positions(length, past, input_ids, self.config.pad_token_id, device)
 
     def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
         """Flattened documents (transformers' DataCollatorWithFlattening): ids [1, N] or [N], `cu_seqlens` [D + 1]
@@ -289,14 +284,14 @@ class BertEmbeddings(Pretrained, nn.Module):
         position = None if positions is None else positions(position_ids)
         return word, segment, position
 
-    def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
+    def _default_ids(self, name: str, start: int, length: int, device: torch.device) -> torch.Tensor:
         """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
         buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not) or
         missing (a patched layer has only the buffers of the transformers layer it replaced)."""
         buffer = self._buffers.get(name)
         if buffer is not None and start + length <= buffer.shape[-1]:
             return buffer.narrow(1, start, length)
-        ids = default_positions(length, start, device=self.tables()[0].device)
+        ids = default_positions(length, start, device=device)
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
     def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,12 +339,13 @@ class BertEmbeddings(Pretrained, nn.Module):
         input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding = self._checked_ids(
             modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
             cache_length, mask, attention_mask, cu_seqlens)
-        check_dropout(getattr(self.dropout, "p", 0.0), "layer.dropout.p")  # (every backend alike, as nn.Dropout runs)
+        check_dropout(getattr(modules["dropout"], "p", 0.0), "layer.dropout.p")  # (every backend, as nn.Dropout runs)
         out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
-            from bertembed.fast import run
+            import bertembed.fast  # (no `from` import: that costs a call into importlib every time)
 
-            out = run(self, modules, tables, padding, input_ids, token_type_ids, position_ids, inputs_embeds)
+            out = bertembed.fast.run(self, modules, tables, padding, input_ids, token_type_ids, position_ids,
+                                     inputs_embeds)
         if out is None:
             _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
             out = self.dropout(out if mask is None else _masked(out, mask))

@@ -223,8 +223,9 @@ def check_inputs(
     first_position: int = 0,
     positions_from_padding: bool = False,
     check_ranges: bool = True,
-) -> tuple[int, int]:
-    """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
+) -> tuple[int, int, int]:
+    """Validate the arguments of `BertEmbeddings.forward` and return (B, L, the offset as an int, `offset`). Nothing is
+    launched on bad input.
 
     `rows`: the (word, segment, position) tables' rows (`table_rows`; None: no such table); `width`: the tables' E.
     `first_position`: the first default position (pad + 1 where positions count from the padding,
@@ -262,4 +263,4 @@ def check_inputs(
         _check_ids("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
     if check_ranges:
         check_id_ranges(input_ids, token_type_ids, position_ids, rows)
-    return batch, length
+    return batch, length, past_key_values_length

@@ -23,14 +23,10 @@ _SHIFT_FROM = 64  # the moments are summed around the mean of the row's first th
 _ODD = 1 << 32  # a chunk returns (bad ids) + _ODD x (tokens whose moments are not finite)
 
 
-def dropout_threshold(p: float) -> np.uint64:
-    """An element is kept when its 24 random bits are >= this; 0 means no dropout, 2**24 (p == 1) drops every one."""
-    return np.uint64(round(p * (1 << 24)))
-
-
-def dropout_scale(p: float) -> float:
-    """What a kept element is multiplied by, 1 / (1 - p); at p == 1 none is kept (torch's output is all zeros)."""
-    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+def _dropout(p: float) -> tuple[np.uint64, float]:
+    """(threshold: an element is kept when its 24 random bits are >= it, 0: no dropout, 2**24 (p == 1): none kept;
+    scale: what a kept element is multiplied by, 1 / (1 - p))."""
+    return np.uint64(round(p * (1 << 24))), 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
 @njit(cache=True, inline="always")
@@ -273,8 +269,7 @@ _NUMPY = {dtype: np.dtype(typestr) for dtype, typestr in _TYPESTR.items()}
 
 
 class _Memory:
-    """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or nothing: a parameter's
-    cached view, checked against the parameter's memory before each use)."""
+    """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or not: a parameter's view)."""
 
     __slots__ = ("__array_interface__", "tensor")
 
@@ -305,13 +300,6 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     return kept[2]
 
 
-def _statistics(n: int) -> tuple[torch.Tensor, np.ndarray]:
-    """(a new float32 [n] tensor, the numpy array that owns its memory): cheaper than a view of a tensor torch made.
-    Not for the output, whose storage a user may resize (`torch.from_numpy`'s cannot be)."""
-    array = np.empty(n, np.float32)
-    return torch.from_numpy(array), array
-
-
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
 
 
@@ -337,24 +325,21 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
-    if stats:
-        (mean, mean_np), (rstd, rstd_np) = _statistics(n), _statistics(n)
-    else:
-        (mean_np, rstd_np), mean, rstd = np.empty((2, n), np.float32), None, None
+    # numpy owns the statistics' memory: cheaper than a view of a tensor torch made (not so the output, whose storage
+    # a user may resize; `torch.from_numpy`'s cannot be)
+    mean, rstd = np.empty(n, np.float32), np.empty(n, np.float32)
     threads = _threads(n * h)
-    args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg),
-            _np(pos), _np(gamma.float()), _np(beta.float()), float(eps),
-            dropout_threshold(p), dropout_scale(p), np.uint64(seed), _np(out, (n, h)), mean_np, rstd_np)
+    args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg), _np(pos), _np(gamma.float()),
+            _np(beta.float()), float(eps), *_dropout(p), np.uint64(seed), _np(out, (n, h)), mean, rstd)
     if threads > 1:
         found = forward(*args, max(1, min(n, 4 * threads)))  # (four chunks a thread: a late thread holds up less)
     else:
         found = _forward_chunk(0, n, *args)
-    bad, odd = found % _ODD, found // _ODD
-    if bad:
-        raise skipped_ids_error(bad, "bertembed cpu forward")
-    if odd and strict:
-        raise RowsOverflowed(odd)
-    return out, mean, rstd
+    if found % _ODD:
+        raise skipped_ids_error(found % _ODD, "bertembed cpu forward")
+    if found // _ODD and strict:
+        raise RowsOverflowed(found // _ODD)
+    return (out, torch.from_numpy(mean), torch.from_numpy(rstd)) if stats else (out, None, None)
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
@@ -378,10 +363,11 @@ def _zeros(*shape: int) -> torch.Tensor:
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True):
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = True):
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
-    dtypes, from grad [N, H]. Deterministic: see `backward`. One chunk (a small batch, a forked child) runs on this
-    thread alone, with no torch op on [N, H] or [V, H] but a bfloat16 table's casts."""
+    dtypes, from grad [N, H]; always deterministic (`backward`; `deterministic` is for the Triton backward). One chunk
+    (a small batch, a forked child) runs on this thread alone, with no torch op on [N, H] or [V, H] but a bfloat16
+    table's casts."""
     n, h = grad.shape
     ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     chunks = max(1, min(_threads(n * h), n))
@@ -394,9 +380,9 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         lo, hi = 0, pos.shape[0] - 1
     dseg, dpos, dgamma, dbeta = _zeros(chunks, seg.shape[0], h), _zeros(chunks, hi - lo + 1, h), _zeros(chunks, h), \
         _zeros(chunks, h)
-    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(pos),
-            _np(gamma.float()), _np(mean), _np(rstd), _np(grad), dropout_threshold(p),
-            dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(pos), _np(gamma.float()),
+            _np(mean), _np(rstd), _np(grad), *_dropout(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos),
+            _np(dgamma), _np(dbeta))
     bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
     if bad:
         raise skipped_ids_error(bad, "bertembed cpu backward")
