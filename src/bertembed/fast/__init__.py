@@ -19,25 +19,9 @@ from torch import Tensor, nn
 from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
+from bertembed import validation
 from bertembed.fast.function import embeddings_op, kernel_forward
 from bertembed.functional import default_positions, embed
-from bertembed.validation import (
-    ID_CHECKS,
-    IdsOutsideTables,
-    RowsOverflowed,
-    check_dropout,
-    check_eps,
-    check_id_ranges,
-    check_inputs,
-    check_norm_dtypes,
-    check_option,
-    check_padding_idx,
-    check_table_shapes,
-    in_torch_func,
-    offset_given,
-    summed_dtype,
-    table_rows,
-)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +61,7 @@ def _transform_reason() -> str | None:
     """Why the kernels cannot run under a torch.func transform, forward-mode AD, `torch.jit.trace` or ONNX export, or
     None (under torch.compile the custom op is traced instead)."""
     if not is_compiling():
-        if in_torch_func():
+        if validation.in_torch_func():
             return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
         if torch.autograd.forward_ad._current_level >= 0:  # (inside `dual_level()`, as `jvp` runs)
             return "forward-mode AD (a dual level) is on, and the fused kernels have no jvp rule"
@@ -145,8 +129,8 @@ def _module_reason(name: str, module: nn.Module) -> str | None:
 
 
 def _mixed(tables, ids) -> str | None:
-    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: the three tables
-    must share a dtype, and the ids the tables' device (elsewhere the reference gives torch's answer)."""
+    """Why the kernels cannot read these tables and (input, segment, position) ids together (mixed dtypes or devices,
+    where the reference gives torch's answer), or None."""
     word = tables[0]
     if any(t is not None and t.dtype != word.dtype for t in tables[1:3]):
         return f"the tables have different dtypes {sorted({str(t.dtype) for t in tables[:3] if t is not None})}"
@@ -165,10 +149,9 @@ def _fall_back(reason: str) -> None:
 def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_ids: Tensor, token_type_ids: Tensor,
         position_ids: Tensor, inputs_embeds: Tensor | None) -> Tensor | None:
     """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
-    run. The layer has read its `modules` and `tables` once, checked its inputs' shapes and dtypes and the tables'
-    `padding` rows, and made its ids explicit (input_ids [B, L]; segment and position ids that broadcast to it). Their
-    values are checked by the CPU kernel as it reads them, before the Triton one (unless `layer.id_checks` is "device").
-    Word rows the kernel cannot read from the table itself come `gathered_rows`."""
+    run, on the layer's `modules`, `tables`, `padding` rows and checked, explicit ids (`BertEmbeddings._checked_ids`).
+    Id values are checked by the CPU kernel as it reads them, before the Triton one (unless `layer.id_checks` is
+    "device"). Word rows the kernel cannot read from the table itself come `gathered_rows`."""
     word = modules["word_embeddings"]
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
     reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
@@ -189,26 +172,26 @@ def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_id
             return modules["dropout"](layer._normalised(*layer._rows(None, token_type_ids, position_ids, rows))[1])
         tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
     if backend != "cpu" and layer.id_checks != "device":
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
     dropout = modules["dropout"]
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, modules["LayerNorm"].eps,
                       float(dropout.p) if dropout.training else 0.0, padding, layer.deterministic)
-    except IdsOutsideTables:
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
+    except validation.IdsOutsideTables:
+        # (names the id)
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
         raise
-    except RowsOverflowed:
+    except validation.RowsOverflowed:
         _fall_back(_OVERFLOWED)
         return None
 
 
 def gathered_rows(word: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
                   inputs_embeds: Tensor | None, tables: tuple) -> tuple[Tensor, Tensor]:
-    """(rows [B*L, E], ids [B, L]: 0, 1, ..., B*L - 1): the word rows as a table the kernel reads in token order (their
-    gradient flows back to whatever gave them): `inputs_embeds`, or `word(input_ids)` on ids checked first (a sharded
-    lookup would give a bad id a row of zeros, silently)."""
+    """(rows [B*L, E], ids [B, L]: 0 .. B*L - 1): the word rows as a table read in token order, their gradient flowing
+    back to `inputs_embeds` or `word(input_ids)` (on ids checked first: a sharded lookup zeroes a bad id's row)."""
     if inputs_embeds is None:
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
         inputs_embeds = word(input_ids)
     rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])
     if type(rows) is not Tensor:  # a tensor subclass (a collective's pending result): its values, in plain memory
@@ -286,21 +269,21 @@ def fused_embeddings(
         out: a [B, L, H] buffer to write into; inference only.
     Raises the reference layer's ValueErrors on bad input, before any kernel runs.
     """
-    check_option("id_checks", id_checks, ID_CHECKS)
-    check_option("deterministic", deterministic, (False, True))
+    validation.check_option("id_checks", id_checks, validation.ID_CHECKS)
+    validation.check_option("deterministic", deterministic, (False, True))
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
-    past = offset_given(past_key_values_length, cache_length)
+    past = validation.offset_given(past_key_values_length, cache_length)
     chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
-    p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
+    p = validation.check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
     p = p if training else 0.0
-    eps = check_eps(eps)
+    eps = validation.check_eps(eps)
     device = word_embeddings.device
     device_checks = id_checks == "device" and chosen == "triton" and device.type == "cuda"
-    check_table_shapes(tables)
-    padding_idx = check_padding_idx(padding_idx, word_embeddings.shape[0])
-    batch, length, past = check_inputs(input_ids, token_type_ids, position_ids, None, past, table_rows(tables),
-                                       word_embeddings.shape[1], check_ranges=not device_checks)
-    check_norm_dtypes(summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
+    rows = validation.check_table_shapes(tables)
+    padding_idx = validation.check_padding_idx(padding_idx, word_embeddings.shape[0])
+    batch, length, past = validation.check_inputs(input_ids, token_type_ids, position_ids, None, past, rows,
+                                                  word_embeddings.shape[1], check_ranges=not device_checks)
+    validation.check_norm_dtypes(validation.summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
     if out is not None:
         if _needs_autograd(tables):
             raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
@@ -319,7 +302,7 @@ def fused_embeddings(
         try:
             return _fused(chosen, input_ids, token_type_ids, position_ids, tables, eps, p, (padding_idx, None),
                           deterministic, out)
-        except RowsOverflowed:
+        except validation.RowsOverflowed:
             reason = _OVERFLOWED
     if reason:
         _fall_back(reason)

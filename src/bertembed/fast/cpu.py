@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -139,50 +140,40 @@ def _moments(x, shift, total):
     return mean, squares / x.size
 
 
-@njit(cache=True, inline="always", fastmath={"contract"})
-def _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
-    """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
-    dropout into x, then x into out[i]; returns whether the moments are not finite (a NaN or inf in the rows, or a
-    variance, or a mean's square, past float32's range)."""
-    h = x.size
-    m, var = _sum_row(word, seg, pos, w, s, q, x)
-    m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
-    mean[i], rstd[i] = m32, r32
-    if threshold == 0:
-        for j in range(h):
-            x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
-    else:
-        for j in range(h):
-            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
-            x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
-    write_row(x, out, i)
-    return not (m * m < np.inf and var < np.inf)  # (NaN too; torch's vectorised moments square the mean)
-
-
 @njit(cache=True, fastmath={"contract"})
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
-    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read), plus _ODD times how
-    many had moments that are not finite."""
-    x = np.empty(out.shape[1], np.float32)
+    """Tokens [lo, hi) with one scratch row x: the sum with its moments, then LayerNorm (as torch's: ((x - mean) *
+    rstd) * weight + bias, `contract`ed) and dropout into x, then x into out[i]. Returns how many had bad ids (skipped,
+    nothing read), plus _ODD times how many had moments that are not finite (a NaN or inf in the rows, or a variance,
+    or a mean's square, past float32's range)."""
+    h = out.shape[1]
+    x = np.empty(h, np.float32)
     bad, odd = 0, 0
     for i in range(lo, hi):
         w, s, q = ids[i], tts[i], pids[i]
-        if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
-            odd += _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out,
-                                  mean, rstd)
-        else:
+        if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
             bad += 1
+            continue
+        m, var = _sum_row(word, seg, pos, w, s, q, x)
+        m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
+        mean[i], rstd[i] = m32, r32
+        if threshold == 0:
+            for j in range(h):
+                x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
+        else:
+            for j in range(h):
+                y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+                x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
+        write_row(x, out, i)
+        odd += not (m * m < np.inf and var < np.inf)  # (NaN too; torch's vectorised moments square the mean)
     return bad + odd * _ODD
 
 
 @njit(parallel=True, cache=True)
 def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
-    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
-
-    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H], out [N, H]: float32, or
-    uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens, a few per thread. Returns as `_forward_chunk`.
-    """
+    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])), returned as `_forward_chunk`'s. ids,
+    tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H], out [N, H]: float32, or uint16 bfloat16 bits. gamma,
+    beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of tokens, a few per thread."""
     n = out.shape[0]
     bad = 0
     for c in prange(chunks):
@@ -221,12 +212,10 @@ def _row_backward(word, seg, pos, w, s, q, gout, i, m, r, gamma, threshold, scal
 @njit(parallel=True, cache=True)
 def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
              pad, dword, dseg, dpos, dgamma, dbeta):
-    """Table and LayerNorm gradients; returns how many tokens had bad ids.
-
-    Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
-    between chunks: each word-gradient row has one writer, in a fixed order. dword [V, H] comes zeroed ((0, H): not
-    wanted). dseg [C, T, H], dpos [C, R, H] (R = 0: not wanted; row k is position pos_lo + k), dgamma, dbeta [C, H]:
-    float32 per-chunk partials.
+    """Table and LayerNorm gradients; returns how many tokens had bad ids. Chunk c handles tokens
+    order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split between chunks: each
+    word-gradient row has one writer, in a fixed order. dword [V, H] comes zeroed ((0, H): not wanted). dseg [C, T, H],
+    dpos [C, R, H] (R = 0: not wanted; row k is position pos_lo + k), dgamma, dbeta [C, H]: float32 per-chunk partials.
     """
     bad = 0
     for c in prange(bounds.size - 1):
@@ -268,15 +257,10 @@ _TYPESTR = {torch.float32: "<f4", torch.bfloat16: "<u2", torch.int64: "<i8"}  # 
 _NUMPY = {dtype: np.dtype(typestr) for dtype, typestr in _TYPESTR.items()}
 
 
-class _Memory:
+def _memory(t: torch.Tensor, hold: bool = True, shape=None) -> SimpleNamespace:
     """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or not: a parameter's view)."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: torch.Tensor, hold: bool = True, shape=None) -> None:
-        self.tensor = t if hold else None
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": shape or t.shape,
-                                    "typestr": _TYPESTR[t.dtype], "version": 3}
+    return SimpleNamespace(tensor=t if hold else None, __array_interface__={
+        "data": (t.data_ptr(), False), "shape": shape or t.shape, "typestr": _TYPESTR[t.dtype], "version": 3})
 
 
 _views: dict[int, tuple] = {}  # id(parameter) -> (weak reference, (address, shape, dtype), view)
@@ -291,12 +275,12 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     if not t.numel():
         return np.zeros(shape or t.shape, _NUMPY[t.dtype])
     if type(t) is not torch.nn.Parameter:
-        return np.asarray(_Memory(t, shape=shape))
+        return np.asarray(_memory(t, shape=shape))
     key, kept = (t.data_ptr(), t.shape, t.dtype), _views.get(id(t))
     if kept is None or kept[0]() is not t or kept[1] != key:
         if len(_views) > 256:  # (parameters that were freed)
             _views.clear()
-        kept = _views[id(t)] = (weakref.ref(t), key, np.asarray(_Memory(t, hold=False)))
+        kept = _views[id(t)] = (weakref.ref(t), key, np.asarray(_memory(t, hold=False)))
     return kept[2]
 
 
@@ -320,7 +304,7 @@ def _threads(elements: int) -> int:
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, shape=None, strict: bool = False):
-    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous.
+    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype).
     Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or None and None
     with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]

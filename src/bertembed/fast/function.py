@@ -43,9 +43,9 @@ def kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segme
     """`backend`'s forward kernel: (out [B, L, H], or the `out` given; mean [N], rstd [N], or None without stats).
     `strict`: RowsOverflowed where a token's moments are not finite, for the caller to run the reference instead.
     (`out` in its own shape, not a view of [N, H]: a view made in an autograd Function may not be changed in place.)"""
-    return backend_module(backend).run_forward(
-        *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-        position.contiguous(), weight, bias, eps, p, seed, out, stats, (*input_ids.shape, word.shape[1]), strict)
+    return backend_module(backend).run_forward(*flat_ids(input_ids, token_type_ids, position_ids), word, segment,
+                                               position, weight, bias, eps, p, seed, out, stats,
+                                               (*input_ids.shape, word.shape[1]), strict)
 
 
 def _forward(
@@ -83,7 +83,7 @@ def embeddings_backward_op(
     grads = backend_module(backend).run_backward(
         grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
         segment.contiguous(), position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed, padding_idx,
-        need_word, need_position, deterministic)
+        need_word=need_word, need_pos=need_position, deterministic=deterministic)
     # a custom op's outputs may not alias (the kernels return some gradients as views of one buffer)
     return tuple(unshared(dict(enumerate(grads))).values())
 
@@ -98,12 +98,10 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
-     position_pad, backend, deterministic, *_strict) = inputs
-    _out, mean, rstd = output
+    eps, p, seed, padding_idx, position_pad, backend, deterministic = inputs[8:15]
     ctx.set_materialize_grads(False)  # (no zero gradients made for mean and rstd, which backward never reads)
-    # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows.
-    ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
+    # the ids and tables but the bias are saved, not the [B, L, H] sum: backward re-gathers the rows
+    ctx.save_for_backward(*inputs[:7], *output[1:])
     ctx.options = (p, seed, padding_idx, backend, deterministic, position_pad, eps)
 
 
