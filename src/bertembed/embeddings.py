@@ -225,9 +225,9 @@ class BertEmbeddings(Pretrained, nn.Module):
         rows = check_table_shapes(tables, c.output_width)
         word, segments, positions = tables[:3]
         # (a padding_idx set after construction: F.embedding only asserts, the kernels would read it)
-        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), word.shape[0]),
+        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), rows[0]),
                    None if positions is None else
-                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), positions.shape[0]))
+                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), rows[2]))
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
                                                                   past)
@@ -237,13 +237,9 @@ class BertEmbeddings(Pretrained, nn.Module):
             check_norm_dtypes(summed_dtype(word if inputs_embeds is None else inputs_embeds, segments, positions),
                               tables[3], tables[4])
         if position_ids is None and positions is not None:
-            if c.positions_from_padding:  # (RoBERTa, MPNet: counted from the padding id, functional.default_positions)
-                device = (inputs_embeds if input_ids is None else input_ids).device
-                position_ids = default_positions(length, past, input_ids, c.pad_token_id, device)
-            else:
-                position_ids = self._default_ids("position_ids", past, length, word.device)
+            position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
         if token_type_ids is None and segments is not None:
-            token_type_ids = self._default_ids("token_type_ids", 0, length, word.device)
+            token_type_ids = self._default_ids("token_type_ids", 0, length)
         return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding
 
     def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
@@ -278,13 +274,21 @@ class BertEmbeddings(Pretrained, nn.Module):
         position = None if positions is None else positions(position_ids)
         return word, segment, position
 
-    def _default_ids(self, name: str, start: int, length: int, device: torch.device) -> torch.Tensor:
+    def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
+        """The member's default position ids (`functional.default_positions`), from the buffer where they count from 0
+        (BERT)."""
+        if not self.config.positions_from_padding:
+            return self._default_ids("position_ids", past, length)
+        device = (inputs_embeds if input_ids is None else input_ids).device
+        return default_positions(length, past, input_ids, self.config.pad_token_id, device)
+
+    def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
         """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
         buffer is too short (an extended position table) or missing (a patched layer has only its member's)."""
         buffer = self._buffers.get(name)
         if buffer is not None and start + length <= buffer.shape[-1]:
             return buffer.narrow(1, start, length)
-        ids = default_positions(length, start, device=device)
+        ids = default_positions(length, start, device=self.tables()[0].device)
         return ids if name == "position_ids" else torch.zeros_like(ids)
 
     def _normalised(self, word, segment, position) -> tuple[torch.Tensor, torch.Tensor]:

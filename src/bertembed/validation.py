@@ -134,19 +134,19 @@ def check_table_shapes(tables, norm_width: int | None = None) -> tuple[int, int 
     [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm weight [N], bias [N] or None) fit together; N is
     E unless `norm_width` says otherwise (a projection before the norm). Every backend raises it; the fused kernels
     would read outside a table."""
-    word = tables[0]
-    if word.dim() != 2:
-        raise ValueError(f"the word table has shape {tuple(word.shape)}, not [V, E]{_SHARED_WIDTH}")
-    width = word.shape[1]
-    for name, table, want in (("segment table", tables[1], "[T, E]"), ("position table", tables[2], "[P, E]")):
-        if table is not None and (table.dim() != 2 or table.shape[1] != width):
-            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not {want} with E={width} as the word "
+    word, *shapes = (None if t is None else t.shape for t in tables)  # (each read once: a torch call apiece)
+    if len(word) != 2:
+        raise ValueError(f"the word table has shape {tuple(word)}, not [V, E]{_SHARED_WIDTH}")
+    width = word[1]
+    for name, shape, want in (("segment table", shapes[0], "[T, E]"), ("position table", shapes[1], "[P, E]")):
+        if shape is not None and (len(shape) != 2 or shape[1] != width):
+            raise ValueError(f"the {name} has shape {tuple(shape)}, not {want} with E={width} as the word "
                              f"table's{_SHARED_WIDTH}")
-    norm = norm_width or width
-    for name, table in (("LayerNorm weight", tables[3]), ("LayerNorm bias", tables[4])):
-        if table is not None and (table.dim() != 1 or table.shape[0] != norm):
-            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not [{norm}]{_SHARED_WIDTH}")
-    return table_rows(tables)
+    norm = (norm_width or width,)
+    for name, shape in (("LayerNorm weight", shapes[2]), ("LayerNorm bias", shapes[3])):
+        if shape is not None and shape != norm:
+            raise ValueError(f"the {name} has shape {tuple(shape)}, not [{norm[0]}]{_SHARED_WIDTH}")
+    return word[0], None if shapes[0] is None else shapes[0][0], None if shapes[1] is None else shapes[1][0]
 
 
 def check_eps(eps) -> float:

@@ -128,15 +128,15 @@ def _module_reason(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def _mixed(tables, ids) -> str | None:
-    """Why the kernels cannot read these tables and (input, segment, position) ids together (mixed dtypes or devices,
-    where the reference gives torch's answer), or None."""
-    word = tables[0]
-    if any(t is not None and t.dtype != word.dtype for t in tables[1:3]):
+def _mixed(tables, ids, device: torch.device) -> str | None:
+    """Why the kernels cannot read these tables (on `device`) and (input, segment, position) ids together (mixed dtypes
+    or devices, where the reference gives torch's answer), or None."""
+    dtype = tables[0].dtype
+    if any(t is not None and t.dtype != dtype for t in tables[1:3]):
         return f"the tables have different dtypes {sorted({str(t.dtype) for t in tables[:3] if t is not None})}"
     for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
-        if given is not None and given.device != word.device:
-            return f"{name} is on {given.device}, the tables on {word.device}"
+        if given is not None and given.device != device:
+            return f"{name} is on {given.device}, the tables on {device}"
     return None
 
 
@@ -158,8 +158,9 @@ def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_id
     if reason is None:
         if inputs_embeds is not None:  # (what sets the kernels' dtype and device)
             tables = (inputs_embeds, *tables[1:])
-        backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
-        reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
+        device = tables[0].device
+        backend, reason = select_backend(layer.backend, device, tables[0].dtype)
+        reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids), device)
     if reason:
         _fall_back(reason)
         return None
@@ -273,11 +274,11 @@ def fused_embeddings(
     validation.check_option("deterministic", deterministic, (False, True))
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
     past = validation.offset_given(past_key_values_length, cache_length)
-    chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
+    device = word_embeddings.device
+    chosen, reason = select_backend(check_backend(backend), device, word_embeddings.dtype)
     p = validation.check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
     p = p if training else 0.0
     eps = validation.check_eps(eps)
-    device = word_embeddings.device
     device_checks = id_checks == "device" and chosen == "triton" and device.type == "cuda"
     rows = validation.check_table_shapes(tables)
     padding_idx = validation.check_padding_idx(padding_idx, word_embeddings.shape[0])
@@ -296,7 +297,7 @@ def fused_embeddings(
         token_type_ids = torch.zeros((1, length), dtype=torch.int64, device=device)
     if position_ids is None:
         position_ids = default_positions(length, past, device=device)
-    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids), device)):
         chosen, reason = "reference", mixed
     if chosen != "reference":
         try:

@@ -271,17 +271,18 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
     storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory
     stays where it is: making one costs a sentence's forward more than its kernel."""
+    kept = _views.get(id(t)) if type(t) is torch.nn.Parameter else None
+    if kept is not None and kept[0]() is t and kept[1] == (t.data_ptr(), t.shape, t.dtype):
+        return kept[2]
     t = t.contiguous()
     if not t.numel():
         return np.zeros(shape or t.shape, _NUMPY[t.dtype])
     if type(t) is not torch.nn.Parameter:
         return np.asarray(_memory(t, shape=shape))
-    key, kept = (t.data_ptr(), t.shape, t.dtype), _views.get(id(t))
-    if kept is None or kept[0]() is not t or kept[1] != key:
-        if len(_views) > 256:  # (parameters that were freed)
-            _views.clear()
-        kept = _views[id(t)] = (weakref.ref(t), key, np.asarray(_memory(t, hold=False)))
-    return kept[2]
+    if len(_views) > 256:  # (parameters that were freed)
+        _views.clear()
+    _views[id(t)] = (weakref.ref(t), (t.data_ptr(), t.shape, t.dtype), np.asarray(_memory(t, hold=False)))
+    return _views[id(t)][2]
 
 
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
