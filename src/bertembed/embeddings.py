@@ -147,10 +147,8 @@ class BertEmbeddings(Pretrained, nn.Module):
                 nn.init.normal_(module.weight, std=self.config.initializer_range)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-        with torch.no_grad():
-            for table in (self.word_embeddings, self.position_embeddings):
-                if getattr(table, "padding_idx", None) is not None:
-                    table.weight[table.padding_idx].zero_()
+                if getattr(module, "padding_idx", None) is not None:
+                    nn.init.zeros_(module.weight[module.padding_idx])
         self.reset_buffers()
         self.LayerNorm.reset_parameters()
 
@@ -214,50 +212,38 @@ class BertEmbeddings(Pretrained, nn.Module):
 
     def _checked_ids(self, modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds,
                      past_key_values_length, cache_length, mask, attention_mask, cu_seqlens):
-        """Check `forward`'s arguments against the submodules and `tables` as they are now (ValueErrors that name the
-        bad value and the fix) and return (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding),
-        the missing ids made as the member makes them, `padding` the word and position tables' padding rows (or None).
-        The ids' values are checked where the tables are read (`_rows`, or the fused kernels)."""
+        """`forward`'s arguments checked against `modules` and `tables` (ids' values: where the tables are read) as
+        (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding: the word and position padding rows)."""
+        c = self.config
         if mask is not None and attention_mask is not None:
             raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
         mask = attention_mask if mask is None else mask
-        if mask is not None and not self.config.mask_output:
-            raise ValueError(f"a mask was given, but the {self.config.model_type} layer does not use one (only "
+        if mask is not None and not c.mask_output:
+            raise ValueError(f"a mask was given, but the {c.model_type} layer does not use one (only "
                              f"DeBERTa's multiplies its output by the mask); leave it out")
-        past_key_values_length = offset_given(past_key_values_length, cache_length)
-        check_table_shapes(tables, self.config.output_width)
+        past = offset_given(past_key_values_length, cache_length)
+        rows = check_table_shapes(tables, c.output_width)
+        word, segments, positions = tables[:3]
         # (a padding_idx set after construction: F.embedding only asserts, the kernels would read it)
-        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), tables[0].shape[0]),
-                   None if tables[2] is None else
-                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), tables[2].shape[0]))
+        padding = (check_padding_idx(getattr(modules["word_embeddings"], "padding_idx", None), rows[0]),
+                   None if positions is None else
+                   check_padding_idx(getattr(modules["position_embeddings"], "padding_idx", None), rows[2]))
         if cu_seqlens is not None:
             input_ids, inputs_embeds, position_ids = self._packed(input_ids, inputs_embeds, position_ids, cu_seqlens,
-                                                                  past_key_values_length)
-        c = self.config
-        _, length = check_inputs(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
-                                 table_rows(tables), c.table_width, c.first_position, c.positions_from_padding,
-                                 check_ranges=False)
-        if self.projection is None:
-            check_norm_dtypes(summed_dtype(tables[0] if inputs_embeds is None else inputs_embeds, *tables[1:3]),
+                                                                  past)
+        _, length, past = check_inputs(input_ids, token_type_ids, position_ids, inputs_embeds, past, rows,
+                                       c.table_width, c.first_position, c.positions_from_padding, check_ranges=False)
+        if modules["projection"] is None:
+            check_norm_dtypes(summed_dtype(word if inputs_embeds is None else inputs_embeds, segments, positions),
                               tables[3], tables[4])
-        past = offset(past_key_values_length)
-        if position_ids is None and tables[2] is not None:
+        if position_ids is None and positions is not None:
             position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
-        if token_type_ids is None and tables[1] is not None:
+        if token_type_ids is None and segments is not None:
             token_type_ids = self._default_ids("token_type_ids", 0, length)
         return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding
 
-    def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
-        """The member's default position ids (`functional.default_positions`), from the buffer where they count from
-        0 (BERT)."""
-        if not self.config.positions_from_padding:
-            return self._default_ids("position_ids", past, length)
-        device = (inputs_embeds if input_ids is None else input_ids).device
-        return default_positions(length, past, input_ids, self.config.pad_token_id, device)
-
     def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
-        """Flattened documents (transformers' DataCollatorWithFlattening): ids [1, N] or [N], `cu_seqlens` [D + 1]
-        their boundaries. Positions restart per document, from the member's first position (pad + 1 in RoBERTa)."""
+        """Flattened documents: ids [1, N] or [N], `cu_seqlens` [D + 1] their boundaries; positions restart per one."""
         if position_ids is not None or offset(past):
             raise ValueError("cu_seqlens makes the position ids: pass neither position_ids nor a cache offset with it")
         if self.position_embeddings is None:
@@ -280,8 +266,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         return input_ids, inputs_embeds, positions
 
     def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
-        """The word [B, L, E] and the segment and position rows (None: no such table) of checked, explicit ids,
-        after a ValueError for any id outside its table."""
+        """The word [B, L, E], segment and position rows (None: no such table), after checking the ids' values."""
         check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self.tables()))
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         segments, positions = self.token_type_embeddings, self.position_embeddings
@@ -289,10 +274,17 @@ class BertEmbeddings(Pretrained, nn.Module):
         position = None if positions is None else positions(position_ids)
         return word, segment, position
 
+    def _default_positions(self, input_ids, inputs_embeds, past: int, length: int) -> torch.Tensor:
+        """The member's default position ids (`functional.default_positions`), from the buffer where they count from 0
+        (BERT)."""
+        if not self.config.positions_from_padding:
+            return self._default_ids("position_ids", past, length)
+        device = (inputs_embeds if input_ids is None else input_ids).device
+        return default_positions(length, past, input_ids, self.config.pad_token_id, device)
+
     def _default_ids(self, name: str, start: int, length: int) -> torch.Tensor:
         """[1, length] of the default-id buffer `name` from `start`, as transformers slices it; computed where the
-        buffer is too short (a position table extended past `max_position_embeddings`, whose buffers were not) or
-        missing (a patched layer has only the buffers of the transformers layer it replaced)."""
+        buffer is too short (an extended position table) or missing (a patched layer has only its member's)."""
         buffer = self._buffers.get(name)
         if buffer is not None and start + length <= buffer.shape[-1]:
             return buffer.narrow(1, start, length)
@@ -344,12 +336,13 @@ class BertEmbeddings(Pretrained, nn.Module):
         input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding = self._checked_ids(
             modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
             cache_length, mask, attention_mask, cu_seqlens)
-        check_dropout(getattr(self.dropout, "p", 0.0), "layer.dropout.p")  # (every backend alike, as nn.Dropout runs)
+        check_dropout(getattr(modules["dropout"], "p", 0.0), "layer.dropout.p")  # (every backend, as nn.Dropout runs)
         out = None
         if self.backend != "reference":  # the fused kernel, tested against the lines below; None: not for these inputs
-            from bertembed.fast import run
+            import bertembed.fast  # (no `from` import: that costs a call into importlib every time)
 
-            out = run(self, modules, tables, padding, input_ids, token_type_ids, position_ids, inputs_embeds)
+            out = bertembed.fast.run(self, modules, tables, padding, input_ids, token_type_ids, position_ids,
+                                     inputs_embeds)
         if out is None:
             _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
             out = self.dropout(out if mask is None else _masked(out, mask))

@@ -78,7 +78,8 @@ _RANGES = (("input_ids", "word", "use ids from this checkpoint's tokenizer, or a
 
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
-    return functools.reduce(torch.promote_types, {t.dtype for t in addends if t is not None})
+    dtypes = {t.dtype for t in addends if t is not None}
+    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -128,22 +129,24 @@ def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
 _SHARED_WIDTH = "; the tables and the LayerNorm must share one hidden size (was a table's .data replaced?)"
 
 
-def check_table_shapes(tables, norm_width: int | None = None) -> None:
-    """A ValueError, before any table is read, unless the shapes of (word [V, E], segment [T, E] or None, position
-    [P, E] or None, LayerNorm weight [N], bias [N] or None) fit together; N is E unless `norm_width` says otherwise (a
-    projection before the norm). Every backend raises it; the fused kernels would read outside a table."""
-    word = tables[0]
-    if word.dim() != 2:
-        raise ValueError(f"the word table has shape {tuple(word.shape)}, not [V, E]{_SHARED_WIDTH}")
-    width = word.shape[1]
-    for name, table, want in (("segment table", tables[1], "[T, E]"), ("position table", tables[2], "[P, E]")):
-        if table is not None and tuple(table.shape[1:]) != (width,):
-            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not {want} with E={width} as the word "
+def check_table_shapes(tables, norm_width: int | None = None) -> tuple[int, int | None, int | None]:
+    """The tables' rows (`table_rows`), after a ValueError, before any table is read, unless the shapes of (word
+    [V, E], segment [T, E] or None, position [P, E] or None, LayerNorm weight [N], bias [N] or None) fit together; N is
+    E unless `norm_width` says otherwise (a projection before the norm). Every backend raises it; the fused kernels
+    would read outside a table."""
+    word, *shapes = (None if t is None else t.shape for t in tables)  # (each read once: a torch call apiece)
+    if len(word) != 2:
+        raise ValueError(f"the word table has shape {tuple(word)}, not [V, E]{_SHARED_WIDTH}")
+    width = word[1]
+    for name, shape, want in (("segment table", shapes[0], "[T, E]"), ("position table", shapes[1], "[P, E]")):
+        if shape is not None and (len(shape) != 2 or shape[1] != width):
+            raise ValueError(f"the {name} has shape {tuple(shape)}, not {want} with E={width} as the word "
                              f"table's{_SHARED_WIDTH}")
     norm = (norm_width or width,)
-    for name, table in (("LayerNorm weight", tables[3]), ("LayerNorm bias", tables[4])):
-        if table is not None and tuple(table.shape) != norm:
-            raise ValueError(f"the {name} has shape {tuple(table.shape)}, not [{norm[0]}]{_SHARED_WIDTH}")
+    for name, shape in (("LayerNorm weight", shapes[2]), ("LayerNorm bias", shapes[3])):
+        if shape is not None and shape != norm:
+            raise ValueError(f"the {name} has shape {tuple(shape)}, not [{norm[0]}]{_SHARED_WIDTH}")
+    return word[0], None if shapes[0] is None else shapes[0][0], None if shapes[1] is None else shapes[1][0]
 
 
 def check_eps(eps) -> float:
@@ -156,7 +159,8 @@ def check_eps(eps) -> float:
 
 def table_rows(tables) -> tuple[int, int | None, int | None]:
     """(word, segment, position) rows of (word, segment, position, ...) tables (None: no such table)."""
-    return tuple(None if t is None else t.shape[0] for t in tables[:3])
+    word, segment, position = tables[:3]
+    return word.shape[0], None if segment is None else segment.shape[0], None if position is None else position.shape[0]
 
 
 def offset(past_key_values_length) -> int:
@@ -223,8 +227,9 @@ def check_inputs(
     first_position: int = 0,
     positions_from_padding: bool = False,
     check_ranges: bool = True,
-) -> tuple[int, int]:
-    """Validate the arguments of `BertEmbeddings.forward` and return (B, L). Nothing is launched on bad input.
+) -> tuple[int, int, int]:
+    """Validate the arguments of `BertEmbeddings.forward` and return (B, L, the offset as an int, `offset`). Nothing is
+    launched on bad input.
 
     `rows`: the (word, segment, position) tables' rows (`table_rows`; None: no such table); `width`: the tables' E.
     `first_position`: the first default position (pad + 1 where positions count from the padding,
@@ -262,4 +267,4 @@ def check_inputs(
         _check_ids("position_ids", position_ids, shape, "pass [B, L], or [1, L] shared by the batch")
     if check_ranges:
         check_id_ranges(input_ids, token_type_ids, position_ids, rows)
-    return batch, length
+    return batch, length, past_key_values_length

@@ -19,32 +19,16 @@ from torch import Tensor, nn
 from torch.compiler import is_compiling
 from torch.nn.modules import module as _torch_module
 
+from bertembed import validation
 from bertembed.fast.function import embeddings_op, kernel_forward
 from bertembed.functional import default_positions, embed
-from bertembed.validation import (
-    ID_CHECKS,
-    IdsOutsideTables,
-    RowsOverflowed,
-    check_dropout,
-    check_eps,
-    check_id_ranges,
-    check_inputs,
-    check_norm_dtypes,
-    check_option,
-    check_padding_idx,
-    check_table_shapes,
-    in_torch_func,
-    offset,
-    offset_given,
-    summed_dtype,
-    table_rows,
-)
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _DTYPES = {"cpu": (torch.float32, torch.bfloat16), "triton": (torch.float32, torch.float16, torch.bfloat16)}
-_INSTALL = {"cpu": "pip install 'bertembed[fast]' (numba)", "triton": "pip install 'bertembed[gpu]' (triton)"}
+_INSTALL = {"cpu": "numba is not installed: pip install 'bertembed[fast]' (numba)",
+            "triton": "triton is not installed: pip install 'bertembed[gpu]' (triton)"}
 _told: set[str] = set()
 _found: dict[str, bool] = {}
 _GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
@@ -53,14 +37,15 @@ _GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forw
 _PLAIN = {"word_embeddings": nn.Embedding, "token_type_embeddings": nn.Embedding, "position_embeddings": nn.Embedding,
           "LayerNorm": nn.LayerNorm, "dropout": nn.Dropout}
 _COMPUTED_TABLE = "bertembed.embeddings.SinusoidalPositions"  # a position table that is a buffer: also a lookup
+_OVERFLOWED = "a token's rows hold a NaN, an inf or values whose variance overflows float32, where torch's own " \
+              "arithmetic decides the output (a NaN row, or LayerNorm's bias)"
 
 
 def _missing(backend: str) -> str | None:
     """Why `backend` cannot run in this environment, or None when it can (looked up once per backend)."""
-    module = "numba" if backend == "cpu" else "triton"
     if backend not in _found:
-        _found[backend] = importlib.util.find_spec(module) is not None
-    return None if _found[backend] else f"{module} is not installed: {_INSTALL[backend]}"
+        _found[backend] = importlib.util.find_spec("numba" if backend == "cpu" else "triton") is not None
+    return None if _found[backend] else _INSTALL[backend]
 
 
 def check_backend(backend: str) -> str:
@@ -72,20 +57,11 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def _device_reason(backend: str, device: torch.device) -> str | None:
-    if backend == "cpu" and device.type != "cpu":
-        return f"the 'cpu' backend runs on CPU tensors, these are on {device}"
-    if backend == "triton" and device.type != "cuda" \
-            and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1"):
-        return f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
-    return None
-
-
 def _transform_reason() -> str | None:
     """Why the kernels cannot run under a torch.func transform, forward-mode AD, `torch.jit.trace` or ONNX export, or
     None (under torch.compile the custom op is traced instead)."""
     if not is_compiling():
-        if in_torch_func():
+        if validation.in_torch_func():
             return "a torch.func transform is running, and the fused kernels have no rules for its wrapped tensors"
         if torch.autograd.forward_ad._current_level >= 0:  # (inside `dual_level()`, as `jvp` runs)
             return "forward-mode AD (a dual level) is on, and the fused kernels have no jvp rule"
@@ -103,7 +79,13 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     if requested == "reference":
         return "reference", None
     backend = requested if requested != "auto" else ("cpu" if device.type == "cpu" else "triton")
-    reason = _missing(backend) or _device_reason(backend, device) or _transform_reason()
+    reason = _missing(backend)
+    if reason is None and backend == "cpu" and device.type != "cpu":
+        reason = f"the 'cpu' backend runs on CPU tensors, these are on {device}"
+    elif reason is None and backend == "triton" and device.type != "cuda" \
+            and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1"):
+        reason = f"the 'triton' backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), these are on {device}"
+    reason = reason or _transform_reason()
     if reason is None and dtype not in _DTYPES[backend]:
         reason = f"the {backend!r} kernels take {[str(d) for d in _DTYPES[backend]]} tables, not {dtype}"
     return ("reference", reason) if reason else (backend, None)
@@ -119,27 +101,25 @@ def can_fuse(layer: nn.Module, modules: dict | None = None, *, gathered: bool = 
     if layer.config.projection == "before_norm":
         return "the layer projects its sum E -> H before the LayerNorm (DeBERTa), which the kernels do not"
     for name in _PLAIN:
-        module = modules.get(name)
+        module = modules[name]
         if module is None and name in ("position_embeddings", "token_type_embeddings"):  # a member without one
             continue
         if not (gathered and name == "word_embeddings") and (reason := _module_reason(name, module)):
             return reason
-    if modules["LayerNorm"].weight is None:
-        return "LayerNorm has no weight (elementwise_affine=False)"
-    return None
+    return "LayerNorm has no weight (elementwise_affine=False)" if modules["LayerNorm"].weight is None else None
 
 
 def _module_reason(name: str, module: nn.Module) -> str | None:
     """Why the kernel cannot compute what submodule `name` would, or None."""
     if type(module) is not _PLAIN[name]:
-        kind = f"{type(module).__module__}.{type(module).__qualname__}"
-        if not (name == "position_embeddings" and kind == _COMPUTED_TABLE):
-            return f"{name} is a {kind}, whose own forward the fused kernel does not compute"
+        shown = f"{type(module).__module__}.{type(module).__qualname__}"
+        if not (name == "position_embeddings" and shown == _COMPUTED_TABLE):
+            return f"{name} is a {shown}, whose own forward the fused kernel does not compute"
     if "forward" in module.__dict__:
         return f"{name} has a forward of its own set on it (as accelerate's hooks set one), which must run"
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
         return f"{name} has hooks, which run only when its own forward does"
-    if isinstance(module, nn.Embedding):
+    if type(module) is nn.Embedding:
         if module.max_norm is not None:
             return f"{name} has max_norm={module.max_norm} (rows renormalised as they are read)"
         if torch.is_grad_enabled() and (module.sparse or module.scale_grad_by_freq):
@@ -148,22 +128,16 @@ def _module_reason(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def _mixed(tables, ids) -> str | None:
-    """Why the kernels cannot read these tables and (input, segment, position) ids together, or None: the three tables
-    must share a dtype, and the ids the tables' device (elsewhere the reference gives torch's answer)."""
-    word, segment, position = tables[:3]
-    if any(t is not None and t.dtype != word.dtype for t in (segment, position)):
-        dtypes = {t.dtype for t in tables[:3] if t is not None}
-        return f"the tables have different dtypes {sorted(map(str, dtypes))}"
-    device = word.device
+def _mixed(tables, ids, device: torch.device) -> str | None:
+    """Why the kernels cannot read these tables (on `device`) and (input, segment, position) ids together (mixed dtypes
+    or devices, where the reference gives torch's answer), or None."""
+    dtype = tables[0].dtype
+    if any(t is not None and t.dtype != dtype for t in tables[1:3]):
+        return f"the tables have different dtypes {sorted({str(t.dtype) for t in tables[:3] if t is not None})}"
     for name, given in zip(("input_ids", "token_type_ids", "position_ids"), ids, strict=True):
         if given is not None and given.device != device:
             return f"{name} is on {given.device}, the tables on {device}"
     return None
-
-
-_OVERFLOWED = "a token's rows hold a NaN, an inf or values whose variance overflows float32, where torch's own " \
-              "arithmetic decides the output (a NaN row, or LayerNorm's bias)"
 
 
 def _fall_back(reason: str) -> None:
@@ -175,20 +149,18 @@ def _fall_back(reason: str) -> None:
 def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_ids: Tensor, token_type_ids: Tensor,
         position_ids: Tensor, inputs_embeds: Tensor | None) -> Tensor | None:
     """`layer`'s output [B, L, H] from the fused kernel, or None (the reason logged once) where the reference must
-    run. The layer has read its `modules` (`layer.submodules()`) and `tables` (`layer.tables()`) once, checked its
-    inputs' shapes and dtypes, the tables' `padding` rows, and made its ids explicit: input_ids [B, L], segment and
-    position ids of any shape that broadcasts to it. Their values are checked after the CPU kernel (which skips and
-    reports a bad id), before the Triton one (unless `layer.id_checks` is "device"). Word rows the kernel cannot read
-    from the table itself (`inputs_embeds`, a word module with hooks, a wrapper, a sharded table) come
-    `gathered_rows`."""
-    word, norm = modules["word_embeddings"], modules["LayerNorm"]
+    run, on the layer's `modules`, `tables`, `padding` rows and checked, explicit ids (`BertEmbeddings._checked_ids`).
+    Id values are checked by the CPU kernel as it reads them, before the Triton one (unless `layer.id_checks` is
+    "device"). Word rows the kernel cannot read from the table itself come `gathered_rows`."""
+    word = modules["word_embeddings"]
     gathered = inputs_embeds is not None or _module_reason("word_embeddings", word) is not None
     reason = can_fuse(layer, modules, gathered=True)  # (the word module was asked just above)
     if reason is None:
         if inputs_embeds is not None:  # (what sets the kernels' dtype and device)
             tables = (inputs_embeds, *tables[1:])
-        backend, reason = select_backend(layer.backend, tables[0].device, tables[0].dtype)
-        reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids))
+        device = tables[0].device
+        backend, reason = select_backend(layer.backend, device, tables[0].dtype)
+        reason = reason or _mixed(tables, (input_ids, token_type_ids, position_ids), device)
     if reason:
         _fall_back(reason)
         return None
@@ -200,34 +172,32 @@ def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_id
             rows = rows.view(*input_ids.shape, -1)
             return modules["dropout"](layer._normalised(*layer._rows(None, token_type_ids, position_ids, rows))[1])
         tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
-    dropout = modules["dropout"]
-    p = float(dropout.p)  # (checked by the layer, on every backend)
     if backend != "cpu" and layer.id_checks != "device":
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
+    dropout = modules["dropout"]
     try:
-        return _fused(backend, input_ids, token_type_ids, position_ids, tables, norm.eps,
-                      p if dropout.training else 0.0, padding, layer.deterministic, None)
-    except IdsOutsideTables:
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))  # names the id
+        return _fused(backend, input_ids, token_type_ids, position_ids, tables, modules["LayerNorm"].eps,
+                      float(dropout.p) if dropout.training else 0.0, padding, layer.deterministic)
+    except validation.IdsOutsideTables:
+        # (names the id)
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
         raise
-    except RowsOverflowed:
+    except validation.RowsOverflowed:
         _fall_back(_OVERFLOWED)
         return None
 
 
 def gathered_rows(word: nn.Module, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor,
                   inputs_embeds: Tensor | None, tables: tuple) -> tuple[Tensor, Tensor]:
-    """(rows [B*L, E], ids [B, L]: 0, 1, ..., B*L - 1): the word rows as a table the kernel reads in token order (their
-    gradient flows back to whatever gave them): `inputs_embeds`, or `word(input_ids)` on ids checked first (a sharded
-    lookup would give a bad id a row of zeros, silently)."""
+    """(rows [B*L, E], ids [B, L]: 0 .. B*L - 1): the word rows as a table read in token order, their gradient flowing
+    back to `inputs_embeds` or `word(input_ids)` (on ids checked first: a sharded lookup zeroes a bad id's row)."""
     if inputs_embeds is None:
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(tables))
+        validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
         inputs_embeds = word(input_ids)
     rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])
     if type(rows) is not Tensor:  # a tensor subclass (a collective's pending result): its values, in plain memory
         rows = rows.clone()
-    ids = torch.arange(rows.shape[0], device=rows.device).view(inputs_embeds.shape[:2])
-    return rows, ids
+    return rows, torch.arange(rows.shape[0], device=rows.device).view(inputs_embeds.shape[:2])
 
 
 def _needs_autograd(tables) -> bool:
@@ -235,40 +205,27 @@ def _needs_autograd(tables) -> bool:
 
 
 def _fused(backend: str, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor, tables: tuple, eps: float,
-           p: float, padding: tuple[int | None, int | None], deterministic: bool, out: Tensor | None) -> Tensor:
+           p: float, padding: tuple[int | None, int | None], deterministic: bool, out: Tensor | None = None) -> Tensor:
     """The kernels on checked inputs with explicit ids: the forward kernel alone for inference, the custom op for
     training and under torch.compile. `padding`: the word and position tables' padding rows or None."""
     word, segment, position, weight, bias = tables
-    # no segment table (DistilBERT, MPNet, ModernBERT) or position table (ModernBERT, DeBERTa's relative positions):
-    # one zero row, which adds nothing
+    # no segment table (DistilBERT, MPNet, ModernBERT), position table (ModernBERT, DeBERTa) or LayerNorm bias
+    # (ModernBERT): a zero row, which adds nothing
     if segment is None:
         segment, token_type_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
     if position is None:
         position, position_ids = word.new_zeros((1, word.shape[1])), input_ids.new_zeros((1, 1))
-    if bias is None:  # a LayerNorm without bias (ModernBERT)
+    if bias is None:
         bias = weight.new_zeros(weight.shape)
-    tables = (word, segment, position, weight, bias)
     seed = int(torch.randint(0, 2**62, (1,))) if p > 0 else 0  # torch's generator: torch.manual_seed governs it
     compiling = is_compiling()
-    if out is not None or not _needs_autograd(tables) and not compiling:
-        return kernel_forward(backend, input_ids, token_type_ids, position_ids, *tables, eps, p, seed, out, False)[0]
+    if out is not None or not compiling and not _needs_autograd(tables):
+        return kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight, bias,
+                              eps, p, seed, out, False)[0]
     pad, position_pad = (-1 if i is None else int(i) for i in padding)
     return embeddings_op(input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p, seed,
                          pad, position_pad, backend, deterministic or torch.are_deterministic_algorithms_enabled(),
                          not compiling)[0]  # (strict in eager mode: the reference runs instead)
-
-
-def _check_out(out: Tensor, ids_shape, tables) -> None:
-    """A ValueError unless `out` can take the output: inference only, contiguous, [B, L, H] of the word table's dtype
-    and device (asked on every backend)."""
-    if _needs_autograd(tables):
-        raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
-                         "or drop out= to get a tensor autograd can differentiate")
-    word = tables[0]
-    shape = (*ids_shape, word.shape[1])
-    if tuple(out.shape) != shape or out.dtype != word.dtype or not out.is_contiguous() or out.device != word.device:
-        raise ValueError(f"out= must be a contiguous {word.dtype} tensor of shape {list(shape)} on {word.device}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
 
 
 def fused_embeddings(
@@ -313,37 +270,42 @@ def fused_embeddings(
         out: a [B, L, H] buffer to write into; inference only.
     Raises the reference layer's ValueErrors on bad input, before any kernel runs.
     """
-    check_option("id_checks", id_checks, ID_CHECKS)
-    check_option("deterministic", deterministic, (False, True))
+    validation.check_option("id_checks", id_checks, validation.ID_CHECKS)
+    validation.check_option("deterministic", deterministic, (False, True))
     tables = (word_embeddings, token_type_embeddings, position_embeddings, layer_norm_weight, layer_norm_bias)
-    past = offset_given(past_key_values_length, cache_length)
-    chosen, reason = select_backend(check_backend(backend), word_embeddings.device, word_embeddings.dtype)
-    p = check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
-    eps = check_eps(eps)
-    p = p if training else 0.0
-    device_checks = id_checks == "device" and chosen == "triton" and word_embeddings.device.type == "cuda"
-    check_table_shapes(tables)
-    padding_idx = check_padding_idx(padding_idx, word_embeddings.shape[0])
-    batch, length = check_inputs(input_ids, token_type_ids, position_ids, None, past, table_rows(tables),
-                                 word_embeddings.shape[1], check_ranges=not device_checks)
-    past = offset(past)  # (a numpy integer or 0-d tensor: a Python int now)
-    check_norm_dtypes(summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
-    if out is not None:
-        _check_out(out, (batch, length), tables)
+    past = validation.offset_given(past_key_values_length, cache_length)
     device = word_embeddings.device
+    chosen, reason = select_backend(check_backend(backend), device, word_embeddings.dtype)
+    p = validation.check_dropout(dropout_p, "dropout_p")  # (in eval mode too, as F.dropout checks it)
+    p = p if training else 0.0
+    eps = validation.check_eps(eps)
+    device_checks = id_checks == "device" and chosen == "triton" and device.type == "cuda"
+    rows = validation.check_table_shapes(tables)
+    padding_idx = validation.check_padding_idx(padding_idx, word_embeddings.shape[0])
+    batch, length, past = validation.check_inputs(input_ids, token_type_ids, position_ids, None, past, rows,
+                                                  word_embeddings.shape[1], check_ranges=not device_checks)
+    validation.check_norm_dtypes(validation.summed_dtype(*tables[:3]), layer_norm_weight, layer_norm_bias)
+    if out is not None:
+        if _needs_autograd(tables):
+            raise ValueError("out= is for inference: call under torch.no_grad() (or torch.inference_mode()), "
+                             "or drop out= to get a tensor autograd can differentiate")
+        shape, dtype = [batch, length, word_embeddings.shape[1]], word_embeddings.dtype
+        if list(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device != device:
+            raise ValueError(f"out= must be a contiguous {dtype} tensor of shape {shape} on {device}, "
+                             f"got {out.dtype} {list(out.shape)} on {out.device}")
     if token_type_ids is None:
         token_type_ids = torch.zeros((1, length), dtype=torch.int64, device=device)
     if position_ids is None:
         position_ids = default_positions(length, past, device=device)
-    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids))):
+    if chosen != "reference" and (mixed := _mixed(tables, (input_ids, token_type_ids, position_ids), device)):
         chosen, reason = "reference", mixed
     if chosen != "reference":
         try:
-            return _fused(chosen, input_ids, token_type_ids, position_ids, tables, float(eps), p, (padding_idx, None),
+            return _fused(chosen, input_ids, token_type_ids, position_ids, tables, eps, p, (padding_idx, None),
                           deterministic, out)
-        except RowsOverflowed:
+        except validation.RowsOverflowed:
             reason = _OVERFLOWED
     if reason:
         _fall_back(reason)
-    result = embed(input_ids, *tables, token_type_ids, position_ids, eps=float(eps), p=p, padding_idx=padding_idx)
+    result = embed(input_ids, *tables, token_type_ids, position_ids, eps=eps, p=p, padding_idx=padding_idx)
     return result if out is None else out.copy_(result)

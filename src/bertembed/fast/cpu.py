@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -23,14 +24,10 @@ _SHIFT_FROM = 64  # the moments are summed around the mean of the row's first th
 _ODD = 1 << 32  # a chunk returns (bad ids) + _ODD x (tokens whose moments are not finite)
 
 
-def dropout_threshold(p: float) -> np.uint64:
-    """An element is kept when its 24 random bits are >= this; 0 means no dropout, 2**24 (p == 1) drops every one."""
-    return np.uint64(round(p * (1 << 24)))
-
-
-def dropout_scale(p: float) -> float:
-    """What a kept element is multiplied by, 1 / (1 - p); at p == 1 none is kept (torch's output is all zeros)."""
-    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+def _dropout(p: float) -> tuple[np.uint64, float]:
+    """(threshold: an element is kept when its 24 random bits are >= it, 0: no dropout, 2**24 (p == 1): none kept;
+    scale: what a kept element is multiplied by, 1 / (1 - p))."""
+    return np.uint64(round(p * (1 << 24))), 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
 @njit(cache=True, inline="always")
@@ -143,50 +140,40 @@ def _moments(x, shift, total):
     return mean, squares / x.size
 
 
-@njit(cache=True, inline="always", fastmath={"contract"})
-def _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out, mean, rstd):
-    """The sum with its moments, then LayerNorm (as torch's: ((x - mean) * rstd) * weight + bias, `contract`ed) and
-    dropout into x, then x into out[i]; returns whether the moments are not finite (a NaN or inf in the rows, or a
-    variance, or a mean's square, past float32's range)."""
-    h = x.size
-    m, var = _sum_row(word, seg, pos, w, s, q, x)
-    m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
-    mean[i], rstd[i] = m32, r32
-    if threshold == 0:
-        for j in range(h):
-            x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
-    else:
-        for j in range(h):
-            y = (x[j] - m32) * r32 * gamma[j] + beta[j]
-            x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
-    write_row(x, out, i)
-    return not (m * m < np.inf and var < np.inf)  # (NaN too; torch's vectorised moments square the mean)
-
-
 @njit(cache=True, fastmath={"contract"})
 def _forward_chunk(lo, hi, ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd):
-    """Tokens [lo, hi) with one scratch row; returns how many had bad ids (skipped, nothing read), plus _ODD times how
-    many had moments that are not finite."""
-    x = np.empty(out.shape[1], np.float32)
+    """Tokens [lo, hi) with one scratch row x: the sum with its moments, then LayerNorm (as torch's: ((x - mean) *
+    rstd) * weight + bias, `contract`ed) and dropout into x, then x into out[i]. Returns how many had bad ids (skipped,
+    nothing read), plus _ODD times how many had moments that are not finite (a NaN or inf in the rows, or a variance,
+    or a mean's square, past float32's range)."""
+    h = out.shape[1]
+    x = np.empty(h, np.float32)
     bad, odd = 0, 0
     for i in range(lo, hi):
         w, s, q = ids[i], tts[i], pids[i]
-        if _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
-            odd += _forward_token(i, w, s, q, word, seg, pos, gamma, beta, eps, threshold, scale, seed, x, out,
-                                  mean, rstd)
-        else:
+        if not _ids_ok(w, s, q, word.shape[0], seg.shape[0], pos.shape[0]):
             bad += 1
+            continue
+        m, var = _sum_row(word, seg, pos, w, s, q, x)
+        m32, r32 = np.float32(m), np.float32(1.0 / np.sqrt(var + eps))
+        mean[i], rstd[i] = m32, r32
+        if threshold == 0:
+            for j in range(h):
+                x[j] = (x[j] - m32) * r32 * gamma[j] + beta[j]
+        else:
+            for j in range(h):
+                y = (x[j] - m32) * r32 * gamma[j] + beta[j]
+                x[j] = y * np.float32(scale) if keep(seed, i * h + j, threshold) else np.float32(0.0)
+        write_row(x, out, i)
+        odd += not (m * m < np.inf and var < np.inf)  # (NaN too; torch's vectorised moments square the mean)
     return bad + odd * _ODD
 
 
 @njit(parallel=True, cache=True)
 def forward(ids, tts, pids, word, seg, pos, gamma, beta, eps, threshold, scale, seed, out, mean, rstd, chunks):
-    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])); returns how many tokens had bad ids.
-
-    ids, tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H], out [N, H]: float32, or
-    uint16 bfloat16 bits. gamma, beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of
-    tokens, a few per thread. Returns as `_forward_chunk`.
-    """
+    """out[i] = dropout(LayerNorm((word[ids[i]] + seg[tts[i]]) + pos[pids[i]])), returned as `_forward_chunk`'s. ids,
+    tts, pids: [N] int64. word [V, H], seg [T, H], pos [P, H], out [N, H]: float32, or uint16 bfloat16 bits. gamma,
+    beta: [H] float32. mean, rstd: [N] float32, kept for backward. chunks: >= 1 blocks of tokens, a few per thread."""
     n = out.shape[0]
     bad = 0
     for c in prange(chunks):
@@ -225,12 +212,10 @@ def _row_backward(word, seg, pos, w, s, q, gout, i, m, r, gamma, threshold, scal
 @njit(parallel=True, cache=True)
 def backward(order, bounds, ids, tts, pids, pos_lo, word, seg, pos, gamma, mean, rstd, gout, threshold, scale, seed,
              pad, dword, dseg, dpos, dgamma, dbeta):
-    """Table and LayerNorm gradients; returns how many tokens had bad ids.
-
-    Chunk c handles tokens order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split
-    between chunks: each word-gradient row has one writer, in a fixed order. dword [V, H] comes zeroed ((0, H): not
-    wanted). dseg [C, T, H], dpos [C, R, H] (R = 0: not wanted; row k is position pos_lo + k), dgamma, dbeta [C, H]:
-    float32 per-chunk partials.
+    """Table and LayerNorm gradients; returns how many tokens had bad ids. Chunk c handles tokens
+    order[bounds[c]:bounds[c+1]], sorted by word id with no word id (other than `pad`) split between chunks: each
+    word-gradient row has one writer, in a fixed order. dword [V, H] comes zeroed ((0, H): not wanted). dseg [C, T, H],
+    dpos [C, R, H] (R = 0: not wanted; row k is position pos_lo + k), dgamma, dbeta [C, H]: float32 per-chunk partials.
     """
     bad = 0
     for c in prange(bounds.size - 1):
@@ -272,16 +257,10 @@ _TYPESTR = {torch.float32: "<f4", torch.bfloat16: "<u2", torch.int64: "<i8"}  # 
 _NUMPY = {dtype: np.dtype(typestr) for dtype, typestr in _TYPESTR.items()}
 
 
-class _Memory:
-    """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or nothing: a parameter's
-    cached view, checked against the parameter's memory before each use)."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: torch.Tensor, hold: bool = True, shape=None) -> None:
-        self.tensor = t if hold else None
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": shape or t.shape,
-                                    "typestr": _TYPESTR[t.dtype], "version": 3}
+def _memory(t: torch.Tensor, hold: bool = True, shape=None) -> SimpleNamespace:
+    """A contiguous CPU tensor's memory under numpy's array interface, holding `tensor` (or not: a parameter's view)."""
+    return SimpleNamespace(tensor=t if hold else None, __array_interface__={
+        "data": (t.data_ptr(), False), "shape": shape or t.shape, "typestr": _TYPESTR[t.dtype], "version": 3})
 
 
 _views: dict[int, tuple] = {}  # id(parameter) -> (weak reference, (address, shape, dtype), view)
@@ -292,24 +271,18 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
     storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory
     stays where it is: making one costs a sentence's forward more than its kernel."""
+    kept = _views.get(id(t)) if type(t) is torch.nn.Parameter else None
+    if kept is not None and kept[0]() is t and kept[1] == (t.data_ptr(), t.shape, t.dtype):
+        return kept[2]
     t = t.contiguous()
     if not t.numel():
         return np.zeros(shape or t.shape, _NUMPY[t.dtype])
     if type(t) is not torch.nn.Parameter:
-        return np.asarray(_Memory(t, shape=shape))
-    key, kept = (t.data_ptr(), t.shape, t.dtype), _views.get(id(t))
-    if kept is None or kept[0]() is not t or kept[1] != key:
-        if len(_views) > 256:  # (parameters that were freed)
-            _views.clear()
-        kept = _views[id(t)] = (weakref.ref(t), key, np.asarray(_Memory(t, hold=False)))
-    return kept[2]
-
-
-def _statistics(n: int) -> tuple[torch.Tensor, np.ndarray]:
-    """(a new float32 [n] tensor, the numpy array that owns its memory): cheaper than a view of a tensor torch made.
-    Not for the output, whose storage a user may resize (`torch.from_numpy`'s cannot be)."""
-    array = np.empty(n, np.float32)
-    return torch.from_numpy(array), array
+        return np.asarray(_memory(t, shape=shape))
+    if len(_views) > 256:  # (parameters that were freed)
+        _views.clear()
+    _views[id(t)] = (weakref.ref(t), (t.data_ptr(), t.shape, t.dtype), np.asarray(_memory(t, hold=False)))
+    return _views[id(t)][2]
 
 
 _pool_pid: list[int] = []  # the process in which numba's thread pool ran
@@ -332,29 +305,26 @@ def _threads(elements: int) -> int:
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
                 stats: bool = True, shape=None, strict: bool = False):
-    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype), contiguous.
+    """ids, tts, pids: contiguous int64, N of each; tables [*, H] float32 or bfloat16 (one dtype).
     Returns (out [N, H] (or of `shape`; or the N x H buffer `out` given), mean [N], rstd [N] float32, or None and None
     with `stats=False`). `strict`: RowsOverflowed where a token's moments are not finite."""
     n, h = ids.numel(), word.shape[1]
     out = torch.empty(shape or (n, h), dtype=word.dtype) if out is None else out
-    if stats:
-        (mean, mean_np), (rstd, rstd_np) = _statistics(n), _statistics(n)
-    else:
-        (mean_np, rstd_np), mean, rstd = np.empty((2, n), np.float32), None, None
+    # numpy owns the statistics' memory: cheaper than a view of a tensor torch made (not so the output, whose storage
+    # a user may resize; `torch.from_numpy`'s cannot be)
+    mean, rstd = np.empty(n, np.float32), np.empty(n, np.float32)
     threads = _threads(n * h)
-    args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg),
-            _np(pos), _np(gamma.float()), _np(beta.float()), float(eps),
-            dropout_threshold(p), dropout_scale(p), np.uint64(seed), _np(out, (n, h)), mean_np, rstd_np)
+    args = (_np(ids, (n,)), _np(tts, (n,)), _np(pids, (n,)), _np(word), _np(seg), _np(pos), _np(gamma.float()),
+            _np(beta.float()), float(eps), *_dropout(p), np.uint64(seed), _np(out, (n, h)), mean, rstd)
     if threads > 1:
         found = forward(*args, max(1, min(n, 4 * threads)))  # (four chunks a thread: a late thread holds up less)
     else:
         found = _forward_chunk(0, n, *args)
-    bad, odd = found % _ODD, found // _ODD
-    if bad:
-        raise skipped_ids_error(bad, "bertembed cpu forward")
-    if odd and strict:
-        raise RowsOverflowed(odd)
-    return out, mean, rstd
+    if found % _ODD:
+        raise skipped_ids_error(found % _ODD, "bertembed cpu forward")
+    if found // _ODD and strict:
+        raise RowsOverflowed(found // _ODD)
+    return (out, torch.from_numpy(mean), torch.from_numpy(rstd)) if stats else (out, None, None)
 
 
 def chunk_bounds(sorted_ids: np.ndarray, chunks: int, pad: int) -> np.ndarray:
@@ -378,10 +348,11 @@ def _zeros(*shape: int) -> torch.Tensor:
 
 
 def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: float, seed: int, pad: int,
-                 need_word: bool = True, need_pos: bool = True):
+                 need_word: bool = True, need_pos: bool = True, deterministic: bool = True):
     """Gradients (dword [V, H] or empty, dseg [T, H], dpos [P, H] or empty, dgamma [H], dbeta [H]) in the tables'
-    dtypes, from grad [N, H]. Deterministic: see `backward`. One chunk (a small batch, a forked child) runs on this
-    thread alone, with no torch op on [N, H] or [V, H] but a bfloat16 table's casts."""
+    dtypes, from grad [N, H]; always deterministic (`backward`; `deterministic` is for the Triton backward). One chunk
+    (a small batch, a forked child) runs on this thread alone, with no torch op on [N, H] or [V, H] but a bfloat16
+    table's casts."""
     n, h = grad.shape
     ids, tts, pids = ids.reshape(-1), tts.reshape(-1), pids.reshape(-1)
     chunks = max(1, min(_threads(n * h), n))
@@ -394,9 +365,9 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
         lo, hi = 0, pos.shape[0] - 1
     dseg, dpos, dgamma, dbeta = _zeros(chunks, seg.shape[0], h), _zeros(chunks, hi - lo + 1, h), _zeros(chunks, h), \
         _zeros(chunks, h)
-    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(pos),
-            _np(gamma.float()), _np(mean), _np(rstd), _np(grad), dropout_threshold(p),
-            dropout_scale(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos), _np(dgamma), _np(dbeta))
+    args = (order, bounds, ids_np, _np(tts), pids_np, lo, _np(word), _np(seg), _np(pos), _np(gamma.float()),
+            _np(mean), _np(rstd), _np(grad), *_dropout(p), np.uint64(seed), pad, _np(dword), _np(dseg), _np(dpos),
+            _np(dgamma), _np(dbeta))
     bad = backward(*args) if chunks > 1 else _backward_chunk(0, *args)  # (one chunk: on this thread)
     if bad:
         raise skipped_ids_error(bad, "bertembed cpu backward")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 
 import torch
 from torch import Tensor
@@ -19,14 +18,16 @@ from bertembed.validation import in_torch_func
 
 log = logging.getLogger("bertembed.fast")
 _told: set[str] = set()
+_modules: dict = {}
 
 
 def backend_module(backend: str):
     """The kernels of `backend`, "cpu" or "triton" (imported on first use)."""
-    if backend not in ("cpu", "triton"):
-        raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
-    name = f"bertembed.fast.{backend}"
-    return sys.modules.get(name) or importlib.import_module(name)
+    if backend not in _modules:
+        if backend not in ("cpu", "triton"):
+            raise ValueError(f"unknown kernel backend {backend!r}: use 'cpu' or 'triton'")
+        _modules[backend] = importlib.import_module(f"bertembed.fast.{backend}")
+    return _modules[backend]
 
 
 def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> list[Tensor]:
@@ -40,11 +41,11 @@ def flat_ids(input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) ->
 def kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight, bias, eps, p,
                    seed, out=None, stats=True, strict=True):
     """`backend`'s forward kernel: (out [B, L, H], or the `out` given; mean [N], rstd [N], or None without stats).
-    `strict`: RowsOverflowed where a token's moments are not finite, for the caller to run the reference instead."""
-    return backend_module(backend).run_forward(
-        *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(), segment.contiguous(),
-        position.contiguous(), weight, bias, eps, p, seed, out=out, stats=stats,
-        shape=(*input_ids.shape, word.shape[1]), strict=strict)
+    `strict`: RowsOverflowed where a token's moments are not finite, for the caller to run the reference instead.
+    (`out` in its own shape, not a view of [N, H]: a view made in an autograd Function may not be changed in place.)"""
+    return backend_module(backend).run_forward(*flat_ids(input_ids, token_type_ids, position_ids), word, segment,
+                                               position, weight, bias, eps, p, seed, out, stats,
+                                               (*input_ids.shape, word.shape[1]), strict)
 
 
 def _forward(
@@ -52,14 +53,10 @@ def _forward(
     position: Tensor, weight: Tensor, bias: Tensor, eps: float, p: float, seed: int, padding_idx: int,
     position_pad: int, backend: str, deterministic: bool, strict: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)).
-
-    input_ids [B, L]; segment and position ids of any shape that broadcasts to it; all already validated.
-    `padding_idx` and `position_pad` (the word and position tables' padding rows, whose gradients stay zero; -1:
-    none) and `deterministic` are read by the backward. `strict` (eager mode; a compiled graph cannot run the
-    reference instead): RowsOverflowed where a token's moments are not finite, else the kernel's answer stays.
-    """
-    # out in its own shape, not a view of [N, H]: a view made in an autograd Function may not be changed in place
+    """(out [B, L, H], mean [B, L], rstd [B, L]) of dropout(LayerNorm((word + segment) + position)) on validated
+    inputs (segment and position ids: any shape that broadcasts to input_ids [B, L]). `padding_idx`, `position_pad`
+    (the word and position tables' padding rows, -1: none) and `deterministic` are for the backward. `strict` (eager
+    mode; a compiled graph cannot run the reference instead): as `kernel_forward`'s."""
     out, mean, rstd = kernel_forward(backend, input_ids, token_type_ids, position_ids, word, segment, position, weight,
                                      bias, eps, p, seed, strict=strict)
     return out, mean.view(input_ids.shape), rstd.view(input_ids.shape)
@@ -83,11 +80,10 @@ def embeddings_backward_op(
     backend: str, deterministic: bool, need_word: bool, need_position: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
-    kwargs = {"deterministic": deterministic} if backend == "triton" else {}
     grads = backend_module(backend).run_backward(
         grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
         segment.contiguous(), position.contiguous(), weight, mean.reshape(-1), rstd.reshape(-1), p, seed, padding_idx,
-        need_word=need_word, need_pos=need_position, **kwargs)
+        need_word=need_word, need_pos=need_position, deterministic=deterministic)
     # a custom op's outputs may not alias (the kernels return some gradients as views of one buffer)
     return tuple(unshared(dict(enumerate(grads))).values())
 
@@ -102,17 +98,14 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
-     position_pad, backend, deterministic, *_strict) = inputs
-    _out, mean, rstd = output
+    eps, p, seed, padding_idx, position_pad, backend, deterministic = inputs[8:15]
     ctx.set_materialize_grads(False)  # (no zero gradients made for mean and rstd, which backward never reads)
-    # The tables are saved, not the [B, L, H] sum: backward re-gathers the rows.
-    ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
+    # the ids and tables but the bias are saved, not the [B, L, H] sum: backward re-gathers the rows
+    ctx.save_for_backward(*inputs[:7], *output[1:])
     ctx.options = (p, seed, padding_idx, backend, deterministic, position_pad, eps)
 
 
-# for the op's arguments past the tables (eps ... strict)
-_NO_GRADIENTS = (None,) * 8
+_NO_GRADIENTS = (None,) * 8  # for the op's arguments past the tables (eps ... strict)
 
 
 def _backward(ctx, grad, _grad_mean, _grad_rstd):
@@ -131,9 +124,8 @@ def _backward(ctx, grad, _grad_mean, _grad_rstd):
         padding_idx, backend, deterministic, need[0], need[2])
     if need[2] and position_pad >= 0:
         dpos[position_pad] = 0  # (RoBERTa's padding row of the position table, as nn.Embedding keeps it)
-    return (None, None, None, dword if need[0] else None, dseg if need[1] else None,
-            dpos if need[2] else None, dweight if need[3] else None,
-            dbias if need[4] else None, *_NO_GRADIENTS)
+    grads = (dword, dseg, dpos, dweight, dbias)
+    return (None, None, None, *(g if wanted else None for g, wanted in zip(grads, need, strict=True)), *_NO_GRADIENTS)
 
 
 embeddings_op.register_autograd(_backward, setup_context=_setup_context)
@@ -158,10 +150,8 @@ def _gradients_with_graph(ctx, grad):
         out = embed(input_ids, word, segment, position, weight, None, token_type_ids, position_ids, eps=eps,
                     padding_idx=None if padding_idx < 0 else padding_idx,
                     position_padding_idx=None if position_pad < 0 else position_pad)
-    wanted = [t if t is not None and ctx.needs_input_grad[3 + i] else None  # (the op's inputs 3-6)
-              for i, t in enumerate((word, segment, position, weight))]
-    leaves = [t for t in wanted if t is not None]
+    need = ctx.needs_input_grad[3:7]  # (the op's inputs 3-6: word, segment, position, LayerNorm weight)
+    leaves = [t for t, wanted in zip((word, segment, position, weight), need, strict=True) if wanted]
     found = iter(torch.autograd.grad(out, leaves, grad, create_graph=graph, materialize_grads=True) if leaves else ())
-    tables = [None if t is None else next(found) for t in wanted]
     dbias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[7] else None
-    return (None, None, None, *tables, dbias, *_NO_GRADIENTS)
+    return (None, None, None, *(next(found) if wanted else None for wanted in need), dbias, *_NO_GRADIENTS)

@@ -151,12 +151,13 @@ def _launch(kernel, programs: int, name: str, ids, tts, pids, word, seg, pos, p:
 
 
 def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: float, seed: int, out=None,
-                stats: bool = True, num_warps: int | None = None, rows: int = 1, evict_first: bool = True, shape=None,
-                strict: bool = False):
+                stats: bool = True, shape=None, strict: bool = False, num_warps: int | None = None, rows: int = 1,
+                evict_first: bool = True):
     """As `bertembed.fast.cpu.run_forward` (`strict` on CPU tensors only: on a GPU a token whose moments are not finite
     keeps the kernel's answer). Tuning, defaults the fastest on an H100 (docs/gpu-kernels.md): `rows` token rows per
     program (a power of 2), `num_warps`, `evict_first` (the word rows read and the output written leave L2 first)."""
     n, h = ids.numel(), word.shape[1]
+    word, seg, pos = word.contiguous(), seg.contiguous(), pos.contiguous()
     if out is None:  # (any contiguous shape: the kernel reads its address)
         out = torch.empty(shape or (n, h), dtype=word.dtype, device=word.device)
     # without stats `out` stands in for mean and rstd, as a pointer never written through
