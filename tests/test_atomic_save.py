@@ -267,6 +267,32 @@ def test_a_failed_save_says_why_in_one_line_naming_the_target_and_leaves_nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "loop"]  # no staging folder, no parents made
 
 
+def test_a_file_that_cannot_be_carried_over_is_named_and_the_old_checkpoint_kept(tmp_path, monkeypatch):
+    """A disk that fills while the old folder's other files are carried into the new one: one OSError line naming
+    that file as it is in the target (no temporary folder), and the old checkpoint whole."""
+    import errno
+    import shutil
+
+    target = tmp_path / "model"
+    refs = {"A": _tagged_layer("A"), "B": _tagged_layer("B")}
+    refs["A"].save_pretrained(target)
+    (target / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+
+    def no_link(src, dst, **kwargs):  # (another file system: the file is copied instead)
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
+
+    def full(src, dst, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(shutil, "copy2", full)
+    with pytest.raises(OSError, match=f"^cannot save to {target} \\(it is left as it was\\): "
+                                      f"{os.strerror(errno.ENOSPC)} \\({target / 'vocab.txt'}\\)$") as raised:
+        refs["B"].save_pretrained(target)
+    assert raised.value.errno == errno.ENOSPC and ".tmp" not in str(raised.value)
+    assert _whole(target, refs) == "A" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_saves_into_a_read_only_folder_leave_no_old_versions_behind(tmp_path, monkeypatch):
     """A save keeps the folder's mode, 0555 say, so after the switch the old version is a 0555 folder too: for a user
     the mode binds it could not be emptied, and each save left one more `.NAME.tmp-*` beside the checkpoint. Root is

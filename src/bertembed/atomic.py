@@ -1,5 +1,6 @@
-"""Replacing a folder as a whole: a reader, or a writer killed at any moment, finds the whole old folder or the whole
-new one (on Linux: elsewhere see `_switch`). How, and why not a symlink: docs/checkpoints.md, "Saving"."""
+"""Replacing a folder as a whole: a reader finds the whole old folder or the whole new one, even if the writer is
+killed at any moment (on Linux: elsewhere see `_switch`). How, and why not a symlink: docs/checkpoints.md, "Saving".
+"""
 
 from __future__ import annotations
 
@@ -31,32 +32,24 @@ def atomic_folder(path: str | Path, *, keep_others: bool = True) -> Iterator[Pat
         staging.mkdir()  # (by mkdir, so that the umask applies)
         yield staging
         if target.is_dir():
-            if keep_others:  # the old entries the new folder lacks, hard-linked (or copied) in
-                new = set(os.listdir(staging))
-                shutil.copytree(target, staging, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True,
-                                ignore=lambda folder, names: new.intersection(names) if folder == str(target) else ())
+            if keep_others:
+                _carry_over(target, staging)
             os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
-        for root, _, names in os.walk(staging, topdown=False):  # every file and folder on the disk before the switch
-            for entry in [os.path.join(root, name) for name in names] + [root] * (os.name == "posix"):
-                if not os.path.islink(entry):
-                    _fsync(entry)
+        _fsync_tree(staging)  # on the disk before the switch shows it
         _switch(staging, target)
         made = []
     except OSError as err:
         raise save_error(err, target, staging) from err
-    finally:  # unfinished new files, or (after the switch) the old ones, which may be read-only: the mode is kept
-        if not staging.is_symlink():  # (never a link's target)
-            for root, _, _ in os.walk(staging):
-                with contextlib.suppress(OSError):
-                    os.chmod(root, 0o700)
-            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        _remove(staging)  # unfinished new files, or (after the switch) the old ones
         for folder in made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
 
 
 def _followed(path: str | Path) -> Path:
-    """`path`, absolute; for a link, what it points to (the link kept); FileNotFoundError for a link to nothing."""
+    """`path`, absolute; for a link, what it points to (a save replaces that and keeps the link). FileNotFoundError
+    for a link to nothing: what it would create is not where the user looks."""
     target = Path(os.path.abspath(Path(path).expanduser()))
     if target.is_symlink():
         if not target.exists():
@@ -70,9 +63,9 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
     """A failed save's OSError as one line of the same class that names `target`, why, and the fix where there is one;
     a file inside `staging` is named as it will be inside `target`, a temporary folder never."""
     why, name = err.strerror or str(err)[:300], str(err.filename or "")
-    name = "" if name == str(target) or Path(name).name.startswith(f".{target.name}.") else name
     if staging is not None and name.startswith(str(staging)):
-        name = os.path.relpath(name, staging)
+        name = os.path.relpath(name, staging) if name != str(staging) else ""
+    name = "" if name == str(target) or Path(name).name.startswith(f".{target.name}.") else name
     blocker = next((p for p in target.parents if os.path.lexists(p) and not p.is_dir()), None)
     if blocker is not None:
         new: OSError = NotADirectoryError(f"cannot save to {target}: {blocker} is not a folder (a file is in the way); "
@@ -89,11 +82,41 @@ def save_error(err: OSError, target: Path, staging: Path | None = None) -> OSErr
     return new
 
 
+def _remove(folder: Path) -> None:
+    """Delete a temporary folder, read-only folders in it included (a save gives the new folder the old one's mode,
+    so after the switch the old one may be 0555): never left behind for the next save to trip on."""
+    if folder.is_symlink():  # (never a link's target)
+        return
+    for root, _, _ in os.walk(folder):
+        with contextlib.suppress(OSError):
+            os.chmod(root, 0o700)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Link (or copy) into `new` the entries of `old` that `new` lacks."""
+    for entry in old.iterdir():
+        if os.path.lexists(dest := new / entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
+
+
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
     try:  # (a symlink is linked or copied as a link)
         os.link(src, dst, follow_symlinks=False)  # the old folder is deleted after the switch: the new one owns it
     except (OSError, NotImplementedError):
         shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file, and on POSIX every folder, under and at `folder`."""
+    for root, _, names in os.walk(folder, topdown=False):
+        for path in [os.path.join(root, name) for name in names] + [root] * (os.name == "posix"):
+            if not os.path.islink(path):
+                _fsync(path)
 
 
 def _fsync(path: str | Path) -> None:  # (a folder too: its entries)
