@@ -197,3 +197,20 @@ def test_badly_conditioned_rows_are_about_as_close_to_float64_as_torchs(case):
     torch_error, fused_error = (out_ref - exact).abs().max().item(), (out - exact).abs().max().item()
     assert torch_error > 5e-6  # badly conditioned indeed: torch itself is far from float64
     assert fused_error <= 1.5 * torch_error, (fused_error, torch_error)
+
+
+def test_a_table_replaced_by_a_transposed_view_of_itself_is_read_as_it_now_is():
+    """The kernel keeps a numpy view of each table while its memory stays put: a `.data` swapped for a transposed view
+    of the same memory (same address, shape and dtype, other strides) must not be read through the old view."""
+    from bertembed import BertEmbeddings, EmbeddingConfig
+
+    layer = BertEmbeddings(EmbeddingConfig(vocab_size=24, hidden_size=24, max_position_embeddings=40), backend="cpu")
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.eval()(input_ids=ids)  # (the word table's view kept)
+        layer.word_embeddings.weight.data = layer.word_embeddings.weight.data.t()
+        fused = layer(input_ids=ids)
+        reference = torch.nn.functional.layer_norm(
+            layer.word_embeddings.weight[ids] + layer.position_embeddings.weight[:6]
+            + layer.token_type_embeddings.weight[0], (24,), layer.LayerNorm.weight, layer.LayerNorm.bias, 1e-12)
+    torch.testing.assert_close(fused, reference)

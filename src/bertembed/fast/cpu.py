@@ -272,7 +272,7 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory
     stays where it is: making one costs a sentence's forward more than its kernel."""
     kept = _views.get(id(t)) if type(t) is torch.nn.Parameter else None
-    if kept is not None and kept[0]() is t and kept[1] == (t.data_ptr(), t.shape, t.dtype):
+    if kept is not None and kept[0]() is t and kept[1] == (t.data_ptr(), t.shape, t.dtype) and t.is_contiguous():
         return kept[2]
     t = t.contiguous()
     if not t.numel():
