@@ -52,9 +52,10 @@ def load_checkpoint(name_or_path: str | Path | None = None, *, revision: str | N
     if framework not in ("pt", "np"):
         raise ValueError(f"framework={framework!r} is not 'pt' (torch tensors) or 'np' (numpy arrays)")
     source = resolve(name_or_path, revision=revision, local_files_only=local_files_only)
-    # A save may switch a new version in between config.json and the weights: read again. The folder is held open
-    # while it is read, so that its inode number, which tells a new folder from it, is not reused meanwhile. (The
-    # hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
+    # A save may switch a new version in between config.json and the weights, which would load one version's config
+    # with the other's tables (tests/test_atomic_save.py, test_a_reader_never_sees_two_saves_mixed): read again. The
+    # folder is held open while it is read, so that its inode number, which tells a new folder from it, is not reused
+    # meanwhile. (The hub's cache and the bundled default are never replaced; Windows cannot open a folder.)
     pin = source.kind in ("folder", "file") and os.name == "posix"
     for attempt in range(5):
         fd = None

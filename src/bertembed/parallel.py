@@ -177,10 +177,10 @@ def _word_name(layer: nn.Module) -> str | None:
 
 def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignore_index: int = -100,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """torch's `cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=..., label_smoothing=...)` of logits
-    [..., V] sharded by columns (as `shard_vocab`'s head gives them) and labels [...], the same on every rank, without
-    gathering the logits (`_VocabParallelCrossEntropy`). Returns the loss, the same on every rank; its backward writes
-    each rank's columns' gradient alone."""
+    """torch's `cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=..., label_smoothing=...)` (the mean
+    over the labels not ignored) of logits [..., V] sharded by columns (as `shard_vocab`'s head gives them) and labels
+    [...], the same on every rank, without gathering the logits (`_VocabParallelCrossEntropy`). Returns the loss, the
+    same on every rank; its backward writes each rank's columns' gradient alone."""
     if not isinstance(logits, DTensor) or tuple(logits.placements) != (Shard(logits.ndim - 1),):
         raise ValueError(f"logits must be a DTensor sharded by its last dimension (Shard({logits.ndim - 1}),), as "
                          f"shard_vocab's head gives it; got {type(logits).__name__} "

@@ -228,8 +228,8 @@ def check_inputs(
     positions_from_padding: bool = False,
     check_ranges: bool = True,
 ) -> tuple[int, int, int]:
-    """Validate the arguments of `BertEmbeddings.forward` and return (B, L, the offset as an int, `offset`). Nothing is
-    launched on bad input.
+    """Validate the arguments of `BertEmbeddings.forward` and return (B, L, offset): the offset as an int
+    (`validation.offset`). Nothing is launched on bad input.
 
     `rows`: the (word, segment, position) tables' rows (`table_rows`; None: no such table); `width`: the tables' E.
     `first_position`: the first default position (pad + 1 where positions count from the padding,

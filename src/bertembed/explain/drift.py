@@ -43,7 +43,8 @@ class DriftReport(Result):
         out = {"model_a": self.source_a.name, "model_b": self.source_b.name}
         for t in self.tables:
             out |= {f"{t.table}_{k}": getattr(t, k) for k in ("relative_change", "rows_changed", "median_row_change")}
-        return out | ({"warning": warning} if (warning := self.warning()) else {})
+        warning = self.warning()
+        return out | {"warning": warning} if warning else out
 
     def warning(self) -> str:
         """Which tensor of which checkpoint holds NaN or inf, and where; empty when every tensor is finite."""

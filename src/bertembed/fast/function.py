@@ -98,10 +98,12 @@ def _(grad, input_ids, token_type_ids, position_ids, word, segment, position, we
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    eps, p, seed, padding_idx, position_pad, backend, deterministic = inputs[8:15]
+    (input_ids, token_type_ids, position_ids, word, segment, position, weight, _bias, eps, p, seed, padding_idx,
+     position_pad, backend, deterministic, *_strict) = inputs
+    _out, mean, rstd = output
     ctx.set_materialize_grads(False)  # (no zero gradients made for mean and rstd, which backward never reads)
     # the ids and tables but the bias are saved, not the [B, L, H] sum: backward re-gathers the rows
-    ctx.save_for_backward(*inputs[:7], *output[1:])
+    ctx.save_for_backward(input_ids, token_type_ids, position_ids, word, segment, position, weight, mean, rstd)
     ctx.options = (p, seed, padding_idx, backend, deterministic, position_pad, eps)
 
 
