@@ -78,8 +78,7 @@ _RANGES = (("input_ids", "word", "use ids from this checkpoint's tokenizer, or a
 
 def summed_dtype(*addends: torch.Tensor | None) -> torch.dtype:
     """The dtype of the sum of the tensors given (None skipped), by torch's type promotion: LayerNorm's input."""
-    dtypes = {t.dtype for t in addends if t is not None}
-    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
+    return functools.reduce(torch.promote_types, {t.dtype for t in addends if t is not None})
 
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -178,8 +178,7 @@ def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_id
     try:
         return _fused(backend, input_ids, token_type_ids, position_ids, tables, modules["LayerNorm"].eps,
                       float(dropout.p) if dropout.training else 0.0, padding, layer.deterministic)
-    except validation.IdsOutsideTables:
-        # (names the id)
+    except validation.IdsOutsideTables:  # (the kernel counts the bad ids; the check names one)
         validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))
         raise
     except validation.RowsOverflowed:
