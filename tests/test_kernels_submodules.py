@@ -293,3 +293,5 @@ def test_reset_parameters_refills_the_default_ids():
     fresh = BertEmbeddings(config)
     assert torch.equal(layer.position_ids, fresh.position_ids)
     assert torch.equal(layer.token_type_ids, fresh.token_type_ids)
+    assert layer.word_embeddings.padding_idx is not None and not layer.word_embeddings.weight[
+        layer.word_embeddings.padding_idx].any()

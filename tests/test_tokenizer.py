@@ -20,6 +20,7 @@ TEXTS = [
     "",
     "   spaces\tand\nnewlines  ",
     "unaffable supercalifragilisticexpialidocious",
+    "a [MASK] b [CLS] c [SEP] d [PAD] [UNK] e x[MASK]y [mask]",
 ]
 PAIRS = [("Who wrote it?", "Sinan wrote it."), ("", "only B"), ("Ça va?", "北京")]
 LONG = "word " * 700 + "end"
