@@ -194,7 +194,7 @@ def test_captions_and_verdict_follow_the_measurement(which, tmp_path):
         assert report.verdict.startswith("Yes") and "the sinusoids' own structure" in similarity
         assert "components 1 and 2" in pca and "sin/cos pair at 1 cycle over the table" in pca
         # what the positions do on the pair, measured: 0.56° a step, 255° in all, at a radius that varies by half
-        z = np.array(u[:, 0] * s[0] + 1j * u[:, 1] * s[1])
+        z = (u[:, 0] * s[0] + 1j * u[:, 1] * s[1]).numpy()
         angle, radius = np.degrees(np.angle(z[1:] * np.conj(z[:-1]))), np.abs(z)
         turn = float(np.median(np.abs(angle)))
         assert abs(turn - 360 / 512) > 0.1 and np.ptp(radius) / np.median(radius) > 0.4 and abs(angle.sum()) < 360
@@ -290,6 +290,11 @@ def test_segments_that_are_zeros_and_ones_are_reported(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     report = analyze_segments("the cat", model=folder)
     assert report.zeros_and_ones is True and report.distance_from_zeros_and_ones == (0.0, 0.0)
+    figure = next(f for f in report.figures() if f.name == "segments")  # (no "not 0 and 1" over rows that are)
+    assert "they ARE zeros and ones" in figure.caption
+    drawn = figure.draw()
+    assert drawn.axes[0].get_title() == figure.plotly().layout.title.text == "Segment rows: zeros and ones (dashed)"
+    drawn.clear()
 
 
 def test_segments_show_their_values_and_why_zeros_and_ones_could_not_work():

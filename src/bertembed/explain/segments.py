@@ -74,6 +74,9 @@ class SegmentReport(Result):
         return [Figure("segments", "Segment rows' values", vectors, self.plot_vectors, self.plotly_vectors),
                 Figure("segment_effect", "Segment A vs B", effect, self.plot_effect, self.plotly_effect)]
 
+    def vectors_title(self) -> str:
+        return f"Segment rows: {'zeros and ones' if self.zeros_and_ones else 'learned values, not 0 and 1'} (dashed)"
+
     def plot_vectors(self, ax=None):
         """Every value of the two segment rows against the 0 and 1 people expect."""
         fig, ax = axes(ax)
@@ -81,15 +84,15 @@ class SegmentReport(Result):
             ax.plot(row, ".", ms=3, color=colour, label=f"segment {name}")
         for level in (0, 1):
             ax.axhline(level, color="0.3", ls="--", lw=0.8)
-        ax.set(xlabel="component", ylabel="value", title="Segment rows: learned values, not 0 and 1 (dashed)")
+        ax.set(xlabel="hidden dimension", ylabel="value", title=self.vectors_title())
         ax.legend(fontsize=8)
         return fig
 
     def plotly_vectors(self):
         traces = [{"type": "scatter", "mode": "markers", "y": row, "name": f"segment {name}", "marker": {"color": c},
-                   "hovertemplate": f"segment {name}, component %{{x}}: %{{y:.4f}}<extra></extra>"}
+                   "hovertemplate": f"segment {name}, dimension %{{x}}: %{{y:.4f}}<extra></extra>"}
                   for row, name, c in zip(self.vectors[:2], "AB", SEGMENT_COLOURS, strict=True)]
-        return plotly_fig(traces, "Segment rows: learned values, not 0 and 1 (dashed)", "component", "value",
+        return plotly_fig(traces, self.vectors_title(), "hidden dimension", "value",
                           shapes=[_dashed(0), _dashed(1)])
 
     def plot_effect(self, ax=None):
