@@ -257,11 +257,14 @@ def bad_ids(mesh) -> dict:
         alone = str(err)
     count = torch.ones(1)
     torch.distributed.all_reduce(count)  # every rank gets here: none waits in a lookup's all-reduce
-    try:
-        shard_vocab(torch.nn.Embedding(VOCAB, HIDDEN, max_norm=1.0, scale_grad_by_freq=True), mesh)
-        options = None
-    except ValueError as err:
-        options = str(err)
+    options = []
+    for table in (torch.nn.Embedding(VOCAB, HIDDEN, max_norm=1.0, scale_grad_by_freq=True),
+                  torch.nn.Embedding(VOCAB, HIDDEN, sparse=True)):
+        try:
+            shard_vocab(table, mesh)
+            options.append(None)
+        except ValueError as err:
+            options.append(str(err))
     return {"messages": messages, "ranks": count.item(), "rank 0 alone": alone, "options": options}
 
 
@@ -472,11 +475,14 @@ def test_a_bad_id_raises_on_every_rank(ranks):
 
 
 def test_a_table_that_renormalises_or_scales_its_gradient_is_refused(ranks):
-    """max_norm and scale_grad_by_freq change what torch's lookup computes: refused, not silently dropped."""
+    """max_norm, scale_grad_by_freq and sparse change what torch's lookup computes or gives: refused, not silently
+    dropped."""
     for seen in ranks:
-        assert seen["bad id"]["options"] == (
+        assert seen["bad id"]["options"] == [
             "the table has max_norm, scale_grad_by_freq set: the sharded lookup reads its rows as they are and writes "
-            "dense, unscaled gradients; unset max_norm and scale_grad_by_freq first")
+            "dense, unscaled gradients; unset max_norm and scale_grad_by_freq first",
+            "the table has sparse set: the sharded lookup reads its rows as they are and writes dense, unscaled "
+            "gradients; unset sparse first"]
 
 
 def test_a_bad_id_on_one_rank_raises_on_every_rank(ranks):
