@@ -371,6 +371,39 @@ def test_the_word_tables_row_norms_are_computed_once_per_call(tiny, monkeypatch)
 def test_a_capitalised_word_is_found_where_the_model_lowercases():
     report = analyze_tokens("Paris", k=3)
     assert report.token == "paris" and report.asked == "Paris" and "normalises" in report.note and not report.pieces
+    assert report.note.endswith("(lower-casing)")
+    accented = analyze_tokens("Pâris", k=3)  # (BERT's uncased normaliser strips accents too)
+    assert accented.token == "paris" and accented.note.endswith("(lower-casing, stripping accents and the like)")
+
+
+def test_a_word_the_tokenizer_makes_unknown_is_refused(tiny):
+    """Its pieces hold the unknown token, whose neighbours say nothing of the word: ValueError (the CLI's exit 2)."""
+    for word in ("\U0001f642", "cat\U0001f642"):
+        with pytest.raises(ValueError, match=r"not in the vocabulary: the tokenizer gives \['\[UNK\]'\]"):
+            analyze_tokens(word)
+    with pytest.raises(ValueError, match=r"gives \['cat', '\[UNK\]'\]"):
+        analyze_tokens("cat zebra", tiny)  # (one word of a few unknown)
+    assert analyze_tokens("[UNK]", tiny).token == "[UNK]"  # (the entry itself is a row to ask about)
+
+
+def test_the_special_rows_are_the_tokenizers_own(tiny, tmp_path):
+    """RoBERTa-style specials where the tokenizer has them, even beside a BERT-style entry such as [PAD] that the
+    vocabulary holds as a plain word (as MPNet's does)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    folder = shutil.copytree(tiny, tmp_path / "roberta_style")
+    (folder / "vocab.txt").unlink()
+    words = ["<s>", "<pad>", "</s>", "<unk>", *helpers.VOCAB[4:]]
+    words[5] = "[PAD]"  # (a plain word, never special)
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"])
+    backend.save(str(folder / "tokenizer.json"))
+    norms = load_tables(folder)["word_embeddings.weight"].norm(dim=1)
+    report = analyze_tokens("cat", folder)
+    assert [(s["token"], s["id"]) for s in report.special] == [("<s>", 0), ("<pad>", 1), ("</s>", 2), ("<unk>", 3)]
+    assert np.allclose([s["norm"] for s in report.special], norms[:4].numpy())
 
 
 # --- one-hot --------------------------------------------------------------------------------------------------

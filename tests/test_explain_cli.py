@@ -145,6 +145,7 @@ def test_the_fine_tune_runs_only_when_asked(tiny, tmp_path):
     (["inspect", "segments", "\u200b \x00"], "the text has no tokens"),
     (["inspect", "onehot", "\t\u2060\x7f"], "the text has no tokens"),
     (["inspect", "tokens", "\u200b"], "not in the vocabulary"),
+    (["inspect", "tokens", "cat zebra"], r"not in the vocabulary: the tokenizer gives \['cat', '\[UNK\]'\]"),
     (["walkthrough", "the cat", "\u200b"], r"text_b has no tokens.*U\+200B"),
     # a Latin-1 argument, as Python hands it over (os.fsdecode): one message from every command, never a TypeError
     (["explain", LATIN1], UTF8 % "TEXT"),
@@ -192,13 +193,31 @@ def test_inspect_tokens_refuses_a_text_of_many_pieces_before_any_search(tiny, mo
 @pytest.mark.parametrize("target, pattern", [
     ("missing/r.html", "does not exist"),
     (".", "is a folder"),
-    ("afile/r.html", "does not exist"),  # the "folder" is a regular file
+    ("afile/r.html", "afile is a file, not a folder"),
 ])
 def test_bad_report_path_fails_before_any_work(tiny, tmp_path, target, pattern):
     (tmp_path / "afile").write_text("x")
     before = sorted(p.name for p in tmp_path.iterdir())
     assert_user_error(invoke("explain", "the cat", "--model", tiny, "--report", tmp_path / target), pattern)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_report_that_cannot_be_saved_leaves_no_figures_behind(tiny, tmp_path, monkeypatch):
+    """A full disk (or root's /proc, past the early check) fails the report's save: --plots is written after it."""
+    import os
+
+    from bertembed import atomic
+
+    def full(tmp, target):
+        if str(target).endswith(".html"):
+            raise OSError(28, os.strerror(28), str(target))
+        return replace(tmp, target)
+
+    replace = os.replace
+    monkeypatch.setattr(atomic.os, "replace", full)
+    result = invoke("explain", "the cat", "--model", tiny, "--plots", tmp_path / "p", "--report", tmp_path / "r.html")
+    assert result.exit_code == 2 and "cannot save to" in result.output and "No space left" in result.output
+    assert list((tmp_path / "p").iterdir()) == [] and not (tmp_path / "r.html").exists()
 
 
 def test_too_long_text_leaves_no_report(tiny, tmp_path):

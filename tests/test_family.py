@@ -350,6 +350,9 @@ def test_a_real_mpnet_table_has_one_seam_and_its_hypothesis_names_mpnet(real_mpn
     assert "peaks at 1 cycle" not in report.verdict and "within 10%" not in report.verdict
     # a seam near 128 tokens: the fine-tune hypothesis, not BERT's pre-training (this is MPNet)
     assert "a fine-tune cut at 128 would leave it too" in report.verdict and "BERT pre-trained" not in report.verdict
+    drawn = report.plot_similarity()  # positions numbered as the tokens use them (2 .. 513), as the other plots do
+    assert [image.get_extent() for ax in drawn.axes[:2] for image in ax.images] == [[1.5, 513.5, 513.5, 1.5]] * 2
+    drawn.clear()
 
 def _trainable(name: str, head: str = "AutoModel"):
     from conftest import member_or_skip

@@ -166,7 +166,8 @@ def check_output(path: str | Path) -> Path:
     if path.is_dir():
         raise ValueError(f"{path} is a folder; give the name of a file in it")
     if not path.parent.is_dir():
-        raise ValueError(f"cannot write {path}: the folder {path.parent} does not exist; create it first")
+        what = "is a file, not a folder" if path.parent.exists() else "does not exist; create it first"
+        raise ValueError(f"cannot write {path}: {path.parent} {what}")
     if not os.access(path.parent, os.W_OK):
         raise ValueError(f"cannot write {path}: the folder {path.parent} is not writable")
     return path

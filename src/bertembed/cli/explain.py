@@ -129,14 +129,14 @@ def explain(
                 results = reporting.run_analyses(text, text_b, model, token=token, projector=projector,
                                                  finetune=finetune, progress=None if as_json else progress)
             dec = explain_text(text, text_b, results[0].source, engine=engine) if use_torch else results[0]
+            if report is not None:  # (first: the one file, so a report that cannot be saved leaves no PNGs behind)
+                write_atomic(report, reporting.report_html(results).encode("utf-8"))
+                if not as_json:
+                    console.print(f"report written to {report}")
             if folder is not None:  # one PNG per figure, named after it (e.g. position_similarity.png)
                 written = [write_atomic(folder / f"{f.name}.png", f.png()) for r in results for f in r.figures()]
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")
-            if report is not None:
-                write_atomic(report, reporting.report_html(results).encode("utf-8"))
-                if not as_json:
-                    console.print(f"report written to {report}")
     rows = dec.rows()
     if as_json:
         return print_json({"model": dec.source.name, "source": dec.source.describe(), "engine": dec.engine,

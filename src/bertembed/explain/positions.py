@@ -268,8 +268,10 @@ class PositionReport(Result):
     def plot_similarity(self):
         """Cosine similarity of every pair of positions: learned table (left) and sinusoidal table (right)."""
         fig, panels = axes(size=(10, 4.6), panels=2)
+        ends = (self.positions[0] - 0.5, self.positions[-1] + 0.5)  # (numbered as the tokens use them: 2.. RoBERTa)
         for ax, matrix, title in zip(panels, (self.similarity, self.sinusoid_similarity), TABLES, strict=True):
-            image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+            image = ax.imshow(matrix, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest",
+                              extent=(*ends, *ends[::-1]))
             ax.set(xlabel="position j", ylabel="position i", title=title)
         fig.colorbar(image, ax=list(panels), label="cosine similarity", shrink=0.85)
         fig.suptitle(f"Position-position similarity (structure correlation r = {self.structure_correlation:.2f})")

@@ -10,7 +10,6 @@ import numpy as np
 from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
 
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
 MAX_PIECES = 16  # each piece costs a search of the [V, H] table and a line: a word or a few, not a text
 
@@ -121,12 +120,17 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
     normalizer = tokenizer.backend.normalizer
     normal = normalizer.normalize_str(token) if normalizer is not None else token
     if normal != token and tokenizer.token_to_id(normal) is not None:
-        return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input (lower-casing)"
+        how = "lower-casing" if token.lower() == normal else "lower-casing, stripping accents and the like"
+        return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input ({how})"
     tokenizer.backend.no_truncation()  # (a call before may have left it on)
     pieces = tokenizer.backend.encode(token, add_special_tokens=False).tokens
     shown = repr(token) if len(token) <= 60 else f"{token[:40]!r}... ({len(token)} characters)"
     if not pieces:
         raise ValueError(f"{shown} is not in the vocabulary and gives no tokens")
+    unknown = getattr(tokenizer.backend.model, "unk_token", None)
+    if unknown in pieces:  # (its neighbours would be the unknown row's, not the word's)
+        raise ValueError(f"{shown} is not in the vocabulary: the tokenizer gives {pieces}, and {unknown} stands for "
+                         f"characters it has no piece for")
     if len(pieces) > MAX_PIECES:
         raise ValueError(f"{shown} splits into {len(pieces)} tokens, over the limit of {MAX_PIECES} (MAX_PIECES): "
                          f"each token's neighbours are a search of the whole word table and a line of their own, so "
@@ -159,8 +163,8 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
             {"token": tokenizer.backend.id_to_token(int(i)), "id": int(i), "cosine": float(cos[i])}
             for i in top[np.argsort(-cos[top], kind="stable")]]})
     token_id = pieces[0]["id"]
-    special = [{"token": t, "id": i, "norm": float(norms[i])} for t in SPECIAL_TOKENS
-               if (i := tokenizer.token_to_id(t)) is not None]
+    special = [{"token": t.content, "id": i, "norm": float(norms[i])}  # (the tokenizer's own: [CLS] or <s>, ...)
+               for i, t in sorted(tokenizer.backend.get_added_tokens_decoder().items()) if t.special and i < len(norms)]
     unused = [i for i in range(min(len(norms), 1000)) if tokenizer.backend.id_to_token(i).startswith("[unused")]
     start = tokenizer.token_to_id(RANK_START_TOKEN)
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
