@@ -216,3 +216,27 @@ def test_cache_offset_under_either_name(hf_checkpoint):
     for call in (ours, ours.decompose):
         with pytest.raises(ValueError, match="cache_length=6 and past_key_values_length=5 .* differ"):
             call(ids, cache_length=6, past_key_values_length=5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_roberta_embeds_at_full_length_take_an_offset_they_do_not_use(backend):
+    """Given inputs_embeds, RoBERTa's positions count from pad + 1 whatever the cache offset (transformers'
+    create_position_ids_from_inputs_embeds): every usable position fills, and the offset is not held against it."""
+    import copy
+    import inspect
+
+    from bertembed import patch
+    from conftest import member_or_skip
+
+    if backend == "cpu":
+        pytest.importorskip("numba", reason="the fused CPU kernels need numba")
+    model = member_or_skip("roberta")
+    hf, ours = model.embeddings, patch(copy.deepcopy(model), backend=backend).embeddings
+    usable = hf.position_embeddings.num_embeddings - hf.padding_idx - 1
+    name = "cache_length" if "cache_length" in inspect.signature(hf.forward).parameters else "past_key_values_length"
+    x = torch.randn(2, usable, hf.word_embeddings.embedding_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, expected = ours(inputs_embeds=x, cache_length=5), hf(inputs_embeds=x, **{name: 5})
+        assert torch.equal(got, expected) if backend == "reference" else max_diff(got, expected) <= 1e-5
+        with pytest.raises(ValueError, match=rf"a sequence of {usable + 1} tokens needs positions up to"):
+            ours(inputs_embeds=torch.cat([x, x[:, :1]], 1), cache_length=5)

@@ -211,6 +211,8 @@ def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor
         if low < 0 or high >= limit:
             bad = low if low < 0 else high
             where = tuple(int(k) for k in (ids == bad).nonzero()[0])
+            if table == "segment" and limit == 1:  # (RoBERTa, XLM-R, CamemBERT)
+                fix = "the table has one row: use 0 throughout, or leave token_type_ids out"
             raise ValueError(f"{name} holds {bad} at index {where}, outside the {table} table's rows [0, {limit}): "
                              f"{fix.format(last=limit - 1)}")
 
@@ -253,11 +255,14 @@ def check_inputs(
         shape = batch, length = tuple(inputs_embeds.shape[:2])
     past_key_values_length = offset(past_key_values_length)
     limit = rows[2]
-    first = first_position + past_key_values_length
-    counted = positions_from_padding and input_ids is not None  # (from the ids: pads take no position)
+    # where positions count from the padding: from the ids (pads take no position), or without ids from pad + 1
+    # whatever the offset, as transformers' create_position_ids_from_inputs_embeds gives them
+    counted, used = positions_from_padding and input_ids is not None, 0 if positions_from_padding else \
+        past_key_values_length
+    first = first_position + used
     if position_ids is None and limit is not None and not counted and first + length > limit:
         raise ValueError(
-            f"a sequence of {length} tokens at offset past_key_values_length={past_key_values_length} needs "
+            f"a sequence of {length} tokens{f' at offset past_key_values_length={used}' * bool(used)} needs "
             f"positions up to {first + length - 1}, but the position table has {limit} rows: "
             f"truncate to {max(limit - first, 0)} tokens (the tokenizer's truncation does this)")
     if token_type_ids is not None:  # (checked even where there is no segment table, which ignores them as DeBERTa's)
