@@ -233,10 +233,11 @@ def test_roberta_embeds_at_full_length_take_an_offset_they_do_not_use(backend):
     model = member_or_skip("roberta")
     hf, ours = model.embeddings, patch(copy.deepcopy(model), backend=backend).embeddings
     usable = hf.position_embeddings.num_embeddings - hf.padding_idx - 1
+    # (the name the installed transformers gives the offset, which the drop-in takes too)
     name = "cache_length" if "cache_length" in inspect.signature(hf.forward).parameters else "past_key_values_length"
     x = torch.randn(2, usable, hf.word_embeddings.embedding_dim, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got, expected = ours(inputs_embeds=x, cache_length=5), hf(inputs_embeds=x, **{name: 5})
+        got, expected = ours(inputs_embeds=x, **{name: 5}), hf(inputs_embeds=x, **{name: 5})
         assert torch.equal(got, expected) if backend == "reference" else max_diff(got, expected) <= 1e-5
         with pytest.raises(ValueError, match=rf"a sequence of {usable + 1} tokens needs positions up to"):
-            ours(inputs_embeds=torch.cat([x, x[:, :1]], 1), cache_length=5)
+            ours(inputs_embeds=torch.cat([x, x[:, :1]], 1), **{name: 5})

@@ -47,8 +47,8 @@ def test_bad_input_raises_value_error(case):
 
 def test_a_segment_id_past_a_one_row_table_gets_that_members_fix():
     """RoBERTa's family has one segment row: "1 for the second segment" would be wrong there."""
-    layer = BertEmbeddings(EmbeddingConfig.from_hf_config({"model_type": "roberta", "vocab_size": 100,
-                                                           "hidden_size": 8, "max_position_embeddings": 16, "type_vocab_size": 1}))
+    layer = BertEmbeddings(EmbeddingConfig.from_hf_config({"model_type": "roberta", "vocab_size": 100, "hidden_size": 8,
+                                                           "max_position_embeddings": 16, "type_vocab_size": 1}))
     with pytest.raises(ValueError, match=r"token_type_ids holds 1 .*\[0, 1\): the table has one row: use 0 "
                                          r"throughout, or leave token_type_ids out$"):
         layer(IDS + 2, token_type_ids=torch.ones(2, 5, dtype=torch.long))
