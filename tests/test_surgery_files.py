@@ -433,3 +433,48 @@ def test_the_commands_import_only_what_they_need(tmp_path, bundled_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout and all((tmp_path / name).is_dir() for name in "abc"), done.stdout
+
+
+def test_new_rows_drawn_for_a_tied_bin_checkpoint_stay_tied(tmp_path):
+    """--init mean draws the new rows at random: a `.bin` holding the tied decoder under its own name gets the same
+    rows in both, so transformers (4 or 5) loads the model tied (5 unties two tensors that differ)."""
+    src, model = _source(tmp_path, "roberta", head="AutoModelForMaskedLM")
+    (src / "model.safetensors").unlink()
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    result = _run("add-tokens", src, tmp_path / "dst", "quokka", "--init", "mean")
+    assert result.exit_code == 0, result.output
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "dst" / "model.safetensors")
+    word, decoder = written["roberta.embeddings.word_embeddings.weight"], written["lm_head.decoder.weight"]
+    assert word.shape[0] == model.config.vocab_size + 1 and torch.equal(word, decoder)
+    grown = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    assert grown.get_output_embeddings().weight.data_ptr() == grown.get_input_embeddings().weight.data_ptr()
+
+
+def test_pruning_keeps_the_ids_below_a_roberta_pad(tmp_path):
+    """RoBERTa's positions count from the pad's id: an unused id below it pruned would renumber the pad and shift
+    every position of every text. The ids up to the pad stay, and the hidden states are the source's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    model = member_or_skip("roberta", head="AutoModelForMaskedLM", pad_token_id=4)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    words = ["<s>", "</s>", "<unk>", "unused", "<pad>", *(f"w{i}" for i in range(5, model.config.vocab_size))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+    backend.add_special_tokens(["<s>", "</s>", "<unk>", "<pad>"])
+    backend.save(str(src / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("w7 w9 w11\nw9 w20\n")
+    result = _run("prune-vocab", src, tmp_path / "dst", "--keep-from", tmp_path / "corpus.txt", "--json")
+    assert result.exit_code == 0, result.output
+    pruned = _loaded(tmp_path / "dst", "AutoModelForMaskedLM")
+    assert pruned.config.pad_token_id == 4 and json.loads(result.output)["rows_after"] == 5 + 4
+    new = Tokenizer.from_file(str(tmp_path / "dst" / "tokenizer.json"))
+    text = "w7 w9 w11 w20"
+    ids, new_ids = backend.encode(text).ids, new.encode(text).ids
+    with torch.no_grad():
+        before = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+        after = pruned(torch.tensor([new_ids]), output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

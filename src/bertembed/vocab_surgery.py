@@ -48,8 +48,12 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
     before = whole.layer.config.vocab_size
     rows = max(before, max(ids) + 1)
     resized = _indexed_by_token(whole, before)
+    done: list[tuple[torch.Tensor, torch.Tensor]] = []  # (before, after): a tied head (twice in a .bin) stays tied
     for key, value in resized.items():
-        whole.tensors[key] = _with_rows(value, ids, rows, pieces, init, whole.layer.config.initializer_range)
+        after = next((b.clone() for a, b in done if a.shape == value.shape and torch.equal(a, value)), None)
+        whole.tensors[key] = after if after is not None else \
+            _with_rows(value, ids, rows, pieces, init, whole.layer.config.initializer_range)
+        done.append((value, whole.tensors[key]))
     whole.files["tokenizer.json"] = json.dumps(dict(json.loads(tokenizer.to_str()), padding=data["padding"],
                                                     truncation=data["truncation"]), ensure_ascii=False)
     whole.set_json("config.json", dict(whole.config, vocab_size=rows))
@@ -238,8 +242,10 @@ def _kept_ids(whole: WholeCheckpoint, data: dict[str, Any], tokenizer, used: set
     kept = used | {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
     kept |= {unk} if isinstance(unk := _unk_id(tokenizer, model), int) else set()
     _renumber_processor(data.get("post_processor"), lambda i: kept.add(i) or i)
-    rows = whole.layer.config.vocab_size
-    kept |= {i for k in _ID_KEYS if isinstance(i := whole.config.get(k), int) and 0 <= i < rows}
+    config = whole.layer.config
+    kept |= {i for k in _ID_KEYS if isinstance(i := whole.config.get(k), int) and 0 <= i < config.vocab_size}
+    if config.positions_from_padding:  # (positions count from the pad's id: a pad renumbered shifts every position)
+        kept |= set(range(config.pad_token_id + 1))
     if model["type"] == "BPE":
         made: dict[str, set[str]] = {}
         for left, right in map(_pair, model["merges"]):
