@@ -110,6 +110,26 @@ def test_save_then_load_both_ways(tmp_path, hf_checkpoint):
     assert_same_weights(layer, hf.embeddings)
 
 
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_saving_the_layer_over_a_whole_model_is_refused(tmp_path, shard):
+    """Into the folder of the model it came from, the embedding-only model.safetensors would replace the model's (or,
+    beside shards or a .bin, be what transformers reads): refused, nothing written. Its own folder it replaces."""
+    model = make_hf_model("tiny-odd")
+    model.save_pretrained(tmp_path / "model", **({"max_shard_size": shard} if shard else {}))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    layer = BertEmbeddings.from_pretrained(tmp_path / "model")
+    found = "model.safetensors.index.json" if shard else r"a model.safetensors of \d+ tensors beyond an embedding"
+    with pytest.raises(ValueError, match=f"it holds {found}.*nothing was written"):
+        layer.save_pretrained(tmp_path / "model")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
+    layer.save_pretrained(tmp_path / "layer")
+    with torch.no_grad():
+        layer.word_embeddings.weight.add_(1.0)
+    layer.save_pretrained(tmp_path / "layer")  # (a layer's own save, replaced)
+    assert torch.equal(BertEmbeddings.from_pretrained(tmp_path / "layer").word_embeddings.weight,
+                       layer.word_embeddings.weight)
+
+
 def test_failed_save_leaves_old_files(tmp_path, monkeypatch):
     layer = BertEmbeddings.from_pretrained()
     layer.save_pretrained(tmp_path)

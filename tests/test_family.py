@@ -177,6 +177,20 @@ def test_a_checkpoint_whose_tensors_disagree_with_its_config_is_refused(member_c
         BertEmbeddings.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("model_type, table", [("layoutlm", "h_position_embeddings"),
+                                               ("roc_bert", "map_inputs_layer")])
+def test_a_model_that_adds_more_tables_is_refused_without_its_config(tmp_path, model_type, table):
+    """LayoutLM (box coordinates) and RoCBert (glyphs and sounds) add tables to BERT's sum under BERT's names: without
+    config.json, read as BERT they would lose those rows silently. Their extra tables are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=16, vocab_size=50)
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match=rf"holds 'embeddings\.{table}.*a table no bert embedding layer has"):
+        BertEmbeddings.from_pretrained(tmp_path)
+
+
 def test_jina_style_alibi_config_says_bert_and_gets_no_position_table(tmp_path, hf_checkpoint):
     folder, _ = hf_checkpoint("tiny-odd")
     config = json.loads((folder / "config.json").read_text())

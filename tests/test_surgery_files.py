@@ -266,12 +266,14 @@ def test_bad_input_is_refused_clearly_and_src_is_untouched(tmp_path, bundled_pat
     before = _snapshot(src)
     (tmp_path / "exists").mkdir()
     (tmp_path / "corpus.txt").write_text("the dog\n")
+    (tmp_path / "link").symlink_to(src)
     cases = {
         ("extend-positions", src, tmp_path / "a", "--to", "20"): "must be an integer above the 40 positions",
         ("extend-positions", src, tmp_path / "a", "--to", "100", "--method", "interpolate"): "whole multiple",
         ("extend-positions", src, tmp_path / "a", "--to", "80", "--method", "spline"): "not one of",
         ("extend-positions", src, tmp_path / "exists", "--to", "80"): "already exists",
         ("extend-positions", src, src / "inner", "--to", "80"): "inside the source checkpoint",
+        ("extend-positions", src, tmp_path / "link" / "inner", "--to", "80"): "inside the source checkpoint",
         ("extend-positions", src / "model.safetensors", tmp_path / "a", "--to", "80"): "single weights file",
         ("add-tokens", src, tmp_path / "a", "the"): "has every token already",
         ("add-tokens", src, tmp_path / "a"): "no tokens given",

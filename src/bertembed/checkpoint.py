@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
-from bertembed.family import LEGACY, SUPPORTED, check_key_family, layout, padding_row, prefixes
+from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout, padding_row, prefixes
 from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem, unshared
 
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+BUFFERS = ("position_ids", "token_type_ids")  # default-id buffers that older saves hold beside the tables
 # a position table that is computed, not read ("sinusoidal", or "none"'s id buffers), is sized by config.json alone
 COMPUTED_POSITIONS_LIMIT = 1 << 20
 
@@ -195,6 +196,12 @@ def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
     names = {prefix + key: name for name, key in layer.items()}
     for old, new in LEGACY.items():  # TF-era LayerNorm.gamma and .beta
         names |= {k.removesuffix(new) + old: new for k, name in list(names.items()) if name == new and k.endswith(new)}
+    extra = sorted(k for k in keys if k.startswith(prefix + "embeddings.") and k not in names
+                   and k.rpartition(".")[2] not in BUFFERS)
+    if extra:  # (LayoutLM's box tables, RoCBert's shape and sound tables: more rows in the sum, never left out)
+        raise ValueError(f"{where} holds {extra[0]!r}, a table no {member} embedding layer has: this model adds more "
+                         f"to the sum than BERT's family does, and leaving it out would compute something else; "
+                         f"{SUPPORTED}")
     return names
 
 
@@ -276,6 +283,10 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
                          f"fix layer.config.extra") from err
+    if (found := _whole_model_in(Path(folder).expanduser())) is not None:
+        raise ValueError(f"cannot save to {folder}: it holds {found}, which this embedding-only save would replace or "
+                         f"hide (transformers reads model.safetensors first); nothing was written. Save the layer to "
+                         f"a folder of its own")
     # under the member's base model keys (`embeddings.*`), on the CPU
     tensors = unshared({layout(config.model_type)[k]: v.detach().cpu().contiguous() for k, v in state.items()})
 
@@ -286,6 +297,25 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
             raise OSError(f"writing model.safetensors failed ({err})") from err
         (staging / "config.json").write_text(config_text, encoding="utf-8")
     return write
+
+
+def _whole_model_in(folder: Path) -> str | None:
+    """The weights in `folder` that are more than an embedding layer's (a whole model's, sharded, or a .bin that a new
+    model.safetensors would hide), named; None for none, or for a layer's own (saved before: replaced)."""
+    if not folder.is_dir():
+        return None
+    hidden = [name for name in WEIGHT_FILES[1:] if (folder / name).is_file()]
+    if hidden:
+        return hidden[0]
+    if not (folder / "model.safetensors").is_file():
+        return None
+    try:
+        keys = set(open_weights(folder / "model.safetensors", "pt").keys())
+    except (OSError, ValueError):  # (a file that cannot be read holds no model to lose)
+        return None
+    layers = {key for member in MEMBERS for key in layout(member).values()}
+    more = sorted(k for k in keys - layers if k.rpartition(".")[2] not in BUFFERS)
+    return f"a model.safetensors of {len(more)} tensors beyond an embedding layer's ({more[0]}, ...)" if more else None
 
 
 def _skip_init():

@@ -56,7 +56,7 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
     if target.exists() or target.is_symlink():
         raise ValueError(f"{target} already exists; surgery writes a new checkpoint and never overwrites one: pass a "
                          f"new folder name, or delete that folder first")
-    if target.is_relative_to(source.folder.resolve()):
+    if target.resolve().is_relative_to(source.folder.resolve()):  # (through a link too)
         raise ValueError(f"{target} lies inside the source checkpoint {source.folder}; write the new checkpoint "
                          f"beside it")
     parent = next(p for p in target.parents if p.exists())
