@@ -219,6 +219,18 @@ def cross_entropy(mesh) -> dict:
     loss = vocab_parallel_cross_entropy(logits, few_labels(), label_smoothing=SMOOTHING)
     loss.backward()
     found["4 classes"] = (loss.detach(), logits.grad.full_tensor())
+    logits = distribute_tensor(masked_logits(), mesh, [Shard(2)]).requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, labels())
+    loss.backward()
+    found["masked"] = (loss.detach(), logits.grad.full_tensor())
+    return found
+
+
+def masked_logits() -> torch.Tensor:
+    """`ce_logits` with -inf in the first and last columns no label names (masked classes, a [PAD] say)."""
+    found, named = ce_logits(), set(labels().view(-1).tolist())
+    unused = [c for c in range(VOCAB) if c not in named]
+    found[..., unused[:2] + unused[-2:]] = -torch.inf
     return found
 
 
@@ -343,6 +355,8 @@ def rank_local(mesh, folder: str) -> dict:
     ids, _, upstream = batch()
     out = net(ids)
     (out * upstream).sum().backward()  # (the gradient rests sharded too, on a table made by to_empty)
+    net.save_pretrained(os.path.join(folder, "saved"))  # (every rank: the rows gathered, rank 0 writes)
+    torch.distributed.barrier()
     return {"rows": weight.to_local(), "torch's split": distribute_tensor(full, mesh, [Shard(0)]).to_local(),
             "shape": tuple(weight.shape), "out": out.detach(), "grad rows": weight.grad.to_local().shape[0]}
 
@@ -448,14 +462,18 @@ def test_vocab_parallel_cross_entropy_equals_torchs(ranks):
             got, gradient = seen["cross-entropy"][smoothing]
             torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
             torch.testing.assert_close(gradient, logits.grad, rtol=1e-10, atol=1e-15)
-    # 4 classes: torch's split leaves the third rank without columns
-    logits = few_logits().requires_grad_()
-    loss = torch.nn.functional.cross_entropy(logits, few_labels(), label_smoothing=SMOOTHING)
-    loss.backward()
-    for seen in ranks:
-        got, gradient = seen["cross-entropy"]["4 classes"]
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
-        torch.testing.assert_close(gradient, logits.grad, rtol=1e-10, atol=1e-15)
+    # 4 classes: torch's split leaves the third rank without columns; masked classes: -inf logits (no NaN)
+    for case, logits, gold, smoothing in (("4 classes", few_logits(), few_labels(), SMOOTHING),
+                                          ("masked", masked_logits(), labels(), 0.0)):
+        logits.requires_grad_()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), gold.view(-1),
+                                                 label_smoothing=smoothing)
+        loss.backward()
+        assert loss.isfinite()
+        for seen in ranks:
+            got, gradient = seen["cross-entropy"][case]
+            torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(gradient, logits.grad, rtol=1e-10, atol=1e-15)
 
 
 def test_cross_entropy_refuses_logits_not_sharded_by_columns():
@@ -551,6 +569,11 @@ def test_loading_by_rank_reads_only_its_rows(ranks, tmp_path_factory):
         assert got["rows"].shape[0] == got["grad rows"] == torch.arange(VOCAB).chunk(world)[rank].numel()
         assert got["shape"] == (VOCAB, HIDDEN)
         torch.testing.assert_close(got["out"], expected, rtol=0, atol=0)
+    saved = tmp_path_factory.getbasetemp() / f"world{world}" / "saved"  # the sharded layer's save_pretrained
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+    whole = layer("cpu").state_dict()
+    assert all(torch.equal(value, whole[key]) for key, value in BertEmbeddings.from_pretrained(saved).state_dict()
+               .items())
 
 
 def test_a_bin_checkpoint_cannot_be_read_by_rank(tmp_path):

@@ -287,8 +287,10 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
         raise ValueError(f"cannot save to {folder}: it holds {found}, which this embedding-only save would replace or "
                          f"hide (transformers reads model.safetensors first); nothing was written. Save the layer to "
                          f"a folder of its own")
-    # under the member's base model keys (`embeddings.*`), on the CPU
-    tensors = unshared({layout(config.model_type)[k]: v.detach().cpu().contiguous() for k, v in state.items()})
+    # under the member's base model keys (`embeddings.*`), on the CPU; a sharded table's rows gathered (`full_tensor`,
+    # a collective: every rank saves)
+    tensors = unshared({layout(config.model_type)[k]: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+                        .cpu().contiguous() for k, v in state.items()})
 
     def write(staging: Path) -> None:  # (`atomic_folder` names `folder` in an OSError)
         try:
@@ -382,8 +384,16 @@ class Pretrained:
     def save_pretrained(self, folder: str | Path) -> Path:
         """Write config.json and an embedding-only model.safetensors (keys as the member's base model keeps them) that
         both bertembed and transformers read; returns `folder`. ValueError, before anything is written, for a layer
-        that disagrees with its config. The folder is replaced as a whole, its other files kept (`atomic_folder`)."""
+        that disagrees with its config. The folder is replaced as a whole, its other files kept (`atomic_folder`).
+        A layer whose word table is sharded (`bertembed.parallel`): every rank calls this, the rows are gathered, and
+        rank 0 writes."""
         write = checkpoint_writer(self, folder)  # (checks first: nothing is written for a layer that cannot be saved)
-        with atomic_folder(folder) as staging:
-            write(staging)
+        rank = 0
+        if any(hasattr(t, "full_tensor") for t in self.state_dict().values()):
+            from torch.distributed import get_rank
+
+            rank = get_rank()
+        if rank == 0:
+            with atomic_folder(folder) as staging:
+                write(staging)
         return Path(folder)

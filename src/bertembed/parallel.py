@@ -212,12 +212,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
         mine = (labels >= first) & (labels < stop)
         column = torch.where(mine, labels - first, 0).unsqueeze(-1)
-        sums = torch.stack([(z - top.unsqueeze(-1)).exp().sum(-1), z.gather(-1, column).squeeze(-1) * mine,
-                            z.sum(-1)]) if columns else z.new_zeros((3, *labels.shape))
+        sums = z.new_zeros((3, *labels.shape))
+        if columns:  # (where, not a product with `mine`: a masked -inf logit times 0 is NaN)
+            label = torch.where(mine, z.gather(-1, column).squeeze(-1), 0)
+            sums = torch.stack([(z - top.unsqueeze(-1)).exp().sum(-1), label, z.sum(-1)])
         torch.distributed.all_reduce(sums, group=group)  # (one all-reduce of three numbers a token)
         lse = top + sums[0].log()
         kept = labels != ignore_index
-        losses = lse - (1 - smoothing) * sums[1] - smoothing * sums[2] / vocab
+        losses = lse - (1 - smoothing) * sums[1] - (smoothing * sums[2] / vocab if smoothing else 0)
         count = kept.sum()
         ctx.save_for_backward(logits, lse, column, mine & kept, kept, count)
         ctx.smoothing, ctx.vocab = smoothing, vocab
