@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
 TABLES = NAMES[:3]  # word, position, segment
-NOT_FUSED_FIX = ("export it without fusing (fused=False; no --fused): plain operators, which ONNX Runtime runs for "
-                 "every member")
+NOT_FUSED_FIX = ("export it without fusing (fused=False, optimize=False; no --fused or --optimize): plain operators, "
+                 "which ONNX Runtime runs for every member")
 
 
 def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
@@ -85,7 +85,7 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     graph = export_model(hf, config, opset, fused or optimize)
     if optimize:
         graph = optimize_graph(graph, hf.config.num_attention_heads, config.hidden_size)
-    return write_model(quantize_int8(graph) if quantize else graph, target)
+    return write_model(quantize_int8(graph, config.positions_from_padding) if quantize else graph, target)
 
 
 def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, EmbeddingConfig]:
@@ -301,9 +301,11 @@ def _padding_masks(model: onnx.ModelProto) -> None:
     remove_unused_nodes(model)
 
 
-def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+def quantize_int8(model: onnx.ModelProto, computed_positions: bool = False) -> onnx.ModelProto:
     """`model` with int8 weights, a scale per output channel (ONNX Runtime's `quantize_dynamic`), for the CPU; per
-    channel keeps all-MiniLM-L6-v2's cosine to float32 at 0.993, against 0.962 per tensor (BENCHMARKS.md)."""
+    channel keeps all-MiniLM-L6-v2's cosine to float32 at 0.993, against 0.962 per tensor (BENCHMARKS.md).
+    `computed_positions` (RoBERTa's, counted from the padding): the fused EmbedLayerNormalization stays float32, since
+    its int8 form (QEmbedLayerNormalization) has no position-ids input and would count positions from 0."""
     import tempfile
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -313,7 +315,9 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     root.addFilter(quiet)
     try:
         with tempfile.TemporaryDirectory() as folder:
-            quantize_dynamic(model, Path(folder) / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True)
+            kept = [n.name for n in model.graph.node if n.op_type == "EmbedLayerNormalization" and computed_positions]
+            quantize_dynamic(model, Path(folder) / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
+                             nodes_to_exclude=kept)
             return require_onnx().load(Path(folder) / "int8.onnx")
     finally:
         root.removeFilter(quiet)
