@@ -171,6 +171,9 @@ def test_numpy_layer_matches_torch_layer(bundled_hf_embeddings):
     with torch.no_grad():
         expected = bundled_hf_embeddings(torch.from_numpy(ids), torch.from_numpy(types)).numpy()
     assert np.abs(parts["output"] - expected).max() <= 1e-6
+    for bad in (types.astype(np.float32), types.astype(bool), types[:, :5]):  # (numpy would index with them, or fail)
+        with pytest.raises(ValueError, match=r"token_type_ids must be an integer array \[B, L\] \(input_ids'\)"):
+            layer.decompose(ids, bad)
 
 
 @settings(max_examples=25, deadline=None)
