@@ -234,8 +234,12 @@ def test_hub_id_from_the_local_cache(tmp_path, bundled_path, hub_home):
     assert layer.source.kind == "hub" and layer.config.hidden_size == 384
     assert tokenizer("hello").input_ids == [101, 7592, 102]
     assert torch.equal(layer.word_embeddings.weight[7592], expected)
-    with pytest.raises(FileNotFoundError, match="offline mode is on and it is not in the local cache"):
+    with pytest.raises(FileNotFoundError, match=r"offline mode is on and it is not in the local cache \(.*`hf "
+                                                r"download acme/not-cached`: the whole snapshot, tokenizer files"):
         BertEmbeddings.from_pretrained("acme/not-cached")
+    with pytest.raises(FileNotFoundError, match=r"not in the local cache at revision 'v2' .*`hf download "
+                                                r"acme/mini-bert --revision v2`"):  # (cached at main only)
+        BertEmbeddings.from_pretrained("acme/mini-bert", revision="v2")
 
 
 def test_a_resolved_source_is_reused_as_it_is(tmp_path, hf_checkpoint):

@@ -82,6 +82,21 @@ def test_batches_with_padding_and_tensors(ours, fast_reference):
     assert single.input_ids.shape == (1, 4)
 
 
+def test_a_vocab_txt_alone_is_refused_for_a_member_with_its_own_framing(tmp_path, bundled_path):
+    """MPNet's vocab.txt holds BERT's whole vocabulary, [CLS] and [SEP] included, but its tokenizer frames texts as
+    <s> A </s></s> B </s>: read alone, the file would give BERT's framing silently."""
+    shutil.copy(bundled_path / "vocab.txt", tmp_path)
+    config = json.loads((bundled_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mpnet", "architectures": None}))
+    with pytest.raises(ValueError, match=r"has a vocab.txt and no tokenizer.json: read alone it frames texts as "
+                                         r"BERT's \[CLS\] A \[SEP\], but this model's tokenizer uses its own"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"cls_token": "<s>", "sep_token": "</s>"}))
+    with pytest.raises(ValueError, match=r"uses its own \(<s> ...\)"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
 def test_truncation_off_keeps_everything(ours):
     assert len(ours(LONG, truncation=False).input_ids) == 703
     assert len(ours(LONG).input_ids) == 512  # the model's position limit
@@ -113,6 +128,61 @@ def test_bad_arguments(ours):
         ours(["a", "b c d"], padding=False, return_tensors="pt")
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained("/no/such/folder")
+    with pytest.raises(FileNotFoundError, match="the model name is empty"):  # (not the working folder)
+        Tokenizer.from_pretrained("")
+    for bad in (0, -1, "8", 2.5, True):
+        with pytest.raises(ValueError, match=f"max_length={bad!r} must be a positive int"):
+            ours("x", max_length=bad)
+    with pytest.raises(ValueError, match="truncation='do_not_pad'"):
+        ours("x", truncation="do_not_pad")
+
+
+@pytest.mark.parametrize("strategy, pairs", [
+    ("only_first", [("a b c d e f g h", "i j"), ("a b c d", "e f g h i")]),  # (the second: longest first cuts both)
+    ("only_second", [("a b", "c d e f g h i j"), ("a b c d e", "f g h i")]),
+    ("longest_first", [("a b c d e f", "g h i j k l"), ("a b", "c d e f g h i j"), ("a b c d e f g h i", "j")])])
+def test_truncation_strategies_match_transformers(ours, fast_reference, strategy, pairs):
+    """transformers' strategies by name: "only_second" cuts the second text alone (it was taken for True)."""
+    for first, second in pairs:
+        expected = fast_reference(first, second, max_length=9, truncation=strategy)["input_ids"]
+        assert ours(first, second, max_length=9, truncation=strategy).input_ids == expected, (first, second)
+
+
+def test_a_stride_past_a_pairs_window_is_a_value_error(ours):
+    """tokenizers panics (a BaseException from Rust) where a pair's window leaves less room than the stride."""
+    with pytest.raises(ValueError, match="cannot tokenize with max_length=8, stride=3: `stride` must be strictly"):
+        ours("a b c d e f g h i j k l", "m n o p q r s t", max_length=8, stride=3, return_overflowing_tokens=True)
+    assert ours("a b c", max_length=8).input_ids == [101, 1037, 1038, 1039, 102]  # (still usable)
+
+
+def test_threads_sharing_a_tokenizer_keep_their_own_truncation(ours):
+    """Truncation is state of the `tokenizers` backend: a call from another thread between one call's setting and its
+    encoding would cut (or not cut) that call's text. Made to happen by construction: the first call's encoding
+    starts the second call on another thread and gives it time to run."""
+    import threading
+
+    real = ours.backend
+
+    class Meddled:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode_batch(self, items):
+            if not started:
+                started.append(threading.Thread(target=lambda: found.append(len(ours(LONG, truncation=False)
+                                                                                    .input_ids))))
+                started[0].start()
+                started[0].join(0.5)  # (with the lock it waits for this call to finish; without, it runs now)
+            return real.encode_batch(items)
+
+    started, found = [], []
+    ours.backend = Meddled()
+    try:
+        assert len(ours(LONG, max_length=8).input_ids) == 8
+        started[0].join()
+    finally:
+        ours.backend = real
+    assert found == [703]
 
 
 # Texts the tokenizer turns into no token of their own: control characters, zero-width ones, the byte-order mark,

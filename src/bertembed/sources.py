@@ -74,6 +74,9 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
     if name_or_path is None or (str(name_or_path) == DEFAULT_MODEL and revision is None):
         return Source("bundled", DEFAULT_MODEL, bundled_folder())
     text, path = str(name_or_path), Path(name_or_path).expanduser()
+    if not text.strip():  # (Path("") is the working folder)
+        raise FileNotFoundError("the model name is empty; pass a hub id, a folder or a weights file (None: the "
+                                "bundled default)")
     try:
         if path.is_dir():
             return Source("folder", text, path)
@@ -107,10 +110,12 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
         if filename != "config.json":
             return None  # an optional file that is not in the cache: the caller tries the next candidate
         offline = local_files_only or constants.HF_HUB_OFFLINE
-        why = "offline mode is on and it is not in the local cache" if offline else "the hub could not be reached"
+        at = f" at revision {revision!r}" if revision else ""
+        why = f"offline mode is on and it is not in the local cache{at}" if offline else "the hub could not be reached"
+        get = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise FileNotFoundError(
             f"cannot load {repo_id!r}: {why} ({constants.HF_HUB_CACHE}). Download it once where the hub is reachable "
-            f"(`hf download {repo_id} config.json model.safetensors vocab.txt`), or pass a local folder") from err
+            f"(`{get}`: the whole snapshot, tokenizer files included), or pass a local folder") from err
     except errors.RevisionNotFoundError as err:
         raise FileNotFoundError(f"hub model {repo_id!r} has no revision {revision!r}") from err
     except errors.RepositoryNotFoundError as err:

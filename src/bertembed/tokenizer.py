@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
 _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
+TRUNCATIONS = (True, False, "longest_first", "only_first", "only_second")  # (True: longest first, as transformers)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Tokenizer:
         self.pad_token = found[0] if found else "[PAD]"
         self.pad_token_id = backend.token_to_id(self.pad_token) or 0
         self.one_segment = one_segment  # a member with fewer than two segment rows: every token is segment 0
+        self._lock = threading.Lock()  # (truncation is the backend's state: set and used by one call at a time)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
@@ -67,6 +70,11 @@ class Tokenizer:
             except Exception as err:  # tokenizers raises a bare Exception for broken JSON or a missing field
                 raise ValueError(f"{path} is not a readable tokenizer ({err}); re-download or fix the file") from err
         elif (vocab := source.file("vocab.txt")) is not None:
+            if settings.get("from_padding") or settings.get("cls_token", "[CLS]") != "[CLS]":
+                raise ValueError(f"{source.describe()} has a vocab.txt and no tokenizer.json: read alone it frames "
+                                 f"texts as BERT's [CLS] A [SEP], but this model's tokenizer uses its own "
+                                 f"({settings.get('cls_token', '<s>')} ...). Save its fast tokenizer with transformers "
+                                 f"(AutoTokenizer.from_pretrained(...).save_pretrained(folder)) into the folder")
             backend = _wordpiece_from_vocab(vocab, settings)
         else:
             raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
@@ -89,7 +97,8 @@ class Tokenizer:
         """Tokenize a text, a pair (`text`, `text_pair`), or a batch of either (lists, or a list of pairs).
 
         padding: True pads a batch to its longest sequence, "max_length" to `max_length`, False not at all.
-        truncation: cut to `max_length` (default: the model's position limit), longest segment first.
+        truncation: cut to `max_length` (default: the model's position limit): True or "longest_first" cuts the longer
+            text of a pair first, "only_first" / "only_second" one of them, as transformers' strategies do.
         return_tensors: None for lists, "pt" for [B, L] torch tensors.
         return_overflowing_tokens: a text longer than `max_length` becomes a batch of windows (transformers' sliding
             windows), each with its own specials, sharing `stride` tokens; `overflow_to_sample_mapping` names the text.
@@ -98,24 +107,31 @@ class Tokenizer:
         for i, item in enumerate(items):
             for value in (item,) if isinstance(item, str) else item:
                 check_text(value, f"text {i} of the batch" if batched else "the text")
-        limit = max_length or self.max_length
+        if max_length is not None and (type(max_length) is not int or max_length < 1):
+            raise ValueError(f"max_length={max_length!r} must be a positive int (None: the model's limit)")
+        limit = self.max_length if max_length is None else max_length
+        if not (isinstance(truncation, bool) or truncation in TRUNCATIONS[2:]):
+            raise ValueError(f"truncation={truncation!r}: use one of {TRUNCATIONS}")
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
         if return_tensors not in (None, "pt"):
             raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
         if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncation:
             raise ValueError(f"stride={stride!r} must be a non-negative int, and windows need truncation=True")
-        if truncation:
-            try:
-                self.backend.enable_truncation(limit, stride=stride, strategy="longest_first")
-            except Exception as err:  # tokenizers: a stride not below the room a window leaves
-                raise ValueError(f"stride={stride} does not fit windows of max_length={limit}: {err}") from err
-        else:
-            self.backend.no_truncation()
-        try:
-            encodings = self.backend.encode_batch(items)
-        except Exception as err:  # tokenizers raises a bare Exception, e.g. when max_length cannot fit the specials
-            raise ValueError(f"cannot tokenize with max_length={limit}: {err}") from err
+        strategy = "longest_first" if truncation is True else truncation
+        with self._lock:
+            try:  # tokenizers raises a bare Exception (a stride past the window, max_length that cannot fit the
+                # specials), or panics (a stride past the room a pair's window leaves: PanicException, a BaseException)
+                if truncation:
+                    self.backend.enable_truncation(limit, stride=stride, strategy=strategy)
+                else:
+                    self.backend.no_truncation()
+                encodings = self.backend.encode_batch(items)
+            except BaseException as err:
+                if not isinstance(err, Exception) and type(err).__name__ != "PanicException":
+                    raise
+                raise ValueError(f"cannot tokenize with max_length={limit}, stride={stride}: "
+                                 f"{str(err).splitlines()[0]}") from err
         mapping = []
         if return_overflowing_tokens:
             windows = [(i, w) for i, e in enumerate(encodings) for w in (e, *e.overflowing)]
@@ -146,9 +162,11 @@ class Tokenizer:
                        name_b: str = "text_b") -> None:
         """ValueError when `text` (or `text_b`) has no token of its own (empty, or only characters the normalizer
         drops: U+0000, U+200B, ...), so it would be embedded as `[CLS] [SEP]` alone; `__call__` accepts such texts."""
-        self.backend.no_truncation()  # (each __call__ sets it again)
         for value, label in check_not_blank(text, name, text_b, name_b):
-            if not self.backend.encode(value, add_special_tokens=False).ids:
+            with self._lock:
+                self.backend.no_truncation()  # (each __call__ sets it again)
+                found = self.backend.encode(value, add_special_tokens=False).ids
+            if not found:
                 shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
                 shown = shown if len(shown) <= 60 else shown[:60] + "..."
                 raise ValueError(f"{label} has no tokens: it holds only characters the tokenizer drops ({shown}: "
@@ -221,14 +239,16 @@ def _read_settings(source: Source) -> dict[str, Any]:
             continue
         data = read_json(path)
         settings.update({k: data[k] for k in ("do_lower_case", "strip_accents", "tokenize_chinese_chars") if k in data})
-        pad = data.get("pad_token")
-        if isinstance(pad, (str, dict)) and name == "tokenizer_config.json":
-            settings["pad_token"] = pad if isinstance(pad, str) else pad.get("content")
+        for key in ("pad_token", "cls_token"):
+            value = data.get(key)
+            if isinstance(value, (str, dict)) and name == "tokenizer_config.json":
+                settings[key] = value if isinstance(value, str) else value.get("content")
         reserved = 0
         if name == "config.json":  # a config that cannot be read reserves no rows and has segments, as BERT's
             with contextlib.suppress(ValueError):
                 read = EmbeddingConfig.from_hf_config(data)
                 reserved, settings["one_segment"] = read.first_position, read.type_vocab_size < 2
+                settings["from_padding"] = read.positions_from_padding  # (RoBERTa's, MPNet's: <s> A </s></s> B </s>)
         for key in ("model_max_length", "max_position_embeddings"):
             value = data.get(key)
             if isinstance(value, int) and 0 < value < 1_000_000:  # transformers writes 1e30 for "no limit"
