@@ -330,6 +330,9 @@ def test_a_name_no_file_system_takes_is_a_clear_error():
             load("a" * 300)
         with pytest.raises(FileNotFoundError, match="neither an existing file or folder nor a hub model id"):
             load("org/" + "b" * 300)  # (no folder "org": the name is not a path, and too long for a hub id)
+        for name in ("bert..base", "org/a--b"):  # (the hub's rules: huggingface_hub's own error came out)
+            with pytest.raises(FileNotFoundError, match="neither an existing file or folder nor a hub model id"):
+                load(name)
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         raise FileNotFoundError(f"{shown!r} cannot be a file or folder ({err.strerror}); check the path or hub id") \
             from err
     if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
-            or len(text) > 96 or not _HUB_ID.match(text):  # (the hub's own limit on a repo id's length)
+            or len(text) > 96 or not _HUB_ID.match(text) or "--" in text or ".." in text:  # (the hub's own rules)
         raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
                                 f"'bert-base-uncased'; check the path")
     config = _hub_file(text, "config.json", revision, local_files_only)
