@@ -121,8 +121,10 @@ def test_a_packed_batch_equals_the_padded_one_row_for_row(member_checkpoint, nam
 def test_packed_input_errors_name_the_fix(member_checkpoint):
     layer = BertEmbeddings.from_pretrained(member_checkpoint("roberta")[0])
     ids = torch.full((1, 6), 7)
-    with pytest.raises(ValueError, match="must be integers rising from 0 to the number of packed tokens"):
-        layer(ids, cu_seqlens=torch.tensor([0, 4, 5]))
+    for bounds in (torch.tensor([0, 4, 5]), torch.tensor([0.0, 6.0]), [0.0, 6.0], [0, 2.5, 6], [False, True]):
+        with pytest.raises(ValueError, match="must be integers rising from 0 to the number of packed tokens"):
+            layer(ids, cu_seqlens=bounds)  # (floats in a list reached torch's repeat_interleave)
+    assert torch.equal(layer(ids, cu_seqlens=[0, 2, 6]), layer(ids, cu_seqlens=torch.tensor([0, 2, 6])))
     with pytest.raises(ValueError, match="pass neither position_ids"):
         layer(ids, cu_seqlens=torch.tensor([0, 6]), position_ids=torch.zeros(1, 6, dtype=torch.long))
     modern = BertEmbeddings(EmbeddingConfig.for_member("modernbert", vocab_size=20, hidden_size=8, pad_token_id=0))

@@ -68,6 +68,24 @@ def test_forward_and_gradients_match_reference(backend, deterministic, hidden, b
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["columns", "expanded"])
+def test_a_layer_norm_weight_and_bias_that_are_views(backend, layout):
+    """LayerNorm's weight and bias as columns of one matrix (stride 2), or expanded from one value (stride 0): the
+    Triton kernels read them at a stride of 1 (and past the one element), off by ~1.5."""
+    ref, fused = pair(backend, 33)
+    device = device_of(backend)
+    values = torch.randn(33, 2, generator=torch.Generator().manual_seed(4)).to(device)
+    weight, bias = (values[:, 0], values[:, 1]) if layout == "columns" else \
+        (values[:1, 0].expand(33), values[:1, 1].expand(33))
+    assert weight.stride() != (1,)
+    for layer in (ref, fused):
+        layer.LayerNorm.weight.data, layer.LayerNorm.bias.data = weight, bias
+    out_ref, out = run_both(ref, fused, input_ids=awkward_ids(2, 9, ref.config.vocab_size).to(device))
+    assert_output_close(out, out_ref)
+    assert_grads_match(ref, fused)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("position_ids", ["shared", "per-row"])
 def test_explicit_position_ids(backend, position_ids):
     ref, fused = pair(backend, 64)

@@ -12,6 +12,7 @@ T token types (segments).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -253,9 +254,8 @@ class BertEmbeddings(Pretrained, nn.Module):
             input_ids = input_ids[None]
         given = input_ids if input_ids is not None else inputs_embeds
         tokens = given.shape[-1 if input_ids is not None else -2] if isinstance(given, torch.Tensor) else 0
-        integral = not isinstance(cu_seqlens, torch.Tensor) or not (cu_seqlens.is_floating_point()
-                                                                    or cu_seqlens.is_complex())
         bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        integral = all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds)  # (numpy's too)
         if not isinstance(given, torch.Tensor) or given.shape[0] != 1 or not integral or not bounds or \
                 bounds[0] != 0 or bounds[-1] != tokens or bounds != sorted(bounds):
             raise ValueError(f"cu_seqlens={bounds[:8]} must be integers rising from 0 to the number of packed tokens "

@@ -157,7 +157,8 @@ def run_forward(ids, tts, pids, word, seg, pos, gamma, beta, eps: float, p: floa
     keeps the kernel's answer). Tuning, defaults the fastest on an H100 (docs/gpu-kernels.md): `rows` token rows per
     program (a power of 2), `num_warps`, `evict_first` (the word rows read and the output written leave L2 first)."""
     n, h = ids.numel(), word.shape[1]
-    word, seg, pos = word.contiguous(), seg.contiguous(), pos.contiguous()
+    # (the kernels read rows at a stride of 1: a LayerNorm weight may be a view, a column of a matrix)
+    word, seg, pos, gamma, beta = (t.contiguous() for t in (word, seg, pos, gamma, beta))
     if out is None:  # (any contiguous shape: the kernel reads its address)
         out = torch.empty(shape or (n, h), dtype=word.dtype, device=word.device)
     # without stats `out` stands in for mean and rstd, as a pointer never written through
@@ -176,7 +177,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
     """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
-    f32 = dict(dtype=torch.float32, device=word.device)
+    gamma, f32 = gamma.contiguous(), dict(dtype=torch.float32, device=word.device)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
     # A table's gradient not summed by atomics gets one row, never used: a kernel argument must point at real memory
