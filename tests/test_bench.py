@@ -103,21 +103,32 @@ def test_tiny_run_writes_wellformed_json_and_markdown_whose_ratios_follow_from_i
         assert cells[3:6] == [f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}", f"{r['vs_eager']:.2f}x"]
 
 
-def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch):
+@pytest.mark.parametrize("error", [1e-3, float("nan")])
+def test_a_wrong_candidate_is_flagged_not_hidden(monkeypatch, tmp_path, error):
+    """Off by a little, or a NaN (which no comparison with the tolerance caught): flagged; the JSON stays strict."""
     real = cands.prepare
 
-    def off_by_a_little(case, **kwargs):
+    def off(case, **kwargs):
         expected, make = real(case, **kwargs)
 
         def made(name):
             fn = make(name)
-            return (lambda: fn() + 1e-3) if name == "bertembed-reference" else fn
+            return (lambda: fn().index_fill(-1, torch.tensor([0]), error) if error != error else fn() + error) \
+                if name == "bertembed-reference" else fn
         return expected, made
 
-    monkeypatch.setattr(cands, "prepare", off_by_a_little)
+    monkeypatch.setattr(cands, "prepare", off)
     wrong = next(r for r in _run([Case(16, 2, 3)])["results"] if r["candidate"] == "bertembed-reference")
-    assert wrong["status"] == "ok" and wrong["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
-    assert "OUTPUT DIFFERS" in wrong["note"]
+    assert wrong["status"] == "ok" and "OUTPUT DIFFERS" in wrong["note"]
+    if error == error:
+        assert wrong["max_abs_diff"] == pytest.approx(error, rel=1e-3)
+        return
+    monkeypatch.setattr(cands, "plan", lambda *args: [Case(16, 2, 3)])
+    monkeypatch.setattr(measure, "run", functools.partial(measure.run, candidates=["bertembed-reference"]))
+    result = CliRunner().invoke(app, ["bench", "--quick", "--reference", "--json-out", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "b.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert saved["results"][0]["max_abs_diff"] is None
 
 
 def test_a_missing_optional_package_is_named_and_the_run_goes_on(monkeypatch):

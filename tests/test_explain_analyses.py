@@ -471,6 +471,21 @@ def test_drift_finds_exactly_the_changed_rows(tiny, tiny_b):
         assert by_table[name].median_row_change == pytest.approx(float(np.median(own.numpy())), rel=1e-5)
 
 
+def test_drift_lists_the_top_rows_asked_for(tiny, tmp_path):
+    """--top N lists N rows per table, in the table's rows and their JSON too (they stopped at 5)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny, tmp_path / "b")
+    tensors = load_file(str(folder / "model.safetensors"))
+    key = "embeddings.word_embeddings.weight"
+    tensors[key][5:13] += torch.arange(1, 9, dtype=torch.float32)[:, None]  # (8 rows, the last moved most)
+    save_file(tensors, str(folder / "model.safetensors"))
+    for top, listed in ((7, 7), (10, 8)):
+        word = next(row for row in drift(tiny, folder, top=top).rows() if row["table"] == "word")
+        assert word["most_changed"].count(" of its norm)") == listed
+        assert word["most_changed"].startswith(helpers.VOCAB[12])
+
+
 def test_drift_does_not_rank_a_table_by_its_size(tmp_path):
     """The same change of one row in a big and a small table: the whole-tensor measure shrinks with the table's
     rows, the moved row's own change does not (the figure ranks by that)."""

@@ -116,7 +116,7 @@ def _ort(layer, ids: torch.Tensor, types: torch.Tensor) -> Callable[[], Any]:
 
         from bertembed.onnx_export import layer_graph
 
-        model = layer_graph(layer, fused=True, opset=17)
+        model = layer_graph(layer, fused=True, opset=18)  # (torch exports 18: no conversion)
     except ImportError as err:
         raise ImportError(f'{err}: pip install -e ".[bench]"') from err
     options = ort.SessionOptions()

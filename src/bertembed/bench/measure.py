@@ -55,7 +55,7 @@ def measure_case(case: cands.Case, names: list[str], threads: int, repeat: int, 
                 fn()
             if expected is not None:
                 diff = records[name]["max_abs_diff"] = float((torch.as_tensor(fn()).double() - expected).abs().max())
-                if diff > cands.TOLERANCE[case.dtype]:
+                if not diff <= cands.TOLERANCE[case.dtype]:  # (NaN included)
                     records[name]["note"] = f"OUTPUT DIFFERS from the reference by up to {diff:.2e}"
             calls[name] = fn
         except ImportError as err:  # (a package that is not installed, named)

@@ -70,6 +70,9 @@ def bench(
                        progress=lambda line: print(line, file=sys.stderr))
     text = measure.markdown(done)
     console.print(text, markup=False, highlight=False, soft_wrap=True)
-    for path, content in ((json_out, json.dumps(done, indent=1)), (markdown_out, text)):
+    from bertembed.explain._common import to_jsonable
+
+    strict = json.dumps(to_jsonable(done), indent=1, allow_nan=False)  # (a NaN or inf measured: null)
+    for path, content in ((json_out, strict), (markdown_out, text)):
         if path is not None:
             console.print(f"wrote {write_atomic(path, content.encode('utf-8'))}")

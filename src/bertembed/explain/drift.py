@@ -60,7 +60,7 @@ class DriftReport(Result):
         return [{"table": t.table, "shape": "x".join(map(str, t.shape)), "rows_changed": t.rows_changed,
                  "median_row_change": t.median_row_change, "relative_change": t.relative_change,
                  "max_abs_change": t.max_abs_change,
-                 "most_changed": ", ".join(f"{r['label']} ({r['relative']:.2g} of its norm)" for r in t.top[:5])}
+                 "most_changed": ", ".join(f"{r['label']} ({r['relative']:.2g} of its norm)" for r in t.top)}
                 for t in self.tables]
 
     def figures(self) -> list[Figure]:
