@@ -3,6 +3,7 @@ a tiny random one."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -484,6 +485,35 @@ def test_drift_lists_the_top_rows_asked_for(tiny, tmp_path):
         word = next(row for row in drift(tiny, folder, top=top).rows() if row["table"] == "word")
         assert word["most_changed"].count(" of its norm)") == listed
         assert word["most_changed"].startswith(helpers.VOCAB[12])
+
+
+def test_drift_ranks_a_row_that_was_zero_apart_and_sees_the_projection(tiny, tmp_path, member_checkpoint):
+    """A row that was all zeros has no relative change (it was divided by 1e-30: 5.5e+27 of its norm, ranked first);
+    ALBERT's projection E -> H is compared like the tables (it was left out), and a different H is refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny, tmp_path / "b")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embeddings.word_embeddings.weight"][0] += 1e-3  # (the tiny checkpoint's [PAD] row is zero)
+    tensors["embeddings.word_embeddings.weight"][7] *= 2
+    save_file(tensors, str(folder / "model.safetensors"))
+    word = next(t for t in drift(tiny, folder).tables if t.table == "word")
+    assert [r["row"] for r in word.top] == [0, 7] and word.top[0]["relative"] == np.inf
+    assert word.median_row_change == pytest.approx(1.0) and word.rows_changed == 2
+    albert = member_checkpoint("albert")[0]
+    other = shutil.copytree(albert, tmp_path / "albert")
+    tensors = load_file(str(other / "model.safetensors"))
+    key = next(k for k in tensors if k.endswith("embedding_hidden_mapping_in.weight"))
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, str(other / "model.safetensors"))
+    moved = {t.table: t for t in drift(albert, other).tables}
+    assert moved["projection.weight"].relative_change == pytest.approx(1.0) and moved["word"].rows_changed == 0
+    wider = tmp_path / "wider"
+    config = json.loads((albert / "config.json").read_text())
+    transformers = pytest.importorskip("transformers")
+    transformers.AlbertModel(transformers.AlbertConfig(**{**config, "hidden_size": 64})).save_pretrained(wider)
+    with pytest.raises(ValueError, match=r"different shapes.*projection.weight"):
+        drift(albert, wider)
 
 
 def test_drift_does_not_rank_a_table_by_its_size(tmp_path):

@@ -89,3 +89,28 @@ def test_bundled_demo_moves_the_rows_theory_says(tmp_path):
     start = load_tables(Tokenizer.from_pretrained().source.folder)["word_embeddings.weight"]
     assert set(torch.nonzero((saved != start).any(1)).flatten().tolist()) == expected["word"]
     assert (tmp_path / "ft" / "vocab.txt").is_file()
+
+
+@pytest.mark.parametrize("name", ["roberta", "modernbert"])
+def test_the_positions_that_move_are_the_members_own(member_checkpoint, name, tmp_path):
+    """RoBERTa counts positions from pad + 1: rows 2.. move, not 0.. (rows 9 and 10 moved past a line drawn at 8.5).
+    ModernBERT has no position table: no figure of it, and no caption speaking of its positions or segments."""
+    import shutil
+
+    from bertembed import EmbeddingConfig
+    from conftest import write_member_tokenizer
+
+    folder = shutil.copytree(member_checkpoint(name)[0], tmp_path / name)
+    config = EmbeddingConfig.from_hf_config(folder)
+    write_member_tokenizer(folder, config)
+    sentences = (("the quick brown fox jumps", 0), ("hello world", 1))
+    report = finetune_demo(folder, steps=2, lr=1e-2, runs=RUNS[:1], sentences=sentences)
+    figures = {f.name: f for f in report.figures()}
+    if name == "modernbert":
+        assert report.occurred["position"] == report.occurred["segment"] == [] and set(figures) == {"finetune_rows"}
+        assert "positions" not in figures["finetune_rows"].caption
+        return
+    enc = Tokenizer.from_pretrained(folder)([s for s, _ in sentences])
+    used = {config.pad_token_id + p for mask in enc.attention_mask for p in range(1, sum(mask) + 1)}
+    assert min(used) == 2 and set(report.occurred["position"]) == used == moved(report.runs[0])["position"]
+    assert f"position rows 2-{max(used)}" in figures["finetune_positions"].caption

@@ -5,6 +5,7 @@ notebook run top to bottom in a real Jupyter kernel."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 
@@ -158,3 +159,18 @@ def test_the_notebook_runs_top_to_bottom_in_a_jupyter_kernel(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("text/html" in o.get("data", {}) for o in outputs)  # the figures' view
     assert any("transformers' BertEmbeddings" in o.get("text", "") for o in outputs)  # what it was checked against
+
+
+def test_a_notebook_names_a_relative_model_folder_absolutely(tmp_path, monkeypatch):
+    """Jupyter runs a notebook from the notebook's folder: a folder given relative to the shell's would not be found
+    there (it became a hub id, and failed offline)."""
+    nbformat = pytest.importorskip("nbformat", reason="the notebook is written with nbformat (the dev extra)")
+    from bertembed.sources import bundled_folder
+
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    relative = os.path.relpath(bundled_folder(), tmp_path / "work")
+    done = runner.invoke(app, ["notebook", str(tmp_path / "n.ipynb"), "--model", relative])
+    assert done.exit_code == 0, done.output
+    setup = nbformat.read(tmp_path / "n.ipynb", as_version=4).cells[1].source
+    assert f"MODEL = {str(bundled_folder().resolve())!r}" in setup

@@ -12,7 +12,8 @@ from bertembed.sources import Source
 
 DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddings.weight",
                 "segment": "token_type_embeddings.weight", "LayerNorm.weight": "LayerNorm.weight",
-                "LayerNorm.bias": "LayerNorm.bias"}
+                "LayerNorm.bias": "LayerNorm.bias", "projection.weight": "projection.weight",
+                "projection.bias": "projection.bias"}  # (the projection E -> H of ALBERT, ELECTRA, DeBERTa: where held)
 
 
 @dataclass
@@ -60,7 +61,7 @@ class DriftReport(Result):
         return [{"table": t.table, "shape": "x".join(map(str, t.shape)), "rows_changed": t.rows_changed,
                  "median_row_change": t.median_row_change, "relative_change": t.relative_change,
                  "max_abs_change": t.max_abs_change,
-                 "most_changed": ", ".join(f"{r['label']} ({r['relative']:.2g} of its norm)" for r in t.top)}
+                 "most_changed": ", ".join(f"{r['label']} ({_relative(r['relative'])})" for r in t.top)}
                 for t in self.tables]
 
     def figures(self) -> list[Figure]:
@@ -97,6 +98,10 @@ class DriftReport(Result):
         return fig
 
 
+def _relative(value: float) -> str:
+    return f"{value:.2g} of its norm" if np.isfinite(value) else "was a zero row"
+
+
 def _labeller(layer, name: str):
     """Turns a row index into a readable label: the token for the word table, 'pos N', 'segment A/B'."""
     if name == "word":
@@ -115,14 +120,15 @@ def _table_drift(name: str, a: np.ndarray, b: np.ndarray, label, top: int) -> Ta
     a64, delta = a.astype(np.float64), b.astype(np.float64) - a
     per_row, base = row_norms(delta), row_norms(a64)
     differs = (a != b) & ~(np.isnan(a) & np.isnan(b))  # a NaN left as it was is no change
-    relative = per_row / np.maximum(base, 1e-30)
-    moved = (per_row > 0) & np.isfinite(relative)  # unchanged rows, NaN or inf drop out
+    relative = np.divide(per_row, base, out=np.full_like(per_row, np.inf), where=base > 0)  # (a row from zero: inf)
+    moved = (per_row > 0) & np.isfinite(per_row) & ~np.isnan(relative)  # unchanged rows, NaN or inf drop out
     order = np.argsort(-np.where(moved, relative, -1.0), kind="stable")[:int(moved.sum())][:top]
+    scaled, whole, norm = moved & np.isfinite(relative), np.linalg.norm(delta), np.linalg.norm(a64)  # (NaN stays NaN)
     non_finite = {side: np.flatnonzero(~np.isfinite(x).all(1)).tolist() for side, x in (("A", a), ("B", b))}
     return TableDrift(
-        table=name, shape=shape, relative_change=float(np.linalg.norm(delta) / max(np.linalg.norm(a64), 1e-30)),
+        table=name, shape=shape, relative_change=float(whole / norm if norm != 0 else np.inf if whole > 0 else 0.0),
         max_abs_change=float(np.abs(delta).max()), rows_changed=int(differs.any(1).sum()),
-        median_row_change=float(np.median(relative[moved])) if moved.any() else 0.0,
+        median_row_change=float(np.median(relative[scaled])) if scaled.any() else 0.0,
         top=[{"row": int(i), "label": label(int(i)), "change": float(per_row[i]), "relative": float(relative[i])}
              for i in order],
         non_finite={side: rows for side, rows in non_finite.items() if rows})

@@ -96,17 +96,22 @@ class FinetuneReport(Result):
         occurred = {k: len(v) for k, v in self.occurred.items()}
         runs = "; ".join(f"{r.spec.name}: {', '.join(f'{t.table} {t.moved}/{t.rows}' for t in r.tables)} (loss "
                          f"{r.loss_first:.3f} -> {r.loss_last:.3f})" for r in self.runs)
+        used = [f"{occurred[t]} {what}" for t, what in (("word", "distinct tokens"), ("position", "positions"),
+                                                         ("segment", "segment(s)")) if self.occurred[t]]
         rows = (f"{self.steps} steps on {len(self.sentences)} sentences, lr {self.lr:g}. Rows moved per table: {runs}. "
-                f"The sentences use {occurred['word']} distinct tokens, {occurred['position']} positions and "
-                f"{occurred['segment']} segment(s); every row that moved is one of them unless weight decay is on. "
-                f"All {len(self.trainable)} embedding parameters are trainable by default.")
-        positions = (f"Change of each of the first position rows. With Adam and no weight decay, positions "
-                     f"0-{max(self.occurred['position'])} (the longest sentence) move and every later row stays "
-                     f"exactly equal (change 0); AdamW's decay nudges every row; freezing the word table does not "
+                f"The sentences use {', '.join(used)} (of the tables this member has); every row that moved is one "
+                f"of them unless weight decay is on. All {len(self.trainable)} embedding parameters are trainable by "
+                f"default.")
+        figures = [Figure("finetune_rows", "Rows moved by fine-tuning", rows, self.plot_rows, self.plotly_rows)]
+        if not self.occurred["position"]:  # (no position table: ModernBERT's and DeBERTa's positions are in attention)
+            return figures
+        used = self.occurred["position"]
+        positions = (f"Change of each of the first position rows. With Adam and no weight decay, position rows "
+                     f"{used[0]}-{used[-1]} (the longest sentence's) move and every other row stays exactly equal "
+                     f"(change 0); AdamW's decay nudges every row that is not zero; freezing the word table does not "
                      f"stop the position table from training.")
-        return [Figure("finetune_rows", "Rows moved by fine-tuning", rows, self.plot_rows, self.plotly_rows),
-                Figure("finetune_positions", "Position rows after fine-tuning", positions, self.plot_positions,
-                       self.plotly_positions)]
+        return figures + [Figure("finetune_positions", "Position rows after fine-tuning", positions,
+                                 self.plot_positions, self.plotly_positions)]
 
     def plotly_rows(self):
         traces = [{"type": "bar", "name": run.spec.name, "x": [t.table for t in run.tables],
@@ -215,6 +220,7 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
     from bertembed.atomic import atomic_folder
     from bertembed.checkpoint import checkpoint_writer
     from bertembed.embeddings import BertEmbeddings
+    from bertembed.functional import default_positions
 
     if steps < 1:
         raise ValueError(f"steps={steps}: run at least 1 step")
@@ -230,9 +236,13 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
     enc = tokenizer([s for s, _ in sentences], return_tensors="pt")  # padded into one batch: [B, L] tensors
     labels = torch.tensor([label for _, label in sentences])
     mask = enc.attention_mask.bool()  # the rows with gradient: ids (not [PAD]), positions, segments at unpadded places
-    occurred = {"word": sorted(set(enc.input_ids[mask].tolist()) - {base.config.pad_token_id}),
-                "position": mask.nonzero()[:, 1].unique().tolist(),
-                "segment": sorted(set(enc.token_type_ids[mask].tolist()))}
+    config = base.config  # (positions as the layer counts them: from pad + 1 for RoBERTa and MPNet)
+    positions = default_positions(mask.shape[1], 0, enc.input_ids,
+                                  config.pad_token_id if config.positions_from_padding else None)
+    occurred = {"word": sorted(set(enc.input_ids[mask].tolist()) - {config.pad_token_id}),
+                "position": sorted(set(positions.expand_as(mask)[mask].tolist())) if base.position_embeddings
+                is not None else [], "segment": sorted(set(enc.token_type_ids[mask].tolist()))
+                if base.token_type_embeddings is not None else []}
     trainable = [{"name": n, "shape": list(p.shape), "requires_grad": p.requires_grad}
                  for n, p in base.named_parameters()]
     began, results = time.perf_counter(), []

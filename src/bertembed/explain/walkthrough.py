@@ -212,7 +212,9 @@ def check_walkthrough(result: Walkthrough) -> list[str]:
 
 def notebook_cells(model: str | None, layer, text: str, text_b: str | None = None) -> list[tuple[str, str]]:
     """(kind, source) of each cell, "markdown" or "code", for `model` as the user named it and read (`layer`)."""
-    config, where = layer.config, layer.source.describe()
+    config, where, source = layer.config, layer.source.describe(), layer.source
+    if source.kind in ("folder", "file"):  # (absolute: Jupyter runs a notebook from the notebook's own folder)
+        model = str(Path(source.weights_file or source.folder).resolve())
     intro = (f"# The embedding layer, rebuilt by hand\n\nCheckpoint: `{where}` ({config.model_type}). Each step "
              f"below does with plain torch what the layer does, and checks the result against `ref`, the "
              f"intermediates of the member's own transformers module on the same tables (without transformers, "
