@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -183,6 +185,8 @@ def test_threads_sharing_a_tokenizer_keep_their_own_truncation(ours):
     finally:
         ours.backend = real
     assert found == [703]
+    for copied in (pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours)):  # (the lock is made anew, not copied)
+        assert copied("hello", max_length=8).input_ids == ours("hello").input_ids and copied._lock is not ours._lock
 
 
 # Texts the tokenizer turns into no token of their own: control characters, zero-width ones, the byte-order mark,

@@ -55,6 +55,12 @@ class Tokenizer:
         self.one_segment = one_segment  # a member with fewer than two segment rows: every token is segment 0
         self._lock = threading.Lock()  # (truncation is the backend's state: set and used by one call at a time)
 
+    def __getstate__(self) -> dict:  # (pickled, as DataLoader workers and copies take it: a lock is not)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, revision: str | None = None,
                         local_files_only: bool = False) -> Tokenizer:
