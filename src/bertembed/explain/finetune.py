@@ -240,9 +240,10 @@ def finetune_demo(model: ModelArg = None, *, steps: int = 12, lr: float = 1e-3, 
     positions = default_positions(mask.shape[1], 0, enc.input_ids,
                                   config.pad_token_id if config.positions_from_padding else None)
     occurred = {"word": sorted(set(enc.input_ids[mask].tolist()) - {config.pad_token_id}),
-                "position": sorted(set(positions.expand_as(mask)[mask].tolist())) if base.position_embeddings
-                is not None else [], "segment": sorted(set(enc.token_type_ids[mask].tolist()))
-                if base.token_type_embeddings is not None else []}
+                "position": sorted(set(positions.expand_as(mask)[mask].tolist())),
+                "segment": sorted(set(enc.token_type_ids[mask].tolist()))}
+    occurred |= {name: [] for name, table in (("position", base.position_embeddings),  # (a table the member lacks)
+                                              ("segment", base.token_type_embeddings)) if table is None}
     trainable = [{"name": n, "shape": list(p.shape), "requires_grad": p.requires_grad}
                  for n, p in base.named_parameters()]
     began, results = time.perf_counter(), []
