@@ -234,10 +234,15 @@ def test_hub_id_from_the_local_cache(tmp_path, bundled_path, hub_home):
     assert layer.source.kind == "hub" and layer.config.hidden_size == 384
     assert tokenizer("hello").input_ids == [101, 7592, 102]
     assert torch.equal(layer.word_embeddings.weight[7592], expected)
-    with pytest.raises(FileNotFoundError, match=r"offline mode is on and it is not in the local cache \(.*`hf "
+    import huggingface_hub
+    from packaging.version import Version
+
+    # (the command the installed release has: `hf` came in 0.34, the oldest supported has `huggingface-cli` alone)
+    cli = "hf" if Version(huggingface_hub.__version__) >= Version("0.34") else "huggingface-cli"
+    with pytest.raises(FileNotFoundError, match=rf"offline mode is on and it is not in the local cache \(.*`{cli} "
                                                 r"download acme/not-cached`: the whole snapshot, tokenizer files"):
         BertEmbeddings.from_pretrained("acme/not-cached")
-    with pytest.raises(FileNotFoundError, match=r"not in the local cache at revision 'v2' .*`hf download "
+    with pytest.raises(FileNotFoundError, match=rf"not in the local cache at revision 'v2' .*`{cli} download "
                                                 r"acme/mini-bert --revision v2`"):  # (cached at main only)
         BertEmbeddings.from_pretrained("acme/mini-bert", revision="v2")
 

@@ -337,7 +337,7 @@ def test_the_report_says_what_it_measured_and_which_questions_it_answers(tmp_pat
     for question in ("Why don&#x27;t the learned positions look like sin/cos?", "Is nn.Embedding a one-hot matrix "
                      "product?", "What are segment embeddings: zeros and ones?"):
         assert page.count(question) == 2  # in the list of questions and as its section's title
-    assert page.count('class="tag"') == 5 and "holds for every BERT checkpoint" in page
+    assert page.count('class="tag"') == 5 and "holds for every checkpoint of this architecture" in page
     assert "image-check" not in page and "data-test" not in page
     tables = "".join(re.findall(r"<table>.*?</table>", page))
     assert "mean adjacent cosine" in tables and "mean_adjacent_cosine" not in tables
@@ -397,10 +397,10 @@ def test_explain_warns_on_a_literal_separator_in_the_table_the_json_and_the_repo
 
 
 @pytest.mark.parametrize("args, tag", [
-    (["inspect", "onehot", "the cat"], "holds for every BERT checkpoint"),
+    (["inspect", "onehot", "the cat"], "holds for every checkpoint of this architecture"),
     (["inspect", "positions"], "measured on this checkpoint"),
     (["inspect", "tokens", "king"], "measured on this checkpoint"),
-    (["explain", "the cat"], "holds for every BERT checkpoint"),
+    (["explain", "the cat"], "holds for every checkpoint of this architecture"),
 ])
 def test_each_answer_says_whether_it_holds_for_every_bert_or_this_checkpoint(tiny, args, tag):
     assert f"({tag})" in " ".join(invoke(*args, "--model", tiny).output.split())

@@ -298,6 +298,9 @@ def test_explain_and_inspect_run_on_every_member(member_checkpoint, name, tmp_pa
             assert "no position table: its positions enter in attention" in done.stdout
         if layer.config.type_vocab_size < 2 and args[1] == "segments":
             assert ("no segment table" if not layer.config.type_vocab_size else "one segment row") in done.stdout
+        if args[0] == "inspect":  # --json: strict JSON either way (the sentence alone came out)
+            said = json.loads(run(*args, "--model", str(folder), "--json").stdout)
+            assert said["summary"].get("not_measured", "") in done.stdout.replace("\n", " ")
 
 
 @pytest.fixture(scope="module")

@@ -186,6 +186,18 @@ def test_patched_layer_takes_exactly_the_installed_transformers_arguments():
         torch.testing.assert_close(fused(*positional), hf(*positional), rtol=0, atol=5e-7 * 5)
 
 
+def test_an_offset_that_mpnets_layer_swallows_is_ignored_as_there():
+    """MPNet's forward takes **kwargs and ignores a cache offset in them (its positions never use one): so does the
+    patched layer (it shifted every position)."""
+    config = transformers.MPNetConfig(vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=64)
+    hf = transformers.MPNetModel(config).embeddings.eval()
+    fused = bertembed.dropin.fused_from(copy.deepcopy(hf), backend="reference")
+    ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(fused(ids, **{hf_offset_name(): 3}), hf(ids, **{hf_offset_name(): 3}))
+
+
 class _FutureEmbeddings(transformers.models.bert.modeling_bert.BertEmbeddings):
     """A transformers layer of a release that renames the offset again and adds an argument bertembed cannot know."""
 

@@ -96,8 +96,10 @@ class PatchedBertEmbeddings(BertEmbeddings):
                 log.warning("bertembed.patch: %s.forward's argument(s) %s are unknown to bertembed: transformers' own "
                             "forward runs those calls (exact, not fused)", kind.__name__, ", ".join(foreign))
             return _synced_original(self).forward(**given)
-        # (no walrus here: it makes a cell variable, which torch.compile cannot read)
-        return super().forward(**{_RENAMED.get(k, k): v for k, v in given.items() if _RENAMED.get(k, k) in _UNDERSTOOD})
+        # (no walrus here: it makes a cell variable, which torch.compile cannot read; an argument its forward only
+        # swallows in **kwargs, as MPNet's a cache offset, it ignores: so does this)
+        return super().forward(**{_RENAMED.get(k, k): v for k, v in given.items()
+                                  if _RENAMED.get(k, k) in _UNDERSTOOD and k in self._hf_params})
 
 
 def _bind(params: tuple[str, ...], takes_kwargs: bool, args: tuple, kwargs: dict, owner: str) -> dict:

@@ -96,6 +96,13 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
     return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
 
 
+def _hub_cli() -> str:
+    """huggingface_hub's command as the installed release declares it: `hf`, or `huggingface-cli` before `hf` came."""
+    from importlib.metadata import entry_points
+
+    return "hf" if any(e.name == "hf" for e in entry_points(group="console_scripts")) else "huggingface-cli"
+
+
 def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_only: bool) -> Path | None:
     """Fetch one file through huggingface_hub (its cache, HF_HOME, HF_HUB_OFFLINE apply); None if the repo lacks it."""
     from huggingface_hub import constants, errors, hf_hub_download
@@ -112,14 +119,15 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
         offline = local_files_only or constants.HF_HUB_OFFLINE
         at = f" at revision {revision!r}" if revision else ""
         why = f"offline mode is on and it is not in the local cache{at}" if offline else "the hub could not be reached"
-        get = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+        get = f"{_hub_cli()} download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise FileNotFoundError(
             f"cannot load {repo_id!r}: {why} ({constants.HF_HUB_CACHE}). Download it once where the hub is reachable "
             f"(`{get}`: the whole snapshot, tokenizer files included), or pass a local folder") from err
     except errors.RevisionNotFoundError as err:
         raise FileNotFoundError(f"hub model {repo_id!r} has no revision {revision!r}") from err
     except errors.RepositoryNotFoundError as err:
-        raise FileNotFoundError(f"no hub model {repo_id!r} (or it is private/gated: log in with `hf auth login`)") \
+        login = "hf auth login" if _hub_cli() == "hf" else "huggingface-cli login"
+        raise FileNotFoundError(f"no hub model {repo_id!r} (or it is private/gated: log in with `{login}`)") \
             from err
     except errors.EntryNotFoundError:
         return None

@@ -92,9 +92,10 @@ def missing(names: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def user_errors(*outputs: str | Path | None, needs: Iterable[str] = ()) -> Iterator[None]:
+def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), as_json: bool = False) -> Iterator[None]:
     """Bad input (a path or value, a broken checkpoint, a missing package) ends the command with its message and exit
-    status 2, anything else keeps its traceback; `outputs` are checked writable first, then the `needs` imported."""
+    status 2, anything else keeps its traceback; `outputs` are checked writable first, then the `needs` imported. A
+    table the member lacks is said (`as_json`: as {"summary": {"not_measured": ...}, "rows": []}) and exits 0."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
@@ -122,7 +123,10 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = ()) -> Itera
     except ModuleNotFoundError as err:  # (one that `needs` did not name: said the same way)
         _fail(missing([err.name]) if err.name in EXTRAS else str(err))
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
-        console.print(escape(str(err)), soft_wrap=True)
+        if as_json:
+            print_json({"summary": {"not_measured": str(err)}, "rows": []})
+        else:
+            console.print(escape(str(err)), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:
         _fail(str(err))
     except OSError as err:

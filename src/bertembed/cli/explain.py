@@ -17,9 +17,9 @@ app.add_typer(inspect_app, name="inspect")
 FOX = "The quick brown fox jumps over the lazy dog"
 
 
-def plotting(plot: str | None):
+def plotting(plot: str | None, as_json: bool):
     """`user_errors` for a command with --plot: matplotlib is needed only where a PNG is asked for."""
-    return user_errors(plot, needs=("matplotlib",) if plot is not None else ())
+    return user_errors(plot, needs=("matplotlib",) if plot is not None else (), as_json=as_json)
 
 
 def emit(result: Any, as_json: bool, plot: str | None, rows: list[dict] | None = None, title: str = "",
@@ -217,7 +217,7 @@ def positions(model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = 
               k: Annotated[int, typer.Option("--k", "-k", min=1,
                                              help="how many low-frequency cosines to fit")] = 16) -> None:
     """Are the learned position embeddings sinusoidal? Similarity structure, components, spectrum, seams."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain.positions import analyze_positions
 
         emit(analyze_positions(model, k=k), as_json, plot)
@@ -229,7 +229,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
                                                            "TEXT + TEXT_B as one sequence")] = None,
              model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     """What the two segment vectors are and what changes when a text moves from segment A to B."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain.segments import analyze_segments
 
         result = analyze_segments(text, text_b, model)
@@ -247,7 +247,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
            k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain.tokens import analyze_tokens
 
         result = analyze_tokens(token, model, k=k)
@@ -261,7 +261,7 @@ def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g.
 def onehot(text: Annotated[str, typer.Argument(help="the text whose ids are embedded both ways")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None) -> None:
     r"""Check that one_hot(ids) @ W equals the lookup W\[ids], and what each costs."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain.onehot import analyze_onehot
 
         emit(analyze_onehot(text, model), as_json, plot)
@@ -275,7 +275,7 @@ def drift_command(
     top: Annotated[int, typer.Option(min=0, help="how many most-changed rows to list per table")] = 10,
 ) -> None:
     """Relative change of each embedding tensor between two checkpoints, and the rows that changed most."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain.drift import drift
 
         result = drift(model_a, model_b, top=top)
@@ -296,7 +296,7 @@ def finetune_demo(
                                                 "drift`)")] = None,
 ) -> None:
     """Fine-tune the embedding layer on a few sentences with Adam, AdamW and a frozen table; count rows moved."""
-    with plotting(plot):
+    with plotting(plot, as_json):
         from bertembed.explain import finetune
 
         bar, progress = rich_progress()

@@ -20,7 +20,7 @@ from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 from bertembed.sources import DEFAULT_MODEL, Source, resolve
 
 ModelArg = Union[str, Path, None, Source, NumpyEmbeddings]
-STRUCTURAL, MEASURED = "holds for every BERT checkpoint", "measured on this checkpoint"
+STRUCTURAL, MEASURED = "holds for every checkpoint of this architecture", "measured on this checkpoint"
 PART_COLOURS = {"word": "#4c72b0", "position": "#dd8452", "segment": "#55a868"}
 
 
@@ -228,7 +228,7 @@ class Result:
 
     question = ""  # the question it answers: the title of its table and of its report section
     answer = ""  # the report section's one-line answer; "" for the summary's verdict
-    tag = MEASURED  # whether the answer holds for every BERT checkpoint or was measured on this one
+    tag = MEASURED  # whether the answer holds for every checkpoint of the architecture or was measured on this one
     rows_title = ""  # the caption of the `rows()` table shown under the summary in notebooks; "" for none
 
     @property

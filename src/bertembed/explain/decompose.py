@@ -101,9 +101,11 @@ class TextDecomposition(Result):
     def figures(self) -> list[Figure]:
         n, s = self.norms(), self.overall_shares()
         means = ", ".join(f"{part} {n[part].mean():.3f}" for part in self.parts)
-        norms = (f"{len(self.tokens)} tokens ({sum(self.segments)} in segment B, shaded). Mean norms: {means}; their "
-                 f"sum {n['sum'].mean():.3f}. After LayerNorm the output norm is {n['output'].mean():.2f} on average: "
-                 f"LayerNorm rescales every token to unit variance, then applies its learned gain and bias.")
+        projected = " (each part after the projection E -> H, as it enters LayerNorm)" * ("@ projection" in self.recipe)
+        norms = (f"{len(self.tokens)} tokens ({sum(self.segments)} in segment B, shaded). Mean norms{projected}: "
+                 f"{means}; their sum {n['sum'].mean():.3f}. After LayerNorm the output norm is "
+                 f"{n['output'].mean():.2f} on average: LayerNorm rescales every token to unit variance, then applies "
+                 f"its learned gain (and bias, where it has one).")
         shares = (f"Share of the variance over the hidden dimensions of {' + '.join(self.parts)} that comes from each "
                   f"part (Cov(part, sum) / Var(sum); the shares add up to 1 per token). Pooled over the tokens: "
                   f"{', '.join(f'{part} {s[part]:.0%}' for part in self.parts)}. {self.recipe} recomputed by hand "

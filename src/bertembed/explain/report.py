@@ -21,11 +21,12 @@ border:1px solid #eee}figcaption{font-size:.92em;color:#333}
 .verdict{background:#f0f6ff;border-left:4px solid #4c72b0;padding:.5em 1em}
 .tag{font-size:.75em;color:#555;border:1px solid #bbb;border-radius:3px;padding:0 4px;margin-left:.5em}"""
 INTRO = ("Before any attention layer runs, the model turns text into vectors: each token's id picks a row of the "
-         "word table, its position a row of the position table, its segment a row of the segment table; the rows "
-         "are summed and LayerNorm normalises the sum. Each section below answers one question people ask about "
-         "this layer, by measuring it on the checkpoint named above. Tags say whether a claim holds for every BERT "
-         "checkpoint (the structure of the layer) or was measured on this one (its numbers). Hover over a figure "
-         "for its values; drag to zoom, double-click to zoom out.")
+         "word table and, where the model has those tables, its position a row of the position table and its "
+         "segment a row of the segment table; the rows are summed and LayerNorm normalises the sum. Each section "
+         "below answers one question people ask about this layer, by measuring it on the checkpoint named above. "
+         "Tags say whether a claim holds for every checkpoint of this architecture (the structure of the layer) or "
+         "was measured on this one (its numbers). Hover over a figure for its values; drag to zoom, double-click to "
+         "zoom out.")
 
 
 def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *, token: str | None = None,
