@@ -106,6 +106,12 @@ def test_the_walkthrough_follows_each_members_recipe(member_checkpoint, name, tm
     assert ("no position table" in code) == (config.position_embedding_type == "none")
     assert ("no segment table" in code) == (config.type_vocab_size == 0)
     assert ("(word + position) + segment" in code) == (config.sum_order == "position_first")
+    # each step's words true of the member (they were BERT's: two segment rows, a position table, a bias, H wide)
+    assert ("No position table" in by["3a"].why) == (config.position_embedding_type == "none")
+    assert ("0 for text A, 1 for text B" in by["3b"].why) == (config.type_vocab_size == 2)
+    assert f"over its {config.output_width} features" in by["5."].why
+    assert ("beta are learned" in by["6."].why) == config.norm_bias
+    assert ("`layer.project`" in by["7."].why) == (config.projection == "output")
 
 
 def test_the_command_prints_each_step_and_its_check():

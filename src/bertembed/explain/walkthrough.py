@@ -81,21 +81,27 @@ def steps(config: EmbeddingConfig) -> list[Step]:
              "ids"),
         Step("2. The word rows", "Row `id` of the word table for every token: a lookup, no arithmetic.",
              "W = layer.word_embeddings.weight.detach()\nword = W[ids]", "word", "word"),
-        Step("3a. The position rows", "The position table's rows at the member's position ids.", positions,
+        Step("3a. The position rows", "The position table's rows at the member's position ids." if
+             c.position_embedding_type != "none" else "No position table: the positions enter in attention.", positions,
              "position", None if c.position_embedding_type == "none" else "position"),
-        Step("3b. The segment rows", "The segment table's rows at the token types (0 for text A, 1 for text B).",
-             segments, "segment", "segment" if c.type_vocab_size else None),
+        Step("3b. The segment rows", {0: "No segment table: nothing is added.", 1: "The segment table's one row, at "
+                                      "every token (type 0 throughout)."}.get(c.type_vocab_size, "The segment "
+             "table's rows at the token types (0 for text A, 1 for text B)."), segments, "segment",
+             "segment" if c.type_vocab_size else None),
         Step("4. Their sum", "LayerNorm's input." if not projection else "The projection's input.", summed, "total",
              "sum"),
         *projection,
-        Step("5. Mean and standard deviation", "Per token, over the hidden dimension; eps inside the square root.",
+        Step("5. Mean and standard deviation", f"Per token, over its {c.output_width} features; eps inside the "
+             f"square root.",
              f"mean = {x}.mean(-1, keepdim=True)\nvar = (({x} - mean) ** 2).mean(-1, keepdim=True)\n"
              f"std = torch.sqrt(var + {c.layer_norm_eps!r})", "std", "std", exact=False),
         Step("6. Normalise, then scale and shift", "(sum - mean) / std has mean 0 and variance 1 per token; "
-             "gamma and beta are learned.",
+             + ("gamma and beta are learned." if c.norm_bias else "gamma is learned (this norm has no beta)."),
              f"normed = ({x} - mean) / std\nout = normed * layer.LayerNorm.weight.detach() + {beta}", "out",
              "layernorm", exact=False),
-        Step("7. The layer's own output", "The same ids through bertembed's layer (eval mode: no dropout).",
+        Step("7. The layer's own output", "The same ids through bertembed's layer (eval mode: no dropout)." + (
+             f" The encoder then maps it {c.table_width} -> {c.hidden_size} (`layer.project`)."
+             if c.projection == "output" else ""),
              "with torch.no_grad():\n    output = layer(ids, types)" if c.type_vocab_size else
              "with torch.no_grad():\n    output = layer(ids)", "output", "output", exact=False),
     ]
