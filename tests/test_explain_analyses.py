@@ -377,6 +377,14 @@ def test_a_capitalised_word_is_found_where_the_model_lowercases():
     assert accented.token == "paris" and accented.note.endswith("(lower-casing, stripping accents and the like)")
 
 
+def test_a_cased_tokenizer_that_strips_accents_is_not_said_to_lower_case(tmp_path, bundled_path):
+    for name in ("vocab.txt", "config.json", "model.safetensors"):
+        shutil.copy(bundled_path / name, tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "strip_accents": True}))
+    report = analyze_tokens("café", tmp_path, k=3)
+    assert report.token == "cafe" and report.note.endswith("(stripping accents and the like)")
+
+
 def test_a_word_the_tokenizer_makes_unknown_is_refused(tiny):
     """Its pieces hold the unknown token, whose neighbours say nothing of the word: ValueError (the CLI's exit 2)."""
     for word in ("\U0001f642", "cat\U0001f642"):

@@ -356,9 +356,17 @@ def rank_local(mesh, folder: str) -> dict:
     out = net(ids)
     (out * upstream).sum().backward()  # (the gradient rests sharded too, on a table made by to_empty)
     net.save_pretrained(os.path.join(folder, "saved"))  # (every rank: the rows gathered, rank 0 writes)
-    torch.distributed.barrier()
+    saved = sorted(os.listdir(os.path.join(folder, "saved")))  # (every rank returns once it is written)
+    with open(os.path.join(folder, "blocked"), "w") as blocked:  # (a file where a folder should be)
+        blocked.write("x")
+    try:
+        net.save_pretrained(os.path.join(folder, "blocked", "saved"))
+        failure = None
+    except (OSError, ValueError) as err:  # (every rank hears of rank 0's failure: none waits for it)
+        failure = type(err).__name__
     return {"rows": weight.to_local(), "torch's split": distribute_tensor(full, mesh, [Shard(0)]).to_local(),
-            "shape": tuple(weight.shape), "out": out.detach(), "grad rows": weight.grad.to_local().shape[0]}
+            "shape": tuple(weight.shape), "out": out.detach(), "grad rows": weight.grad.to_local().shape[0],
+            "saved": saved, "failure": failure}
 
 
 def free_port() -> int:
@@ -571,6 +579,8 @@ def test_loading_by_rank_reads_only_its_rows(ranks, tmp_path_factory):
         torch.testing.assert_close(got["out"], expected, rtol=0, atol=0)
     saved = tmp_path_factory.getbasetemp() / f"world{world}" / "saved"  # the sharded layer's save_pretrained
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(seen["loading"]["saved"] == ["config.json", "model.safetensors"] for seen in ranks)
+    assert all(seen["loading"]["failure"] in ("NotADirectoryError", "OSError") for seen in ranks)
     whole = layer("cpu").state_dict()
     assert all(torch.equal(value, whole[key]) for key, value in BertEmbeddings.from_pretrained(saved).state_dict()
                .items())

@@ -137,6 +137,10 @@ def test_bad_arguments(ours):
             ours("x", max_length=bad)
     with pytest.raises(ValueError, match="truncation='do_not_pad'"):
         ours("x", truncation="do_not_pad")
+    import numpy as np  # (numpy's ints and bools, as lengths taken from arrays come, pass as transformers takes them)
+
+    assert ours(LONG, max_length=np.int64(8), truncation=np.bool_(True)).input_ids == ours(LONG, max_length=8).input_ids
+    assert len(ours(LONG, truncation="do_not_truncate").input_ids) == 703
 
 
 @pytest.mark.parametrize("strategy, pairs", [

@@ -385,15 +385,26 @@ class Pretrained:
         """Write config.json and an embedding-only model.safetensors (keys as the member's base model keeps them) that
         both bertembed and transformers read; returns `folder`. ValueError, before anything is written, for a layer
         that disagrees with its config. The folder is replaced as a whole, its other files kept (`atomic_folder`).
-        A layer whose word table is sharded (`bertembed.parallel`): every rank calls this, the rows are gathered, and
-        rank 0 writes."""
+        A layer whose word table is sharded (`bertembed.parallel`): every rank calls this, the rows are gathered, the
+        mesh's first rank writes, and every rank returns once it has (or raises if it failed)."""
         write = checkpoint_writer(self, folder)  # (checks first: nothing is written for a layer that cannot be saved)
-        rank = 0
-        if any(hasattr(t, "full_tensor") for t in self.state_dict().values()):
-            from torch.distributed import get_rank
+        mesh = next((t.device_mesh for t in self.state_dict().values() if hasattr(t, "device_mesh")), None)
+        failed = None
+        if mesh is None or mesh.get_local_rank() == 0:
+            try:
+                with atomic_folder(folder) as staging:
+                    write(staging)
+            except Exception as err:
+                if mesh is None:
+                    raise
+                failed = err
+        if mesh is not None:  # (the others wait for the folder, and learn of a failure instead of reading half)
+            import torch
 
-            rank = get_rank()
-        if rank == 0:
-            with atomic_folder(folder) as staging:
-                write(staging)
+            flag = torch.tensor([float(failed is not None)], device=mesh.device_type)
+            torch.distributed.all_reduce(flag, group=mesh.get_group())
+            if failed is not None:
+                raise failed
+            if flag.item():
+                raise OSError(f"cannot save to {folder}: the mesh's first rank failed to write it (its error says why)")
         return Path(folder)

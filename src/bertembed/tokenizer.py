@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from bertembed.config import EmbeddingConfig, read_json
 from bertembed.sources import Source, resolve
 
 _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
-TRUNCATIONS = (True, False, "longest_first", "only_first", "only_second")  # (True: longest first, as transformers)
+# transformers' truncation strategies (True: longest first, as there; "do_not_truncate": False)
+TRUNCATIONS = (True, False, "longest_first", "only_first", "only_second", "do_not_truncate")
 
 
 @dataclass
@@ -113,10 +115,15 @@ class Tokenizer:
         for i, item in enumerate(items):
             for value in (item,) if isinstance(item, str) else item:
                 check_text(value, f"text {i} of the batch" if batched else "the text")
-        if max_length is not None and (type(max_length) is not int or max_length < 1):
+        if max_length is not None and (not isinstance(max_length, numbers.Integral) or isinstance(max_length, bool)
+                                       or max_length < 1):  # (numpy's ints too)
             raise ValueError(f"max_length={max_length!r} must be a positive int (None: the model's limit)")
-        limit = self.max_length if max_length is None else max_length
-        if not (isinstance(truncation, bool) or truncation in TRUNCATIONS[2:]):
+        limit = self.max_length if max_length is None else int(max_length)
+        if type(truncation).__name__ in ("bool", "bool_"):  # (numpy's bool too)
+            truncation = bool(truncation)
+        elif truncation in TRUNCATIONS[2:]:
+            truncation = truncation != "do_not_truncate" and truncation
+        else:
             raise ValueError(f"truncation={truncation!r}: use one of {TRUNCATIONS}")
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
@@ -169,15 +176,18 @@ class Tokenizer:
         """ValueError when `text` (or `text_b`) has no token of its own (empty, or only characters the normalizer
         drops: U+0000, U+200B, ...), so it would be embedded as `[CLS] [SEP]` alone; `__call__` accepts such texts."""
         for value, label in check_not_blank(text, name, text_b, name_b):
-            with self._lock:
-                self.backend.no_truncation()  # (each __call__ sets it again)
-                found = self.backend.encode(value, add_special_tokens=False).ids
-            if not found:
+            if not self.pieces(value).ids:
                 shown = ", ".join(f"U+{ord(c):04X}" for c in dict.fromkeys(value) if not c.isspace())
                 shown = shown if len(shown) <= 60 else shown[:60] + "..."
                 raise ValueError(f"{label} has no tokens: it holds only characters the tokenizer drops ({shown}: "
                                  f"control, zero-width or other invisible characters), so it would be embedded as "
                                  f"[CLS] [SEP] alone, as an empty text; give a sentence with words")
+
+    def pieces(self, text: str):
+        """`text`'s encoding (tokenizers' `Encoding`) without special tokens or truncation."""
+        with self._lock:
+            self.backend.no_truncation()  # (each __call__ sets it again)
+            return self.backend.encode(text, add_special_tokens=False)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of some ids ("[UNK]"-free: every id in range has one)."""

@@ -235,7 +235,8 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         result = analyze_segments(text, text_b, model)
         rows = [{"row": "AB"[i], **{f"[{j}]": v for j, v in enumerate(values)}}
                 for i, values in enumerate(result.first_values)]
-        emit(result, as_json, plot, rows, "the two rows' first values (not 0 and 1)")
+        what = "zeros and ones" if result.zeros_and_ones else "not 0 and 1"
+        emit(result, as_json, plot, rows, f"the two rows' first values ({what})")
         if result.pair_tokens and not as_json:
             console.print("the pair, one sequence (segment of each token): " + " ".join(
                 escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)),

@@ -120,10 +120,10 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
     normalizer = tokenizer.backend.normalizer
     normal = normalizer.normalize_str(token) if normalizer is not None else token
     if normal != token and tokenizer.token_to_id(normal) is not None:
-        how = "lower-casing" if token.lower() == normal else "lower-casing, stripping accents and the like"
-        return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input ({how})"
-    tokenizer.backend.no_truncation()  # (a call before may have left it on)
-    pieces = tokenizer.backend.encode(token, add_special_tokens=False).tokens
+        how = (["lower-casing"] if token.lower() != token and normal == normal.lower() else []) + \
+            (["stripping accents and the like"] if token.lower() != normal.lower() else [])
+        return [normal], f"{token!r} is {normal!r} to this tokenizer, which normalises its input ({', '.join(how)})"
+    pieces = tokenizer.pieces(token).tokens
     shown = repr(token) if len(token) <= 60 else f"{token[:40]!r}... ({len(token)} characters)"
     if not pieces:
         raise ValueError(f"{shown} is not in the vocabulary and gives no tokens")

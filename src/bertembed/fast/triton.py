@@ -177,7 +177,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
     """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
-    gamma, f32 = gamma.contiguous(), dict(dtype=torch.float32, device=word.device)
+    f32 = dict(dtype=torch.float32, device=word.device)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
     # A table's gradient not summed by atomics gets one row, never used: a kernel argument must point at real memory
