@@ -298,6 +298,29 @@ def test_segments_that_are_zeros_and_ones_are_reported(tmp_path):
     drawn.clear()
 
 
+def test_a_projection_before_the_norm_lets_zeros_and_ones_tell_segments_apart(member_checkpoint, tmp_path):
+    """DeBERTa with E != H projects the sum before LayerNorm: 1 added at E becomes W·1, not a constant, so the caption
+    may not say LayerNorm removes it (it did). The change is LayerNorm's of (x + 1) W^T against x W^T, in float64."""
+    from conftest import write_member_tokenizer
+
+    folder = shutil.copytree(member_checkpoint("deberta-v2-factorised")[0], tmp_path / "deberta")
+    layer = BertEmbeddings.from_pretrained(folder)
+    write_member_tokenizer(folder, layer.config)
+    report = analyze_segments("the quick brown fox", model=folder)
+    ids = torch.tensor([Tokenizer.from_pretrained(folder)("the quick brown fox").input_ids])
+    with torch.no_grad():
+        total = (layer.word_embeddings(ids) + layer.position_embeddings(torch.arange(ids.shape[1]))
+                 + layer.token_type_embeddings(torch.zeros_like(ids))).double()[0]
+        weight = layer.projection.weight.double()
+
+        def normed(x):
+            return F.layer_norm(x @ weight.T, (weight.shape[0],), eps=1e-12)
+        expected = float((normed(total + 1) - normed(total)).abs().max())
+    assert expected > 1e-2 and report.constant_shift_change == pytest.approx(expected, rel=1e-3, abs=1e-5)
+    caption = next(f for f in report.figures() if f.name == "segments").caption
+    assert "would tell A from B, through the projection E -> H" in caption and "could not tell" not in caption
+
+
 def test_segments_show_their_values_and_why_zeros_and_ones_could_not_work():
     """The rows' real values, their distance from 0 and 1, and LayerNorm removing a constant added to every entry
     (to float32 rounding: a constant segment row could tell nothing apart). The pair appears only when asked for."""

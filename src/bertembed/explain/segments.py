@@ -62,9 +62,13 @@ class SegmentReport(Result):
                    f"(row A is {a:.3f} from all zeros, row B {b:.3f} from all ones). |A| = {self.norms[0]:.3f}, |B| "
                    f"= {self.norms[1]:.3f}, cosine(A, B) = {self.cosine:.2f}, |B - A| = {self.difference_norm:.3f}; "
                    f"for scale, the median word vector has norm {self.median_word_norm:.3f}, the median position "
-                   f"vector {self.median_position_norm:.3f}. Rows of zeros and ones could not tell A from B: adding "
-                   f"1 to every entry of a token's sum changes LayerNorm's output by at most "
-                   f"{self.constant_shift_change:.1e} here (float32 rounding), since LayerNorm subtracts the mean.")
+                   f"vector {self.median_position_norm:.3f}. " + (
+                       f"Rows of zeros and ones could not tell A from B: adding 1 to every entry of a token's sum "
+                       f"changes LayerNorm's output by at most {self.constant_shift_change:.1e} here (float32 "
+                       f"rounding), since LayerNorm subtracts the mean." if self.constant_shift_change < 1e-3 else
+                       f"Here rows of zeros and ones would tell A from B, through the projection E -> H before "
+                       f"LayerNorm: adding 1 to every entry of a token's sum adds W·1 after it, not a constant, and "
+                       f"changes LayerNorm's output by up to {self.constant_shift_change:.2g}."))
         what = "The pair" if self.pair_tokens else "The same text"
         effect = (f"{what} ({len(self.tokens)} tokens) embedded with every token in segment A, then in segment "
                   f"B: the output moves by {self.output_change.mean():.2f} on average (mean output norm "
@@ -133,6 +137,9 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
     out_a, out_b = parts["output"].astype(np.float64)
     norms = row_norms(seg)
     total = parts["sum"][0].astype(np.float32)
+    # 1 added to every entry of the sum at E, as it reaches LayerNorm: 1, or W·1 after DeBERTa's projection E -> H
+    shift = layer.numpy.tensors["projection.weight"].sum(1).astype(np.float32) \
+        if layer.config.projection == "before_norm" else np.float32(1)
     position_norm = (float(np.median(row_norms(layer.table("position"))))  # (NaN: no position table to compare with)
                      if layer.config.position_embedding_type != "none" else float("nan"))
     return SegmentReport(
@@ -146,7 +153,7 @@ def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model:
         output_norm=float(row_norms(out_a).mean()),
         distance_from_zeros_and_ones=(float(np.linalg.norm(seg[0])), float(np.linalg.norm(seg[1] - 1))),
         first_values=[[float(v) for v in row[:6]] for row in seg[:2]],
-        constant_shift_change=float(np.abs(_normed32(total + np.float32(1)) - _normed32(total)).max()),
+        constant_shift_change=float(np.abs(_normed32(total + shift) - _normed32(total)).max()),
         pair_tokens=list(enc.tokens) if text_b is not None else [],
         pair_segments=list(enc.token_type_ids) if text_b is not None else [],
         warning=literal_separator(layer.tokenizer, text, text_b))
