@@ -122,7 +122,7 @@ class Tokenizer:
         if type(truncation).__name__ in ("bool", "bool_"):  # (numpy's bool too)
             truncation = bool(truncation)
         elif truncation in TRUNCATIONS[2:]:
-            truncation = truncation != "do_not_truncate" and truncation
+            truncation = False if truncation == "do_not_truncate" else truncation
         else:
             raise ValueError(f"truncation={truncation!r}: use one of {TRUNCATIONS}")
         if padding not in (True, False, "longest", "max_length"):
