@@ -34,7 +34,6 @@ from bertembed.validation import (
     offset,
     offset_given,
     summed_dtype,
-    table_rows,
 )
 
 
@@ -214,7 +213,8 @@ class BertEmbeddings(Pretrained, nn.Module):
     def _checked_ids(self, modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds,
                      past_key_values_length, cache_length, mask, attention_mask, cu_seqlens):
         """`forward`'s arguments checked against `modules` and `tables` (ids' values: where the tables are read) as
-        (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding: the word and position padding rows)."""
+        (input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding: the word and position padding rows,
+        rows: the tables' rows, `table_rows`)."""
         c = self.config
         if mask is not None and attention_mask is not None:
             raise ValueError("mask and attention_mask name the same mask (DeBERTa's layer takes mask=); pass one")
@@ -241,7 +241,7 @@ class BertEmbeddings(Pretrained, nn.Module):
             position_ids = self._default_positions(input_ids, inputs_embeds, past, length)
         if token_type_ids is None and segments is not None:
             token_type_ids = self._default_ids("token_type_ids", 0, length)
-        return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding
+        return input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding, rows
 
     def _packed(self, input_ids, inputs_embeds, position_ids, cu_seqlens, past):
         """Flattened documents: ids [1, N] or [N], `cu_seqlens` [D + 1] their boundaries; positions restart per one."""
@@ -265,9 +265,10 @@ class BertEmbeddings(Pretrained, nn.Module):
         positions = (torch.arange(tokens) - starts + self.config.first_position)[None].to(given.device)
         return input_ids, inputs_embeds, positions
 
-    def _rows(self, input_ids, token_type_ids, position_ids, inputs_embeds):
-        """The word [B, L, E], segment and position rows (None: no such table), after checking the ids' values."""
-        check_id_ranges(input_ids, token_type_ids, position_ids, table_rows(self.tables()))
+    def _rows(self, rows, input_ids, token_type_ids, position_ids, inputs_embeds):
+        """The word [B, L, E], segment and position rows (None: no such table), after checking the ids' values against
+        the tables' `rows` (`table_rows`)."""
+        check_id_ranges(input_ids, token_type_ids, position_ids, rows)
         word = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         segments, positions = self.token_type_embeddings, self.position_embeddings
         segment = None if segments is None else segments(token_type_ids.expand(word.shape[:2]))  # (broadcasts)
@@ -333,7 +334,7 @@ class BertEmbeddings(Pretrained, nn.Module):
         """
         modules = self.submodules()
         tables = self.tables(modules)
-        input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding = self._checked_ids(
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask, padding, rows = self._checked_ids(
             modules, tables, input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length,
             cache_length, mask, attention_mask, cu_seqlens)
         check_dropout(getattr(modules["dropout"], "p", 0.0), "layer.dropout.p")  # (every backend, as nn.Dropout runs)
@@ -344,7 +345,7 @@ class BertEmbeddings(Pretrained, nn.Module):
             out = bertembed.fast.run(self, modules, tables, padding, input_ids, token_type_ids, position_ids,
                                      inputs_embeds)
         if out is None:
-            _, out = self._normalised(*self._rows(input_ids, token_type_ids, position_ids, inputs_embeds))
+            _, out = self._normalised(*self._rows(rows, input_ids, token_type_ids, position_ids, inputs_embeds))
             out = self.dropout(out if mask is None else _masked(out, mask))
         elif mask is not None:  # (after the kernel's dropout: the same, for a mask of zeros and ones)
             out = _masked(out, mask)
@@ -391,10 +392,10 @@ class BertEmbeddings(Pretrained, nn.Module):
         LayerNorm.bias` recomputes it by hand to float32 rounding.
         """
         modules = self.submodules()
-        input_ids, inputs_embeds, token_type_ids, position_ids, mask, _ = self._checked_ids(
+        input_ids, inputs_embeds, token_type_ids, position_ids, mask, _, rows = self._checked_ids(
             modules, self.tables(modules), input_ids, token_type_ids, position_ids, inputs_embeds,
             past_key_values_length, cache_length, mask, attention_mask, cu_seqlens)
-        word, segment, position = self._rows(input_ids, token_type_ids, position_ids, inputs_embeds)
+        word, segment, position = self._rows(rows, input_ids, token_type_ids, position_ids, inputs_embeds)
         total, output = self._normalised(word, segment, position)
         var, mean = torch.var_mean(total, dim=-1, unbiased=False)
         zeros = torch.zeros_like(word)

@@ -170,7 +170,8 @@ def run(layer: nn.Module, modules: dict, tables: tuple, padding: tuple, input_id
         if rows.dtype != tables[0].dtype or rows.device != tables[0].device:  # a wrapper that cast them: no kernel
             _fall_back(f"word_embeddings gave {rows.dtype} rows on {rows.device} from a {tables[0].dtype} table")
             rows = rows.view(*input_ids.shape, -1)
-            return modules["dropout"](layer._normalised(*layer._rows(None, token_type_ids, position_ids, rows))[1])
+            rows = layer._rows(validation.table_rows(tables), None, token_type_ids, position_ids, rows)
+            return modules["dropout"](layer._normalised(*rows)[1])
         tables = (rows, *tables[1:])  # (the word module's own backward keeps its padding row's gradient zero)
     if backend != "cpu" and layer.id_checks != "device":
         validation.check_id_ranges(input_ids, token_type_ids, position_ids, validation.table_rows(tables))

@@ -81,10 +81,9 @@ def embeddings_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d word [V, H], d segment [T, H], d position [P, H], d weight [H], d bias [H]); unwanted tables get [0, H]."""
     grads = backend_module(backend).run_backward(
-        grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word.contiguous(),
-        segment.contiguous(), position.contiguous(), weight.contiguous(), mean.reshape(-1), rstd.reshape(-1), p, seed,
-        padding_idx,
-        need_word=need_word, need_pos=need_position, deterministic=deterministic)
+        grad.reshape(-1, word.shape[1]), *flat_ids(input_ids, token_type_ids, position_ids), word, segment, position,
+        weight, mean.reshape(-1), rstd.reshape(-1), p, seed, padding_idx, need_word=need_word,
+        need_pos=need_position, deterministic=deterministic)  # (each backend makes the tables contiguous)
     # a custom op's outputs may not alias (the kernels return some gradients as views of one buffer)
     return tuple(unshared(dict(enumerate(grads))).values())
 

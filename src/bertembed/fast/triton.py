@@ -177,6 +177,7 @@ def run_backward(grad, ids, tts, pids, word, seg, pos, gamma, mean, rstd, p: flo
                  need_word: bool = True, need_pos: bool = True, deterministic: bool = False):
     """As `bertembed.fast.cpu.run_backward`; `deterministic` trades the atomics for a fixed summation order."""
     n, h = grad.shape
+    word, seg, pos, gamma = (t.contiguous() for t in (word, seg, pos, gamma))  # (the kernel reads rows at stride 1)
     f32 = dict(dtype=torch.float32, device=word.device)
     rows = max(1, triton.cdiv(n, 1024))  # about a thousand programs, each with partial LayerNorm gradients
     programs = max(1, triton.cdiv(n, rows))
