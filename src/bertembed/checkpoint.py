@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
-from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout, padding_row, prefixes
+from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout, padding_row
 from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem, unshared
 
@@ -126,7 +126,6 @@ def weight_files(source: Source, member: str | None = None) -> tuple[list[Path],
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object; the sharded checkpoint's index is corrupt")
     if member is not None:
-        check_key_family(weight_map, str(index), member)
         weight_map = {k: weight_map[k] for k in embedding_keys(list(weight_map), member, index) if k in weight_map}
     bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
     if bad is not None:
@@ -158,8 +157,6 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
     """Read the embedding tensors of one model from the files, choosing one model prefix if several share them."""
     handles = {path: open_weights(path, framework) for path in files}
     keys = list(index) or [k for handle in handles.values() for k in handle.keys()]
-    if not index:
-        check_key_family(keys, str(files[0]), member)
     wanted = embedding_keys(keys, member, files[0])
     seen: dict[str, str] = {}  # state-dict name -> the checkpoint key it was read from
     tensors = {}
@@ -178,7 +175,9 @@ def _select(files: list[Path], index: dict[str, Path], framework: str, member: s
 
 def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
     """Which of a checkpoint's `keys` are the embedding tensors: checkpoint key -> the layer's state-dict name (legacy
-    names included), under one model prefix ("bert.", or none) chosen if several models share a file."""
+    names included), under one model prefix ("bert.", or none) chosen if several models share a file; ValueError for
+    keys of another member (`check_key_family`)."""
+    check_key_family(keys, str(where), member)
     layer = layout(member)  # the layer's name -> the member's key, after the model prefix
     word = layer["word_embeddings.weight"]
     found = {k[: -len(word)] for k in keys if k.endswith(word)}
@@ -188,7 +187,7 @@ def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
     if not found:
         raise ValueError(f"{where} holds no {member} word embeddings (no '*{word}' among {len(keys)} keys such as "
                          f"{keys[:3]}); is it a {member} checkpoint? {SUPPORTED}")
-    prefix = next((p for p in prefixes(member) if p in found), None)
+    prefix = next((p for p in (*MEMBERS[member].prefixes, "") if p in found), None)  # (a head's, then a base model)
     if prefix is None:
         if len(found) > 1:
             raise ValueError(f"{where} holds several embedding layers {sorted(found)}; extract one first")

@@ -159,7 +159,6 @@ class EmbeddingConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "extra"}
         renamed = {member.renames.get(k, k): v for k, v in given.items()}
         kwargs = defaults | {k: v for k, v in renamed.items() if k in defaults}
-        kwargs["model_type"] = model_type
         kwargs["extra"] = {k: v for k, v in source.items() if k not in defaults and k not in member.renames}
         kind = kwargs["position_embedding_type"]
         if isinstance(kind, str) and kind not in POSITION_TYPES:

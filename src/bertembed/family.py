@@ -98,12 +98,9 @@ SUPPORTED = "supported: " + ", ".join(MEMBERS)
 
 def layout(model_type: str) -> dict[str, str]:
     """The layer's state-dict name -> the key (after the model prefix) of a `model_type` checkpoint."""
-    modules, keys = MEMBERS[model_type].modules, {}
-    for name in NAMES:
-        module, param = name.split(".")
-        if module != "projection" or module in modules:
-            keys[name] = f"{modules.get(module, 'embeddings.' + module)}.{param}"
-    return keys
+    modules = MEMBERS[model_type].modules
+    return {f"{module}.{param}": f"{modules.get(module, 'embeddings.' + module)}.{param}"
+            for module, param in (name.split(".") for name in NAMES) if module != "projection" or module in modules}
 
 
 def transformers_layer(config, state: dict[str, Any], **settings: Any) -> Any:
@@ -128,11 +125,6 @@ def module_names(model_type: str) -> dict[str, str]:
     """bertembed's name -> transformers' of the embeddings' submodules named otherwise (ModernBERT's tok_embeddings)."""
     return {ours: path.removeprefix("embeddings.") for ours, path in MEMBERS[model_type].modules.items()
             if path.startswith("embeddings.") and path.count(".") == 1}
-
-
-def prefixes(model_type: str) -> tuple[str, ...]:
-    """Model prefixes to try, in order: the member's heads', then none (a base model)."""
-    return (*MEMBERS[model_type].prefixes, "")
 
 
 def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") -> None:

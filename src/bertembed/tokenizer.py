@@ -120,23 +120,21 @@ class Tokenizer:
             raise ValueError(f"max_length={max_length!r} must be a positive int (None: the model's limit)")
         limit = self.max_length if max_length is None else int(max_length)
         if type(truncation).__name__ in ("bool", "bool_"):  # (numpy's bool too)
-            truncation = bool(truncation)
-        elif truncation in TRUNCATIONS[2:]:
-            truncation = False if truncation == "do_not_truncate" else truncation
-        else:
+            truncation = "longest_first" if truncation else "do_not_truncate"
+        elif truncation not in TRUNCATIONS[2:]:
             raise ValueError(f"truncation={truncation!r}: use one of {TRUNCATIONS}")
+        truncate = truncation != "do_not_truncate"
         if padding not in (True, False, "longest", "max_length"):
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
         if return_tensors not in (None, "pt"):
             raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
-        if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncation:
+        if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncate:
             raise ValueError(f"stride={stride!r} must be a non-negative int, and windows need truncation=True")
-        strategy = "longest_first" if truncation is True else truncation
         with self._lock:
             try:  # tokenizers raises a bare Exception (a stride past the window, max_length that cannot fit the
                 # specials), or panics (a stride past the room a pair's window leaves: PanicException, a BaseException)
-                if truncation:
-                    self.backend.enable_truncation(limit, stride=stride, strategy=strategy)
+                if truncate:
+                    self.backend.enable_truncation(limit, stride=stride, strategy=truncation)
                 else:
                     self.backend.no_truncation()
                 encodings = self.backend.encode_batch(items)
@@ -250,8 +248,7 @@ def _read_settings(source: Source) -> dict[str, Any]:
     settings: dict[str, Any] = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True}
     limits = []
     for name in ("tokenizer_config.json", "config.json"):
-        path = source.file(name)
-        if path is None:
+        if (path := source.file(name)) is None:
             continue
         data = read_json(path)
         settings.update({k: data[k] for k in ("do_lower_case", "strip_accents", "tokenize_chinese_chars") if k in data})

@@ -5,6 +5,7 @@ Dimension letters: B batch, L length, H hidden.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -12,8 +13,6 @@ import operator
 
 import numpy as np
 import torch
-
-_INT_DTYPES = (torch.int64, torch.int32)  # what torch's embedding lookup takes, so every backend takes the same
 
 
 def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int] | None = None, fix: str = "") -> None:
@@ -27,7 +26,7 @@ def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int] | None = Non
         else:
             kind, how = str(ids.layout).removeprefix("torch."), f"convert with {name}.to_dense()"
         raise ValueError(f"{name} is a {kind} tensor, but ids must be a dense [B, L] tensor; {how}")
-    if ids.dtype not in _INT_DTYPES:
+    if ids.dtype not in (torch.int64, torch.int32):  # (what torch's embedding lookup takes: every backend alike)
         raise ValueError(f"{name} has dtype {ids.dtype}, but ids index a table and must be integers of 64 or 32 "
                          f"bits; convert with {name}.long()")
     if shape and (ids.dim() > 2 or any(d not in (1, s) for d, s in zip(ids.shape[::-1], shape[::-1], strict=False))):
@@ -94,14 +93,10 @@ def check_norm_dtypes(summed: torch.dtype, weight: torch.Tensor, bias: torch.Ten
     if summed in _HALF and dtypes == {torch.float32}:
         if weight.device.type == "cpu":
             return
-        try:
-            with torch.no_grad():
-                torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=weight.device), (2,),
-                                               torch.ones(2, device=weight.device),
-                                               torch.zeros(2, device=weight.device))
+        with contextlib.suppress(RuntimeError), torch.no_grad():
+            torch.nn.functional.layer_norm(torch.ones(1, 2, dtype=summed, device=weight.device), (2,),
+                                           torch.ones(2, device=weight.device), torch.zeros(2, device=weight.device))
             return
-        except RuntimeError:
-            pass
     shown = str(weight.dtype) if bias is None or bias.dtype == weight.dtype else f"{weight.dtype}/{bias.dtype}"
     fix = f"layer.LayerNorm.to({summed})" + (" or .float()" if summed in _HALF else "")
     raise ValueError(f"the LayerNorm weight and bias are {shown} but the embeddings they normalise are {summed}, "
