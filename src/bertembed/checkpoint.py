@@ -180,8 +180,7 @@ def embedding_keys(keys: list[str], member: str, where: Path) -> dict[str, str]:
     check_key_family(keys, str(where), member)
     layer = layout(member)  # the layer's name -> the member's key, after the model prefix
     word = layer["word_embeddings.weight"]
-    found = {k[: -len(word)] for k in keys if k.endswith(word)}
-    found = {p for p in found if p == "" or p.endswith(".")}
+    found = {k[: -len(word)] for k in keys if k == word or k.endswith("." + word)}
     if not found and "word_embeddings.weight" in keys:  # a bare state dict of the layer itself
         found, layer = {""}, {n: n for n in layer}
     if not found:

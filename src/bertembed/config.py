@@ -188,7 +188,6 @@ class EmbeddingConfig:
         return {"model_type": self.model_type, **self.extra, **ours}
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
-        """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
 

@@ -114,7 +114,6 @@ class RowsOverflowed(ArithmeticError):
 
 
 def skipped_ids_error(count: int, where: str) -> IdsOutsideTables:
-    """The error of a kernel that found `count` ids outside their tables and skipped those tokens."""
     return IdsOutsideTables(f"{where}: {count} tokens had ids outside their tables (skipped: nothing was read for "
                             f"them). The layer names the bad one (check_id_ranges), except inside a torch.compile or "
                             f"torch.export graph; reaching here otherwise is a bug")
