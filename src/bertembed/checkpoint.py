@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
-from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout, padding_row
+from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout
 from bertembed.sources import Source, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem, unshared
 
@@ -103,8 +103,10 @@ def _read(source: Source, framework: str, word_reader) -> Checkpoint:
             log.info("position_embedding_type=%r: the checkpoint's learned position table is not used",
                      config.position_embedding_type)
     _check_shapes(tensors, config, source)
-    positions = tensors.get("position_embeddings.weight")
-    if positions is not None and not config.positions_from_padding and (row := padding_row(positions)) is not None:
+    # an all-zero row with nonzero rows after it: the padding row of a RoBERTa-style table, which BERT's never has
+    positions = tensors.get("position_embeddings.weight")  # (numpy or torch)
+    zero = [] if positions is None or config.positions_from_padding else (positions == 0).all(1).tolist()
+    if True in zero and not all(zero[(row := zero.index(True)):]):
         raise ValueError(f"checkpoint {source.describe()}: row {row} of the position table is all zeros, the padding "
                          f"row of a RoBERTa-style table that counts positions from the padding id, but its config "
                          f"says {config.model_type!r}, which counts from 0: is config.json the checkpoint's own?")

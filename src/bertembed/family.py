@@ -136,10 +136,3 @@ def check_key_family(keys: Iterable[str], where: str, model_type: str = "bert") 
                 raise ValueError(f"{where} holds {key!r}, a tensor of {'/'.join(members)} checkpoints, but its "
                                  f"config says {model_type!r} (or there is no config.json, and the tensors alone "
                                  f"read as BERT's): give the folder with the checkpoint's own config.json; {SUPPORTED}")
-
-
-def padding_row(positions) -> int | None:
-    """The index of an all-zero row of a [P, H] position table (numpy or torch) with nonzero rows after it: the
-    padding row of a RoBERTa-style table, which BERT's never has; else None."""
-    rows = (positions == 0).all(1).tolist()
-    return rows.index(True) if True in rows and not all(rows[rows.index(True):]) else None
