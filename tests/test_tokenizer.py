@@ -338,8 +338,9 @@ def test_sliding_windows_match_transformers_overflowing_tokens():
         assert got.input_ids == expected["input_ids"] and got.attention_mask == expected["attention_mask"]
         assert got.overflow_to_sample_mapping == expected["overflow_to_sample_mapping"]
         assert all(w[0] == 101 and 102 in w for w in got.input_ids)
-    with pytest.raises(ValueError, match="stride"):
-        ours(long, max_length=16, stride=-1, return_overflowing_tokens=True)
+    for bad in (-1, True):  # (a bool is no stride, though Python counts True as 1)
+        with pytest.raises(ValueError, match="stride"):
+            ours(long, max_length=16, stride=bad, return_overflowing_tokens=True)
 
 
 def test_explain_on_a_long_text_says_how_it_would_be_windowed():

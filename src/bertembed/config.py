@@ -76,8 +76,8 @@ class EmbeddingConfig:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"EmbeddingConfig.{name} must be an integer, got {_shown(value)}")
             object.__setattr__(self, name, int(value))
-            if value < (0 if name in ("pad_token_id", "type_vocab_size") else 1):
-                raise ValueError(f"EmbeddingConfig.{name} must be a positive integer, got {value}")
+            if value < (least := 0 if name in ("pad_token_id", "type_vocab_size") else 1):
+                raise ValueError(f"EmbeddingConfig.{name} must be an integer >= {least}, got {value}")
         for name in ("layer_norm_eps", "hidden_dropout_prob", "initializer_range"):
             value, real = getattr(self, name), math.nan
             with contextlib.suppress(OverflowError):  # an integer past float's range

@@ -128,7 +128,7 @@ class Tokenizer:
             raise ValueError(f"padding={padding!r}: use True/'longest', 'max_length' or False")
         if return_tensors not in (None, "pt"):
             raise ValueError(f"return_tensors={return_tensors!r}: use None (lists) or 'pt' (torch tensors)")
-        if not isinstance(stride, int) or stride < 0 or return_overflowing_tokens and not truncate:
+        if type(stride) is not int or stride < 0 or return_overflowing_tokens and not truncate:  # (a bool: no)
             raise ValueError(f"stride={stride!r} must be a non-negative int, and windows need truncation=True")
         with self._lock:
             try:  # tokenizers raises a bare Exception (a stride past the window, max_length that cannot fit the
