@@ -122,20 +122,6 @@ def _is_default(value, default) -> bool:
                                 and value == default)
 
 
-def _signature_of(kind: type) -> tuple[tuple[str, ...], dict, bool]:
-    """(`kind.forward`'s parameter names after self, their defaults, whether it takes **kwargs); *args: refused."""
-    params = list(inspect.signature(kind.forward).parameters.values())[1:]
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
-                         f"arguments it passes on. Use an older transformers, or bertembed's layer directly")
-    named = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    missing = {"input_ids", "inputs_embeds"} - {_RENAMED.get(p.name, p.name) for p in named}
-    if missing:
-        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward has no argument(s) {sorted(missing)}: this "
-                         f"transformers release changed the layer's arguments, which bertembed.patch does not know")
-    return tuple(p.name for p in named), {p.name: p.default for p in named}, len(named) < len(params)
-
-
 @functools.cache
 def _patched_class(hf_class: type) -> type:
     """`PatchedBertEmbeddings` that is also an `hf_class`, for transformers' checks by type (`_init_weights`, ties)."""
@@ -153,11 +139,21 @@ def fused_from(hf: nn.Module, backend: str = "auto") -> BertEmbeddings:
     submodules, buffers (names and persistence) and class ancestry as `hf`, and nothing more."""
     member = _member(hf) or "bert"  # (a subclass of BERT's layer, called directly)
     config = _config_of(hf, member)  # a wrapper may build its weight when read (peft's)
-    params, defaults, takes_kwargs = _signature_of(type(hf))
-    layer = _unpickled(type(hf))  # (no __init__: every table and buffer is hf's own; none is allocated)
+    kind = type(hf)
+    params = list(inspect.signature(kind.forward).parameters.values())[1:]  # (after self; *args refused)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward takes *args; bertembed.patch cannot tell which "
+                         f"arguments it passes on. Use an older transformers, or bertembed's layer directly")
+    named = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    missing = {"input_ids", "inputs_embeds"} - {_RENAMED.get(p.name, p.name) for p in named}
+    if missing:
+        raise ValueError(f"{kind.__module__}.{kind.__name__}.forward has no argument(s) {sorted(missing)}: this "
+                         f"transformers release changed the layer's arguments, which bertembed.patch does not know")
+    layer = _unpickled(kind)  # (no __init__: every table and buffer is hf's own; none is allocated)
     nn.Module.__init__(layer)
     layer.config, layer.backend, layer._stored_as = config, checked_backend(backend), module_names(member)
-    layer._hf_params, layer._hf_defaults, layer._hf_kwargs = params, defaults, takes_kwargs
+    layer._hf_params, layer._hf_defaults = tuple(p.name for p in named), {p.name: p.default for p in named}
+    layer._hf_kwargs = len(named) < len(params)  # (it takes **kwargs)
     # transformers' submodules under their own names, in their order (state-dict keys unchanged)
     theirs = [layer._stored_as.get(name, name) for name in SUBMODULES]
     layer._modules.update({k: m for k, m in hf._modules.items() if k in theirs})

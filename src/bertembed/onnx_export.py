@@ -124,8 +124,11 @@ def export_model(hf, config: EmbeddingConfig, opset: int = 18, fused: bool = Fal
 
 
 def check_opset(opset: Any) -> int:
-    """`opset` as an int between 17 and the installed onnx's newest; ValueError otherwise."""
-    onnx = require_onnx()
+    """`opset` as an int between 17 and the installed onnx's newest; ValueError otherwise (ImportError: no onnx)."""
+    try:
+        import onnx
+    except ImportError as err:
+        raise ImportError(f"ONNX export needs onnx and onnxscript ({err}); pip install 'bertembed[onnx]'") from err
     newest = onnx.defs.onnx_opset_version()
     if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= newest:
         raise ValueError(f"opset={opset!r} must be an integer in [{MIN_OPSET}, {newest}] (LayerNormalization needs "
@@ -135,10 +138,12 @@ def check_opset(opset: Any) -> int:
 
 def write_model(model: onnx.ModelProto, path: Path) -> Path:
     """Check `model` with onnx.checker and write it to `path` through a temporary file and a rename."""
+    import onnx
+
     if (size := model.ByteSize()) >= 2**31:
         raise ValueError(f"the model is {size / 2**30:.1f} GiB, past the 2 GiB limit of a single ONNX file "
                          f"(protobuf); export a smaller model or convert it to float16 first")
-    require_onnx().checker.check_model(model)
+    onnx.checker.check_model(model)
     return write_atomic(path, model.SerializeToString())
 
 
@@ -186,19 +191,10 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
     return fuse_embeddings(program.model_proto, config) if fused else program.model_proto
 
 
-def require_onnx():
-    """The onnx package, or an ImportError that says how to install it."""
-    try:
-        import onnx
-    except ImportError as err:
-        raise ImportError(f"ONNX export needs onnx and onnxscript ({err}); pip install 'bertembed[onnx]'") from err
-    return onnx
-
-
 def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.ModelProto:
     """A copy of `model` whose embedding LayerNormalization and the Gathers and Adds feeding it are one
     EmbedLayerNormalization (docs/onnx.md, "Whole models"); ValueError where the member or the graph cannot be fused."""
-    onnx = require_onnx()
+    import onnx
     from onnx import helper
     from onnxscript.optimizer import remove_unused_nodes
 
@@ -308,6 +304,7 @@ def quantize_int8(model: onnx.ModelProto, computed_positions: bool = False) -> o
     its int8 form (QEmbedLayerNormalization) has no position-ids input and would count positions from 0."""
     import tempfile
 
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # its advice to pre-process the graph, logged on the root logger itself: a filter there drops it, not others' logs
@@ -318,6 +315,6 @@ def quantize_int8(model: onnx.ModelProto, computed_positions: bool = False) -> o
             kept = [n.name for n in model.graph.node if n.op_type == "EmbedLayerNormalization" and computed_positions]
             quantize_dynamic(model, Path(folder) / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
                              nodes_to_exclude=kept)
-            return require_onnx().load(Path(folder) / "int8.onnx")
+            return onnx.load(Path(folder) / "int8.onnx")
     finally:
         root.removeFilter(quiet)

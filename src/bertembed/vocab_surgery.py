@@ -78,9 +78,11 @@ def text_files(paths: str | Path | list[str | Path], what: str, layout: str) -> 
     return files
 
 
-def text_batches(files: list[Path], what: str, layout: str, progress=None, size: int = 1 << 21):
-    """The lines of UTF-8 text `files` that are not blank, read as a stream in batches of about `size` bytes;
-    `progress(bytes read, bytes in all)` after each. ValueError naming `what` and the file it cannot read."""
+def text_batches(paths, what: str, layout: str, progress=None, size: int = 1 << 21):
+    """The lines that are not blank of the UTF-8 text files `paths` names (`text_files`), read as a stream in batches
+    of about `size` bytes; `progress(bytes read, bytes in all)` after each. ValueError naming `what` and the file it
+    cannot read."""
+    files = text_files(paths, what, layout)
     total, done, batch, start = sum(f.stat().st_size for f in files), 0, [], 0
     progress = progress or (lambda done, total: None)
     for path in files:
@@ -99,11 +101,6 @@ def text_batches(files: list[Path], what: str, layout: str, progress=None, size:
             raise ValueError(f"cannot read {what} {path} ({why}); pass a UTF-8 text file, {layout}") from err
     yield batch
     progress(done, total)
-
-
-def text_lines(path: str | Path, what: str, layout: str) -> list[str]:
-    """The lines of a UTF-8 text file that are not blank; FileNotFoundError or ValueError naming `what` and the file."""
-    return [line for batch in text_batches(text_files(path, what, layout), what, layout) for line in batch]
 
 
 def _tokenizer(whole: WholeCheckpoint):

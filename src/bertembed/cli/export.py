@@ -32,23 +32,19 @@ def onnx_command(
     with optimum's input names; needs onnx and onnxscript, and onnxruntime to run it."""
     # the output, packages and opset checked before any work (onnxscript: torch's exporter, where every graph starts)
     with user_errors(out, needs=("onnx", "onnxscript", *(("onnxruntime",) if optimize or quantize else ()))):
-        from bertembed.onnx_export import check_opset
+        import torch
+
+        from bertembed import BertEmbeddings
+        from bertembed.onnx_export import check_opset, export_onnx, export_whole
 
         check_opset(opset)
         if (optimize or quantize) and not whole:
             raise ValueError("--optimize and --quantize work on the whole model: add --whole")
         say_model(model)
         if whole:
-            from bertembed.onnx_export import export_whole
-
             path = export_whole(model, out, fused=fused, optimize=optimize, quantize=quantize, opset=opset)
         else:
-            import torch
-
-            from bertembed import BertEmbeddings, export_onnx
-
-            layer = BertEmbeddings.from_pretrained(model, dtype=torch.float32)
-            path = export_onnx(layer, out, fused=fused, opset=opset)
+            path = export_onnx(BertEmbeddings.from_pretrained(model, dtype=torch.float32), out, fused=fused, opset=opset)
         what = "the whole model" if whole else "the embedding layer"
         how = ("ONNX Runtime's fused operators" if optimize else "com.microsoft EmbedLayerNormalization" if fused
                else "plain operators") + (", int8 weights" if quantize else "")

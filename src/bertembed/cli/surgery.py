@@ -61,11 +61,11 @@ def add_tokens(src: SrcArg, dst: DstArg,
     with user_errors():
         import torch
 
-        from bertembed.vocab_surgery import add_tokens_checkpoint, text_lines
+        from bertembed.vocab_surgery import add_tokens_checkpoint, text_batches
 
         wanted = list(tokens or [])
         if file is not None:
-            wanted += [line.strip() for line in text_lines(file, "--file", "one token a line")]
+            wanted += [line.strip() for batch in text_batches(file, "--file", "one token a line") for line in batch]
         if not wanted:
             raise ValueError(f"no tokens given{f' (--file {file} has none)' if file else ''}: name them after DST, or "
                              f"pass --file with one token a line")
