@@ -44,7 +44,8 @@ def onnx_command(
         if whole:
             path = export_whole(model, out, fused=fused, optimize=optimize, quantize=quantize, opset=opset)
         else:
-            path = export_onnx(BertEmbeddings.from_pretrained(model, dtype=torch.float32), out, fused=fused, opset=opset)
+            layer = BertEmbeddings.from_pretrained(model, dtype=torch.float32)
+            path = export_onnx(layer, out, fused=fused, opset=opset)
         what = "the whole model" if whole else "the embedding layer"
         how = ("ONNX Runtime's fused operators" if optimize else "com.microsoft EmbedLayerNormalization" if fused
                else "plain operators") + (", int8 weights" if quantize else "")
