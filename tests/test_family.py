@@ -161,6 +161,48 @@ def test_dtype_is_kept_unless_asked(member_checkpoint, tmp_path):
     assert layer.word_embeddings.weight.dtype == layer.LayerNorm.weight.dtype == torch.float32
 
 
+def test_a_saved_config_names_the_tables_dtype_so_transformers_keeps_the_values(member_checkpoint, tmp_path):
+    """A bfloat16 checkpoint loaded as float32, edited and saved: its config.json named bfloat16, which transformers
+    5 loads by (dtype "auto") and would round the edit away."""
+    import copy
+
+    import transformers
+
+    folder, model = member_checkpoint("roberta")
+    copy.deepcopy(model).bfloat16().save_pretrained(tmp_path / "bf16")
+    layer = BertEmbeddings.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    with torch.no_grad():
+        layer.word_embeddings.weight[5] += 1e-3
+    layer.save_pretrained(tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert {written.get(k) for k in ("dtype", "torch_dtype")} - {None} == {"float32"}
+    loaded = transformers.AutoModel.from_pretrained(tmp_path / "ours").embeddings.word_embeddings.weight
+    torch.testing.assert_close(loaded, layer.word_embeddings.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["bert", "albert", "electra", "distilbert", "deberta-v2-factorised"])
+def test_a_null_pad_token_id_means_no_padding_row_as_in_transformers(name, tmp_path):
+    """config.json's "pad_token_id": null: transformers' word table has no padding_idx, so row 0 is trained."""
+    import transformers
+
+    from conftest import member_or_skip
+
+    model = member_or_skip(name, pad_token_id=None)
+    model.save_pretrained(tmp_path / "hf")
+    layer, hf = BertEmbeddings.from_pretrained(tmp_path / "hf").eval(), model.embeddings
+    ids = torch.tensor([[0, 5, 0, 7], [3, 0, 2, 0]])
+    ours, theirs = layer(ids), _hf_call(hf, input_ids=ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    grad = torch.randn_like(ours)
+    (our_rows,) = torch.autograd.grad(ours, layer.word_embeddings.weight, grad)
+    (their_rows,) = torch.autograd.grad(theirs, hf.word_embeddings.weight, grad)
+    assert their_rows[0].abs().sum() > 0
+    torch.testing.assert_close(our_rows, their_rows, rtol=0, atol=0)
+    layer.save_pretrained(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["pad_token_id"] is None
+    assert transformers.AutoModel.from_pretrained(tmp_path / "ours").embeddings.word_embeddings.padding_idx is None
+
+
 def test_an_unsupported_member_is_refused_naming_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
     with pytest.raises(ValueError, match="supported: bert, roberta, .*modernbert"):

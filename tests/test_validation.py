@@ -66,6 +66,7 @@ def test_edges_that_are_allowed():
     (dict(hidden_size=0), r"hidden_size must be an integer >= 1, got 0"),
     (dict(type_vocab_size=-1), r"type_vocab_size must be an integer >= 0, got -1"),  # (0: no segment table)
     (dict(pad_token_id=100, vocab_size=100), "pad_token_id"),
+    (dict(pad_token_id=None, positions_from_padding=True), "pad_token_id must be an integer, got None"),
     (dict(position_embedding_type="rotary"), "not one of"), (dict(hidden_dropout_prob=1.0), r"\[0, 1\)"),
     (dict(position_embedding_type="sinusoidal", hidden_size=7), "even width"),
 ])

@@ -262,6 +262,10 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    if hasattr(layer, "_bertembed_original"):  # (its config is read off the model's modules, some held outside it)
+        raise ValueError("cannot save a layer that bertembed.patch put into a model; nothing was written. Save the "
+                         "model (model.save_pretrained keeps transformers' keys), then BertEmbeddings.from_pretrained "
+                         "reads its embeddings")
     config, state = layer.config, layer.state_dict()
     expected = expected_shapes(config)
     problems = [f"{k} is missing" for k in expected if k not in state]
@@ -278,8 +282,12 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     if problems:
         raise ValueError("cannot save: the layer disagrees with layer.config (" + "; ".join(problems) + "); nothing "
                          "was written. Restore the tables, or set layer.config = layer.config.replace(...) to match")
+    hf_config = config.to_hf_config()
+    # the tables' dtype where the source's config.json named one: transformers loads by it, and would round a wider one
+    dtype = str(layer.tables()[0].dtype).removeprefix("torch.")
+    hf_config |= {key: dtype for key in ("dtype", "torch_dtype") if key in hf_config}
     try:
-        config_text = json.dumps(config.to_hf_config(), indent=2) + "\n"
+        config_text = json.dumps(hf_config, indent=2) + "\n"
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
                          f"fix layer.config.extra") from err

@@ -50,7 +50,8 @@ class EmbeddingConfig:
     layer_norm_eps: float = 1e-12  # BERT's TensorFlow value, not PyTorch's default 1e-5: it changes outputs
     hidden_dropout_prob: float = 0.1
     initializer_range: float = 0.02  # std of the normal init of fresh tables, as BERT's
-    pad_token_id: int = 0  # row 0 of the word table is [PAD]; nn.Embedding keeps its gradient at zero
+    pad_token_id: int | None = 0  # row 0 of the word table is [PAD]; nn.Embedding keeps its gradient at zero
+    #                                 (None, as a config.json's null: no padding row, every row trained)
     # "absolute": a learned table. "sinusoidal": the fixed sin/cos table of "Attention Is All You Need" (a buffer,
     # never trained). "none": no position vector is added here (relative, rotary or ALiBi positions, in attention).
     position_embedding_type: PositionType = "absolute"
@@ -70,7 +71,8 @@ class EmbeddingConfig:
         """Every field's type and range, for every path alike; numpy's integers and reals are stored as Python's."""
         if self.embedding_size == self.hidden_size:
             object.__setattr__(self, "embedding_size", None)
-        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size", "pad_token_id",
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings", "type_vocab_size",
+                     *(["pad_token_id"] if self.pad_token_id is not None or self.positions_from_padding else []),
                      *(["embedding_size"] if self.embedding_size is not None else [])):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -94,7 +96,8 @@ class EmbeddingConfig:
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise ValueError(f"{name}={_shown(getattr(self, name))} is not one of {choices}")
         for name, ok, limit in (
-                ("pad_token_id", 0 <= self.pad_token_id < self.vocab_size, f"lie in [0, vocab_size={self.vocab_size})"),
+                ("pad_token_id", self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+                 f"lie in [0, vocab_size={self.vocab_size})"),
                 ("hidden_dropout_prob", 0 <= self.hidden_dropout_prob < 1, "lie in [0, 1)"),
                 ("layer_norm_eps", self.layer_norm_eps > 0, "be positive"),
                 ("initializer_range", self.initializer_range >= 0, "be >= 0 (a standard deviation)")):
@@ -155,7 +158,7 @@ class EmbeddingConfig:
             source, where = read_json(path, "an object of config keys"), str(path)
         model_type = check_config_family(source, where)
         member = MEMBERS[model_type]
-        given = {**member.defaults, **{k: v for k, v in source.items() if v is not None}}
+        given = {**member.defaults, **{k: v for k, v in source.items() if v is not None or k == "pad_token_id"}}
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "extra"}
         renamed = {member.renames.get(k, k): v for k, v in given.items()}
         kwargs = defaults | {k: v for k, v in renamed.items() if k in defaults}

@@ -57,7 +57,7 @@ def _config_of(hf: nn.Module, member: str) -> EmbeddingConfig:
         "type_vocab_size": 0 if segments is None else segments.weight.shape[0],
         "layer_norm_eps": getattr(norm, "eps", getattr(norm, "variance_epsilon", None)),
         "hidden_dropout_prob": getattr(dropout, "p", getattr(dropout, "drop_prob", 0.0)),
-        "pad_token_id": word.padding_idx or 0 if pad is None else pad, "position_embedding_type": kind,
+        "pad_token_id": word.padding_idx if pad is None else pad, "position_embedding_type": kind,
         "norm_bias": getattr(norm, "bias", None) is not None,  # (ModernBERT's own; the facts fix the others')
         **implied_facts(member, None if width == hidden else width, kind)})
 

@@ -166,7 +166,7 @@ def torch_export(module, call: Callable, config: EmbeddingConfig, output: str, o
             given = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
             return call(self.model, input_ids=input_ids, attention_mask=attention_mask, **given)
 
-    ids = torch.full((2, 8), (config.pad_token_id + 1) % config.vocab_size)  # (a token, not padding)
+    ids = torch.full((2, 8), ((config.pad_token_id or 0) + 1) % config.vocab_size)  # (a token, not padding)
     example = dict(zip(input_names(config), (ids, torch.ones_like(ids), torch.zeros_like(ids)), strict=False))
     dims = {0: torch.export.Dim("batch_size"), 1: torch.export.Dim("sequence_length")}
     # the exporter's notes on every export, no fault of the model's (torchvision missing, axis names, deprecations)

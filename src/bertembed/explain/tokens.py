@@ -169,11 +169,12 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     start = tokenizer.token_to_id(RANK_START_TOKEN)
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
     ranks = None if region is None else np.argsort(np.argsort(norms[region]))  # (Spearman: ids are their own ranks)
-    pad = layer.config.pad_token_id
+    pad = layer.config.pad_token_id  # (None: the layer has no padding row)
+    pad_is_zero = pad is not None and bool(np.all(words[pad] == 0))
     return TokenReport(
         source=layer.source, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
         neighbours=pieces[0]["neighbours"], asked=token, pieces=pieces if len(pieces) > 1 else [], note=note,
-        special=special, pad_is_zero=bool(np.all(words[pad] == 0)), median_norm=float(np.median(norms)),
+        special=special, pad_is_zero=pad_is_zero, median_norm=float(np.median(norms)),
         unused_median_norm=float(np.median(norms[unused])) if unused else None,
         rank_start=None if region is None else int(start),
         rank_norm_correlation=None if ranks is None else float(np.corrcoef(region, ranks)[0, 1]), norms=norms,
