@@ -239,8 +239,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         emit(result, as_json, plot, rows, f"the two rows' first values ({what})")
         if result.pair_tokens and not as_json:
             console.print("the pair, one sequence (segment of each token): " + " ".join(
-                escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)),
-                soft_wrap=False)
+                escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)))
 
 
 @inspect_app.command()

@@ -18,6 +18,7 @@ import numpy as np
 from bertembed.config import NotInThisMember
 from bertembed.numpy_layer import NumpyEmbeddings, sinusoidal_table_np
 from bertembed.sources import DEFAULT_MODEL, Source, resolve
+from bertembed.tokenizer import Tokenizer, check_not_blank
 
 ModelArg = Union[str, Path, None, Source, NumpyEmbeddings]
 STRUCTURAL, MEASURED = "holds for every checkpoint of this architecture", "measured on this checkpoint"
@@ -38,9 +39,7 @@ class Tables:
         return NumpyEmbeddings.from_pretrained(self.source)
 
     @functools.cached_property
-    def tokenizer(self):
-        from bertembed.tokenizer import Tokenizer
-
+    def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_pretrained(self.source)
 
     @property
@@ -90,6 +89,14 @@ class Tables:
 def load_layer(model: ModelArg | Tables = None) -> Tables:
     """`model` as `Tables`, resolved once (a `Tables` is handed on as it is)."""
     return model if isinstance(model, Tables) else Tables(model)
+
+
+def load_text(model: ModelArg | Tables, text: str, text_b: str | None = None,
+              names: tuple[str, str] = ("the text", "text_b")):
+    """(`model` as `Tables`, `text` and `text_b` encoded): a blank text is refused before the checkpoint is read."""
+    check_not_blank(text, names[0], text_b, names[1])
+    layer = load_layer(model)
+    return layer, layer.encode(text, text_b, names)
 
 
 def row_norms(matrix: np.ndarray) -> np.ndarray:

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, Result, axes, load_layer, plotly_fig
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, Result, axes, load_text, plotly_fig
 from bertembed.explain.segments import literal_separator
 from bertembed.sources import Source
-from bertembed.tokenizer import check_not_blank
 
 PARTS = ("word", "position", "segment")
 
@@ -81,7 +80,6 @@ class TextDecomposition(Result):
         return {name: float(c.sum() / float(var.sum())) for name, c in cov.items()}
 
     def rows(self) -> list[dict]:
-        """One dict per token, for tables and JSON."""
         norms, shares = self.norms(), self.variance_shares()
         columns = {"position": self.positions, "token": self.tokens, "id": self.ids, "segment": self.segments,
                    **{f"{k}_norm": norms[k] for k in self.parts}, **{f"{k}_share": shares[k] for k in self.parts},
@@ -90,7 +88,6 @@ class TextDecomposition(Result):
                 for i in range(len(self.tokens))]
 
     def summary(self) -> dict:
-        """Scalars for captions and JSON: length, pooled variance shares, mean norms, the by-hand check."""
         norms = self.norms()
         out = {"model": self.source.name, "tokens": len(self.tokens), "segment_b_tokens": int(sum(self.segments))}
         out |= {f"{k}_share": v for k, v in self.overall_shares().items()}
@@ -155,11 +152,9 @@ class TextDecomposition(Result):
 def explain_text(text: str, text_b: str | None = None, model=None, *, engine: str = "numpy") -> TextDecomposition:
     """Tokenize `text` (and `text_b` as segment B) with `model`'s tokenizer and decompose its embedding. ValueError
     for a text that gives no tokens, or one longer than the position table (never truncated)."""
-    check_not_blank(text, "TEXT", text_b, "TEXT_B")
     if engine not in ("numpy", "torch"):
         raise ValueError(f"engine={engine!r}: use 'numpy' or 'torch'")
-    layer = load_layer(model)
-    enc = layer.encode(text, text_b, ("TEXT", "TEXT_B"))
+    layer, enc = load_text(model, text, text_b, ("TEXT", "TEXT_B"))
     ids, types = np.array([enc.input_ids]), np.array([enc.token_type_ids])
     if engine == "numpy":
         parts, config, tensors = layer.numpy.decompose(ids, types), layer.config, layer.tensors

@@ -60,8 +60,9 @@ class DriftReport(Result):
     def rows(self) -> list[dict]:
         return [{"table": t.table, "shape": "x".join(map(str, t.shape)), "rows_changed": t.rows_changed,
                  "median_row_change": t.median_row_change, "relative_change": t.relative_change,
-                 "max_abs_change": t.max_abs_change,
-                 "most_changed": ", ".join(f"{r['label']} ({_relative(r['relative'])})" for r in t.top)}
+                 "max_abs_change": t.max_abs_change, "most_changed": ", ".join(
+                     f"{r['label']} ({r['relative']:.2g} of its norm)" if np.isfinite(r["relative"]) else
+                     f"{r['label']} (was a zero row)" for r in t.top)}
                 for t in self.tables]
 
     def figures(self) -> list[Figure]:
@@ -96,10 +97,6 @@ class DriftReport(Result):
             ax.text(0.5, 0.5, "no tensor changed", transform=ax.transAxes, ha="center")
         ax.tick_params(axis="x", labelsize=8)
         return fig
-
-
-def _relative(value: float) -> str:
-    return f"{value:.2g} of its norm" if np.isfinite(value) else "was a zero row"
 
 
 def _labeller(layer, name: str):

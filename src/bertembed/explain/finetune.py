@@ -87,7 +87,6 @@ class FinetuneReport(Result):
         return out
 
     def rows(self) -> list[dict]:
-        """One dict per run and table, for tables and JSON."""
         return [{"run": r.spec.name, "table": t.table, "moved": t.moved, "rows": t.rows, "expected": t.expected,
                  "max_abs_change": t.max_abs_change, "median_relative_change": t.median_relative_change}
                 for r in self.runs for t in r.tables]
@@ -179,7 +178,6 @@ def _run(spec: RunSpec, start: dict, config, enc, labels, occurred: dict, steps:
     opt = (torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay) if spec.weight_decay > 0
            else torch.optim.Adam(params, lr=lr, weight_decay=0.0))
     mask = enc.attention_mask[..., None].float()
-    layer.train()
     losses = []
     for step in range(steps):
         pooled = (layer(enc.input_ids, enc.token_type_ids) * mask).sum(1) / mask.sum(1)

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig
+from bertembed.explain._common import PART_COLOURS, STRUCTURAL, Figure, ModelArg, Result, axes, load_text, plotly_fig
 from bertembed.sources import Source
-from bertembed.tokenizer import check_not_blank
 
 # The one-hot matrix is [L, V] float32 and the timing builds it again on every call. 512 MiB bounds the memory and
 # the time (a few seconds) of the demonstration; BERT's own case, 512 positions x 30522 ids, is 60 MiB.
@@ -108,11 +107,9 @@ def analyze_onehot(text: str, model: ModelArg = None, *, text_b: str | None = No
     """Embed the ids of `text` (with `text_b`, of the pair) both ways, compare exactly, and time both (median of
     `repeats`). ValueError for a blank text, one longer than the position table, or one whose one-hot matrix would
     exceed MAX_ONEHOT_BYTES."""
-    check_not_blank(text, "the text", text_b)
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each way at least once")
-    layer = load_layer(model)
-    enc = layer.encode(text, text_b)
+    layer, enc = load_text(model, text, text_b)
     ids = np.asarray(enc.input_ids)
     words = layer.tensors["word_embeddings.weight"]
     vocab, hidden = words.shape

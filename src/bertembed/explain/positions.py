@@ -151,8 +151,7 @@ class PositionReport(Result):
         return 2 / (len(self.norms) - 1)
 
     @property
-    def adjacent_cosine(self) -> float:
-        """The mean cosine of neighbouring positions."""
+    def adjacent_cosine(self) -> float:  # of neighbouring positions, on average
         return float(np.diag(self.similarity, 1).mean())
 
     @property
@@ -220,13 +219,11 @@ class PositionReport(Result):
                 f"tokens leaves the rows past them trained less{cut}; {self.model}'s training recipe would tell.")
 
     def summary(self) -> dict:
+        measured = ("entrywise_correlation", "structure_correlation", "pca_share_2", "pca_share_10", "k",
+                    "lowfreq_share", "lowfreq_share_sinusoid", "lowfreq_share_noise")
         return {"model": self.model, "positions": len(self.norms), "first_position": self.first,
-                "entrywise_correlation": self.entrywise_correlation,
-                "structure_correlation": self.structure_correlation, "pca_share_2": self.pca_share_2,
-                "pca_share_10": self.pca_share_10, "k": self.k, "lowfreq_share": self.lowfreq_share,
-                "lowfreq_share_sinusoid": self.lowfreq_share_sinusoid, "lowfreq_share_noise": self.lowfreq_share_noise,
-                "norm_min": float(self.norms.min()), "norm_max": float(self.norms.max()),
-                "mean_adjacent_cosine": self.adjacent_cosine,
+                **{name: getattr(self, name) for name in measured}, "norm_min": float(self.norms.min()),
+                "norm_max": float(self.norms.max()), "mean_adjacent_cosine": self.adjacent_cosine,
                 "component_shares": tuple(round(c["share"], 4) for c in self.components),  # (tables show tuples)
                 "component_cycles": tuple(c["cycles"] for c in self.components),
                 "component_periods": tuple(round(c["period"], 2) for c in self.components),

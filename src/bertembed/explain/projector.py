@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from bertembed.atomic import write_atomic
-from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig
+from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_text, plotly_fig
 from bertembed.explain.tokens import vocabulary
 from bertembed.sources import Source
-from bertembed.tokenizer import check_not_blank
 
 logger = logging.getLogger(__name__)
 # Every row's neighbours take a [V, V] product: about 20 s once for BERT's 30,522 rows (cached). The page holds ~150
@@ -140,9 +139,7 @@ def word_map(text: str, text_b: str | None = None, model: ModelArg = None, *,
              progress: Callable[[str, int, int], None] | None = None) -> WordMap:
     """The word table of `model` on its two principal components, every row's 10 nearest rows (`nearest_rows`), and
     where the tokens of `text` (and `text_b`) sit. ValueError for a blank text or a table over MAX_ROWS rows."""
-    check_not_blank(text, "the text", text_b)
-    layer = load_layer(model)
-    enc = layer.encode(text, text_b)
+    layer, enc = load_text(model, text, text_b)
     words = layer.tensors["word_embeddings.weight"]
     if len(words) > MAX_ROWS:
         raise ValueError(f"the projector maps at most {MAX_ROWS:,} rows (MAX_ROWS), and {layer.source.name}'s word "

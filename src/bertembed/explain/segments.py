@@ -9,6 +9,7 @@ import numpy as np
 
 from bertembed.explain._common import STRUCTURAL, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
+from bertembed.tokenizer import check_not_blank
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog"
 SEGMENT_COLOURS = ("#8172b3", "#e1a13a")  # segment A, segment B
@@ -126,8 +127,6 @@ def _dashed(y: float) -> dict:
 def analyze_segments(text: str = DEFAULT_TEXT, text_b: str | None = None, model: ModelArg = None) -> SegmentReport:
     """Measure the segment table and the output of `text` in segment A versus B; with `text_b`, also the pair as one
     sequence. ValueError for a blank or too long text; NotInThisMember where the member has under two segment rows."""
-    from bertembed.tokenizer import check_not_blank
-
     check_not_blank(text, text_b=text_b)
     layer = load_layer(model)
     seg = layer.table("segment")

@@ -9,6 +9,7 @@ import numpy as np
 
 from bertembed.explain._common import PART_COLOURS, Figure, ModelArg, Result, axes, load_layer, plotly_fig, row_norms
 from bertembed.sources import Source
+from bertembed.tokenizer import check_text
 
 RANK_START_TOKEN = "the"  # in BERT's vocabulary the frequency-ordered whole words start here (id 1996)
 MAX_PIECES = 16  # each piece costs a search of the [V, H] table and a line: a word or a few, not a text
@@ -141,8 +142,6 @@ def _entries(tokenizer, token: str) -> tuple[list[str], str]:
 def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) -> TokenReport:
     """Nearest neighbours of `token` (a vocabulary entry such as "king" or "##ing", a word the tokenizer normalises
     to one, or a word that splits into pieces, each piece with its neighbours) and the word table's norms."""
-    from bertembed.tokenizer import check_text
-
     if not check_text(token, "the token").strip():
         raise ValueError('the token is empty; give one vocabulary entry, e.g. "king"')
     if k < 1:

@@ -10,7 +10,7 @@ from typing import Any
 
 from bertembed.atomic import check_output, write_atomic
 from bertembed.config import EmbeddingConfig
-from bertembed.explain._common import ModelArg, load_layer
+from bertembed.explain._common import ModelArg, load_text
 from bertembed.explain.segments import DEFAULT_TEXT, literal_separator
 from bertembed.family import module_names, transformers_layer
 from bertembed.sources import Source
@@ -113,11 +113,8 @@ def walkthrough(text: str, text_b: str | None = None, model: ModelArg = None) ->
     import torch
 
     from bertembed.embeddings import BertEmbeddings, sinusoidal_table
-    from bertembed.tokenizer import check_not_blank
 
-    check_not_blank(text, text_b=text_b)
-    checkpoint = load_layer(model)
-    checkpoint.encode(text, text_b)  # (no tokens, or more than the positions: refused)
+    checkpoint, _ = load_text(model, text, text_b)  # (no tokens, or more than the positions: refused)
     layer = BertEmbeddings.from_pretrained(checkpoint.source, dtype=torch.float32)
     space: dict[str, Any] = {"torch": torch, "layer": layer, "tokenizer": checkpoint.tokenizer, "text": text,
                              "text_b": text_b, "sinusoidal_table": sinusoidal_table, "print": lambda *a, **k: None}
@@ -257,13 +254,11 @@ def write_notebook(path: str | Path, model: str | None = None, text: str = DEFAU
     """Write the walkthrough notebook to `path` (needs nbformat: pip install -e ".[notebook]")."""
     import nbformat
 
-    layer = load_layer(model)
-    layer.encode(text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
+    layer, _ = load_text(model, text, text_b)  # a text the layer takes: with tokens, within the positions, UTF-8
     path = check_output(path)
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_markdown_cell(s) if kind == "markdown" else nbformat.v4.new_code_cell(s)
                   for kind, s in notebook_cells(model, layer, text, text_b)]
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.validate(book)
-    write_atomic(path, nbformat.writes(book).encode("utf-8"))
-    return Path(path)
+    return write_atomic(path, nbformat.writes(book).encode("utf-8"))
