@@ -192,8 +192,7 @@ def walkthrough(text: Annotated[str, typer.Argument(help="the text (segment A)")
                 for note in step.notes:
                     console.print(escape(note))
                 console.print(f"check: {escape(step.check)}")
-        failed = check_walkthrough(result)
-        if failed:
+        if failed := check_walkthrough(result):
             raise ValueError(f"the step(s) {failed} differ from the layer where they should be exact: a bug, please "
                              f"report it")
 

@@ -160,13 +160,13 @@ def html_table(rows: list[dict], caption: str = "") -> str:
 @dataclasses.dataclass(frozen=True)
 class Figure:
     """One figure: its PNG's name, title, caption (the numbers in words), `draw()` (matplotlib) and `plotly()`, its
-    interactive twin for the HTML report (None: the report shows the PNG)."""
+    interactive twin for the HTML report."""
 
     name: str
     title: str
     caption: str
     draw: Callable[[], Any]
-    plotly: Callable[[], Any] | None = None
+    plotly: Callable[[], Any]
 
     def png(self) -> bytes:
         """The figure drawn and rendered to PNG bytes (the matplotlib figure closed)."""
@@ -220,7 +220,7 @@ def shade_segment_b(segments: list[int]) -> list[dict]:
 def figure_html(figure: Figure, interactive: bool = False) -> str:
     """A figure and its caption: with `interactive` its plotly twin (the page loads plotly.js), else its PNG inline."""
     title = html.escape(figure.title)
-    if interactive and figure.plotly is not None:
+    if interactive:
         import plotly.io
 
         shown = plotly.io.to_html(figure.plotly(), include_plotlyjs=False, full_html=False, div_id=figure.name,

@@ -17,9 +17,7 @@ DRIFT_TABLES = {"word": "word_embeddings.weight", "position": "position_embeddin
 
 
 @dataclass
-class TableDrift:
-    """One tensor of A against the same tensor of B."""
-
+class TableDrift:  # one tensor of A against the same tensor of B
     table: str
     shape: list[int]
     relative_change: float  # |B - A|_F / |A|_F over the whole tensor: small for a big table with few rows moved
@@ -139,8 +137,7 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
     a, b = load_layer(model_a), load_layer(model_b)
     shapes = {k: (tuple(a.tensors[k].shape) if k in a.tensors else None,
                   tuple(b.tensors[k].shape) if k in b.tensors else None) for k in DRIFT_TABLES.values()}
-    wrong = [f"{k}: {sa} vs {sb}" for k, (sa, sb) in shapes.items() if sa != sb]
-    if wrong:
+    if wrong := [f"{k}: {sa} vs {sb}" for k, (sa, sb) in shapes.items() if sa != sb]:
         raise ValueError(f"{a.source.name} and {b.source.name} have different shapes, so their rows cannot be "
                          f"compared: {'; '.join(wrong)}. Compare two checkpoints of the same architecture")
     tables = [_table_drift(name, a.tensors[key], b.tensors[key], _labeller(a, name), top)

@@ -24,9 +24,7 @@ TABLES = {"word": "word_embeddings", "position": "position_embeddings", "segment
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One optimiser setting of the demo."""
-
+class RunSpec:  # one optimiser setting of the demo
     name: str
     weight_decay: float = 0.0  # > 0 selects AdamW (decoupled decay), 0 plain Adam
     frozen: tuple[str, ...] = ()  # table names ("word", ...) whose requires_grad is switched off
@@ -37,9 +35,7 @@ DEFAULT_RUNS = (RunSpec("Adam, no weight decay"), RunSpec("AdamW, weight decay 0
 
 
 @dataclass
-class TableChange:
-    """How one table moved in one run."""
-
+class TableChange:  # how one table moved in one run
     table: str
     rows: int
     moved: int  # rows with any element changed
@@ -92,11 +88,11 @@ class FinetuneReport(Result):
                 for r in self.runs for t in r.tables]
 
     def figures(self) -> list[Figure]:
-        occurred = {k: len(v) for k, v in self.occurred.items()}
         runs = "; ".join(f"{r.spec.name}: {', '.join(f'{t.table} {t.moved}/{t.rows}' for t in r.tables)} (loss "
                          f"{r.loss_first:.3f} -> {r.loss_last:.3f})" for r in self.runs)
-        used = [f"{occurred[t]} {what}" for t, what in (("word", "distinct tokens"), ("position", "positions"),
-                                                         ("segment", "segment(s)")) if self.occurred[t]]
+        used = [f"{len(self.occurred[t])} {what}" for t, what in (("word", "distinct tokens"),
+                                                                  ("position", "positions"), ("segment", "segment(s)"))
+                if self.occurred[t]]
         rows = (f"{self.steps} steps on {len(self.sentences)} sentences, lr {self.lr:g}. Rows moved per table: {runs}. "
                 f"The sentences use {', '.join(used)} (of the tables this member has); every row that moved is one "
                 f"of them unless weight decay is on. All {len(self.trainable)} embedding parameters are trainable by "

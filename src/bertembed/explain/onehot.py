@@ -64,7 +64,6 @@ class OneHotReport(Result):
         return [Figure("onehot", "One-hot vs lookup", caption, self.plot, self.plotly)]
 
     def plot(self):
-        """Time and memory of the lookup and of the one-hot product (log scale)."""
         fig, panels = axes(size=(8, 3.2), panels=2)
         for ax, values, unit, title in zip(panels, ([self.lookup_seconds * 1e6, self.onehot_seconds * 1e6],
                                                     [self.lookup_bytes / 1e3, self.onehot_bytes / 1e3]),

@@ -73,7 +73,6 @@ class WordMap(Result):
         return [Figure("word_map", "The word table in 2-D", caption, self.plot, self.plotly)]
 
     def plot(self, ax=None):
-        """Every row on the two components (pixels), the text's tokens labelled."""
         fig, ax = axes(ax, size=(7.5, 6))
         ax.plot(*self.xy.T, ",", alpha=0.3, color=PART_COLOURS["word"])
         for token, i in zip(self.tokens, self.ids, strict=True):

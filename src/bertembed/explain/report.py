@@ -1,5 +1,5 @@
 """The HTML report and the PNG files of every analysis of one text. The report is one page that opens offline:
-plotly.js inlined once, each figure with an interactive twin a plotly div (hover, zoom, pan), the others PNGs."""
+plotly.js inlined once, each figure a plotly div (hover, zoom, pan); the PNGs are the same figures in matplotlib."""
 
 from __future__ import annotations
 

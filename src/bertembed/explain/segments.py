@@ -119,8 +119,7 @@ class SegmentReport(Result):
                           shapes=[_dashed(self.output_norm)])
 
 
-def _dashed(y: float) -> dict:
-    """A plotly shape: a dashed line across the plot at height `y`."""
+def _dashed(y: float) -> dict:  # a plotly shape across the plot
     return {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": y, "y1": y, "line": {"dash": "dash", "width": 1}}
 
 

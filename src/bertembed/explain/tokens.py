@@ -100,7 +100,6 @@ class TokenReport(Result):
         return fig
 
     def plot_neighbours(self, ax=None):
-        """The token's nearest rows in the word table by cosine."""
         fig, ax = axes(ax, size=(6, 3.6))
         names = [n["token"] for n in self.neighbours][::-1]
         ax.barh(names, [n["cosine"] for n in self.neighbours][::-1], color=PART_COLOURS["word"])
