@@ -46,9 +46,8 @@ class SegmentReport(Result):
 
     def summary(self) -> dict:
         return {"model": self.model, "segments": len(self.norms), "norm_a": self.norms[0], "norm_b": self.norms[1],
-                "difference_norm": self.difference_norm, "cosine": self.cosine,
-                "median_word_norm": self.median_word_norm, "median_position_norm": self.median_position_norm,
-                "zeros_and_ones": self.zeros_and_ones,
+                **{k: getattr(self, k) for k in ("difference_norm", "cosine", "median_word_norm",
+                                                 "median_position_norm", "zeros_and_ones")},
                 "distance_of_a_from_zeros": self.distance_from_zeros_and_ones[0],
                 "distance_of_b_from_ones": self.distance_from_zeros_and_ones[1],
                 "constant_shift_change": self.constant_shift_change, "text": self.text,

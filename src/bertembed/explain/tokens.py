@@ -44,9 +44,8 @@ class TokenReport(Result):
                 "token": self.token, "token_id": self.token_id, "token_norm": self.token_norm,
                 "nearest": _listed(self.neighbours), **{f"piece {p['token']}": _listed(p["neighbours"])
                                                          for p in self.pieces[1:]},
-                "pad_is_zero": self.pad_is_zero, "median_norm": self.median_norm,
-                "unused_median_norm": self.unused_median_norm, "rank_start": self.rank_start,
-                "rank_norm_correlation": self.rank_norm_correlation}
+                **{k: getattr(self, k) for k in ("pad_is_zero", "median_norm", "unused_median_norm", "rank_start",
+                                                 "rank_norm_correlation")}}
 
     def figures(self) -> list[Figure]:
         norms = (f"Norm of each of the {len(self.norms)} word-table rows against its id: median "
