@@ -56,6 +56,13 @@ def test_inspect_segments_and_onehot(tiny):
     assert data["summary"]["equal"] is True and data["summary"]["max_abs_diff"] == 0.0
 
 
+def test_inspect_segments_prints_a_pair_whose_tokens_look_like_markup():
+    """`[ cat ]` gives the tokens [/A cat/A ]/A: escaped one by one, rich read the span as a closing tag and failed."""
+    result = invoke("inspect", "segments", "the [ cat ] sat", "--text-b", "down")
+    assert result.exit_code == 0, result.output
+    assert "[CLS]/A the/A [/A cat/A ]/A sat/A [SEP]/A down/B [SEP]/B" in result.output
+
+
 def test_finetune_demo_and_drift(tiny, tmp_path):
     result = invoke("finetune-demo", "--model", tiny, "--steps", "2", "--json", "--save", tmp_path / "ft")
     assert result.exit_code == 0, result.output

@@ -237,8 +237,8 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
         what = "zeros and ones" if result.zeros_and_ones else "not 0 and 1"
         emit(result, as_json, plot, rows, f"the two rows' first values ({what})")
         if result.pair_tokens and not as_json:
-            console.print("the pair, one sequence (segment of each token): " + " ".join(
-                escape(f"{t}/{'AB'[s]}") for t, s in zip(result.pair_tokens, result.pair_segments, strict=True)))
+            console.print("the pair, one sequence (segment of each token): " + escape(" ".join(  # (once: a span
+                f"{t}/{'AB'[s]}" for t, s in zip(result.pair_tokens, result.pair_segments, strict=True))))  # of tokens)
 
 
 @inspect_app.command()
