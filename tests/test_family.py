@@ -574,8 +574,10 @@ def test_packed_one_dimensional_ids_and_a_batch_padded_past_the_table(member_che
         layer(ids, cu_seqlens=torch.tensor([0, 9]), cache_length=2)
     with pytest.raises(ValueError, match="must be integers"):
         layer(ids, cu_seqlens=torch.tensor([0.0, 9.0]))
-    with pytest.raises(ValueError, match="outside the position table"):
-        layer(torch.full((1, 45), 5))
+    too_long = torch.cat([torch.full((1, 41), 5), torch.ones(1, 4, dtype=torch.long)], 1)  # 41 tokens + 4 pads
+    with pytest.raises(ValueError, match=r"a sequence of 41 tokens \(pads not counted\) needs positions up to 42, "
+                                         r"but the position table has 42 rows: truncate to 40 tokens"):
+        layer(too_long)
 
 
 def test_a_member_config_cannot_contradict_its_member_and_for_member_applies_the_facts(tmp_path):

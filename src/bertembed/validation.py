@@ -251,14 +251,19 @@ def check_inputs(
     limit = rows[2]
     # where positions count from the padding: from the ids (pads take no position), or without ids from pad + 1
     # whatever the offset, as transformers' create_position_ids_from_inputs_embeds gives them
-    counted, used = positions_from_padding and input_ids is not None, 0 if positions_from_padding else \
-        past_key_values_length
-    first = first_position + used
-    if position_ids is None and limit is not None and not counted and first + length > limit:
+    counted = positions_from_padding and input_ids is not None
+    used = 0 if positions_from_padding and not counted else past_key_values_length
+    first, tokens = first_position + used, length
+    if counted and position_ids is None and limit is not None and first + length > limit:
+        # pads take no position: a batch longer than the table may fit, so count (not inside a graph or a transform)
+        readable = input_ids.device.type != "meta" and not torch.compiler.is_compiling() and not in_torch_func()
+        tokens = int(input_ids.ne(first_position - 1).sum(1).max()) if readable else 0
+    if position_ids is None and limit is not None and first + tokens > limit:
         raise ValueError(
-            f"a sequence of {length} tokens{f' at offset past_key_values_length={used}' * bool(used)} needs "
-            f"positions up to {first + length - 1}, but the position table has {limit} rows: "
-            f"truncate to {max(limit - first, 0)} tokens (the tokenizer's truncation does this)")
+            f"a sequence of {tokens} tokens{' (pads not counted)' * counted}"
+            f"{f' at offset past_key_values_length={used}' * bool(used)} needs positions up to {first + tokens - 1}, "
+            f"but the position table has {limit} rows: truncate to {max(limit - first, 0)} tokens (the tokenizer's "
+            f"truncation does this)")
     if token_type_ids is not None:  # (checked even where there is no segment table, which ignores them as DeBERTa's)
         _check_ids("token_type_ids", token_type_ids, shape, "give one segment id per token")
     if position_ids is not None:

@@ -242,7 +242,7 @@ def segments(text: Annotated[str, typer.Argument(help="a sentence to put in segm
 
 
 @inspect_app.command()
-def tokens(token: Annotated[str, typer.Argument(help="one vocabulary entry, e.g. king or ##ing")],
+def tokens(token: Annotated[str, typer.Argument(help="a vocabulary entry (king, ##ing), or a word of up to 16 pieces")],
            model: ModelOpt = None, as_json: JsonOpt = False, plot: PlotOpt = None,
            k: Annotated[int, typer.Option("--k", "-k", min=1, help="how many neighbours")] = 10) -> None:
     """Nearest neighbours of a token, the [PAD] and special rows, and norms against vocabulary order."""
