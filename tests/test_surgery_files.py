@@ -409,7 +409,7 @@ def test_copies_in_other_formats_are_left_out_and_added_tokens_json_follows(tmp_
     (src / "tf_model.h5").write_bytes(b"old tables")
     (src / "added_tokens.json").write_text(json.dumps({"extra": 119}))
     (tmp_path / "corpus.txt").write_text("the dog\n")
-    result = _run("add-tokens", src, tmp_path / "grown", "newword", "--json")
+    result = _run("add-tokens", src, tmp_path / "grown", "newword", "--init", "mean", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["dropped_files"] == ["onnx", "tf_model.h5"]
     assert not (tmp_path / "grown" / "onnx").exists() and not (tmp_path / "grown" / "tf_model.h5").exists()
@@ -480,3 +480,83 @@ def test_pruning_keeps_the_ids_below_a_roberta_pad(tmp_path):
         before = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
         after = pruned(torch.tensor([new_ids]), output_hidden_states=True).hidden_states[-1]
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_the_other_formats_weight_shards_are_left_out_and_named(tmp_path):
+    """A hub repo with sharded safetensors and sharded .bin: the .bin shards (the old tables) were copied, unnamed."""
+    src, model = _source(tmp_path, "bert", shard="20KB")
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # (transformers 5 writes no .bin: written here)
+    bins = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"]
+    halves = [dict(list(state.items())[:5]), dict(list(state.items())[5:])]
+    for name, half in zip(bins, halves, strict=False):  # (the third: the index)
+        torch.save(half, src / name)
+    (src / bins[2]).write_text(json.dumps({"weight_map": {k: bins[i] for i in (0, 1) for k in halves[i]}}))
+    result = _run("extend-positions", src, tmp_path / "dst", "--to", "80", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["dropped_files"] == [n for n in bins if n != "pytorch_model.bin.index.json"]
+    assert not list((tmp_path / "dst").glob("pytorch_model*"))
+    _loaded(tmp_path / "dst")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_token(tmp_path):
+    src, _ = _source(tmp_path, "bert")
+    (tmp_path / "tokens.txt").write_bytes("\ufeffnewword\nother\n".encode())  # (as Windows Notepad saves UTF-8)
+    result = _run("add-tokens", src, tmp_path / "dst", "--file", tmp_path / "tokens.txt", "--init", "mean", "--json")
+    assert result.exit_code == 0, result.output
+    assert sorted(json.loads(result.output)["added"]) == ["newword", "other"]
+
+
+def test_an_empty_held_out_text_is_refused_before_the_corpus_is_read(tmp_path):
+    src, _ = _source(tmp_path, "bert")
+    (tmp_path / "corpus.txt").write_text("the dog\n")
+    (tmp_path / "held.txt").write_text("\n  \n")
+    result = _run("prune-vocab", src, tmp_path / "dst", "--keep-from", tmp_path / "corpus.txt", "--held-out",
+                  tmp_path / "held.txt")
+    assert result.exit_code == 2 and "has no text: nothing to measure" in " ".join(result.output.split())
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_link_to_nothing_in_a_subfolder_is_refused_by_name(tmp_path):
+    """sentence-transformers' 1_Pooling/config.json, its blob deleted: the error listed the staging folder."""
+    src, _ = _source(tmp_path, "bert")
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").symlink_to("../../blobs/pooling")
+    result = _run("extend-positions", src, tmp_path / "dst", "--to", "80")
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "config.json is a link to ../../blobs/pooling, which does not exist" in message
+    assert ".tmp-" not in message and not (tmp_path / "dst").exists()
+
+
+def test_a_sinusoidal_table_is_extended_by_its_formula_only(tmp_path):
+    from transformers.models.distilbert.modeling_distilbert import create_sinusoidal_embeddings
+
+    src, _ = _source(tmp_path, "distilbert-sinusoidal")
+    result = _run("extend-positions", src, tmp_path / "copied", "--to", "80")
+    assert result.exit_code == 2 and "use method 'sinusoidal'" in " ".join(result.output.split())
+    assert _run("extend-positions", src, tmp_path / "dst", "--to", "80", "--method", "sinusoidal").exit_code == 0
+    expected = torch.empty(80, 30)
+    create_sinusoidal_embeddings(80, 30, expected)
+    table = _loaded(tmp_path / "dst").embeddings.position_embeddings.weight
+    torch.testing.assert_close(table, expected, rtol=0, atol=1e-6)
+
+
+def test_new_rows_are_not_the_unknown_tokens_row(tmp_path):
+    """A token the old tokenizer spells only as [UNK]: `--init pieces` copied [UNK]'s row."""
+    src, _ = _source(tmp_path, "bert")
+    result = _run("add-tokens", src, tmp_path / "dst", "\u2603\u2603", "--init", "pieces")
+    assert result.exit_code == 2 and "no piece but the unknown token" in " ".join(result.output.split())
+    assert not (tmp_path / "dst").exists()
+
+
+def test_deberta_log_buckets_keep_short_outputs_after_extension(tmp_path):
+    """DeBERTa v2 with a position table and log buckets reads max_relative_positions (-1: the position count)."""
+    from bertembed.checkpoint_surgery import extend_positions_checkpoint
+
+    model = member_or_skip("deberta-v2-factorised", relative_attention=True, position_buckets=8,
+                           max_relative_positions=-1, pos_att_type=["p2c", "c2p"])
+    model.save_pretrained(tmp_path / "src")
+    write_member_tokenizer(tmp_path / "src", EmbeddingConfig.from_hf_config(tmp_path / "src" / "config.json"))
+    extend_positions_checkpoint(tmp_path / "src", tmp_path / "dst", 80)
+    ids = torch.randint(5, 100, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(_loaded(tmp_path / "dst")(ids)[0], model(ids)[0], rtol=0, atol=0)

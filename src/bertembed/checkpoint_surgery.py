@@ -23,6 +23,7 @@ from bertembed.tensor_files import open_weights, unshared
 # copies of the model in other formats would keep the old tables: left out of DST (and not downloaded)
 STALE = ("*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.mlpackage", "onnx",
          "openvino", "openvino_*", "coreml")
+SHARDS = ("model*.safetensors*", "pytorch_model*.bin*")  # the weights in the format not read, stale too (not the hub's)
 
 
 @dataclass
@@ -75,8 +76,9 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
         folder = Path(snapshot_download(source.name, revision=source.revision,
                                         local_files_only=source.local_files_only, ignore_patterns=patterns))
     for entry in folder.iterdir():  # (each is read or copied: a link to nothing is refused, never skipped)
-        if not entry.exists():
-            present(entry)
+        for path in [entry, *(entry.rglob("*") if entry.is_dir() and not entry.name.startswith(".") else ())]:
+            if not path.exists():
+                present(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; surgery needs the checkpoint's own config")
@@ -90,7 +92,8 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
     wanted = embedding_keys(list(tensors), layer.config.model_type, files[0])
     keys = {name: key for key, name in wanted.items() if key in tensors}
     names = {p.name for p in files} | {n for n in WEIGHT_FILES if (folder / n).is_file()}
-    stale = {p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pattern) for pattern in STALE)}
+    stale = {p.name for p in folder.iterdir() if p.name not in names and any(
+        fnmatch.fnmatch(p.name, pattern) for pattern in (*STALE, *SHARDS))}
     return WholeCheckpoint(folder, read_json(config_path), tensors, keys, names, layer, target, dropped=stale)
 
 
@@ -125,6 +128,9 @@ def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int,
     """Write checkpoint `src` to `dst` with a position table for `n` positions (`BertEmbeddings.extend_positions`);
     `max_position_embeddings`, stored id buffers and the tokenizer's `model_max_length` follow. Returns what changed."""
     whole = read_whole(src, dst)
+    if whole.config.get("sinusoidal_pos_embds") and method != "sinusoidal":  # (DistilBERT's; saved, so read as learned)
+        raise ValueError(f"this checkpoint's positions are the fixed sin/cos table (sinusoidal_pos_embds), which "
+                         f"method={method!r} would not continue: use method 'sinusoidal'")
     layer = whole.layer
     before = layer.config.max_position_embeddings
     rows = layer.extend_positions(n, method=method).config.max_position_embeddings
@@ -135,9 +141,8 @@ def extend_positions_checkpoint(src: str | Path | None, dst: str | Path, n: int,
         if (stored := whole.tensors.get(prefix + buffer)) is not None:
             whole.tensors[prefix + buffer] = getattr(layer, buffer).to(stored.dtype)
     config = dict(whole.config, max_position_embeddings=rows)
-    if config.get("relative_attention") and config.get("max_relative_positions", -1) < 1 \
-            and config.get("position_buckets", -1) <= 0:  # DeBERTa sizes its relative table by the position count
-        config["max_relative_positions"] = before
+    if config.get("relative_attention") and config.get("max_relative_positions", -1) < 1:
+        config["max_relative_positions"] = before  # DeBERTa's relative table and log buckets read the position count
     whole.set_json("config.json", config)
     if (tokenizer_config := whole.json_file("tokenizer_config.json")) is not None:
         whole.set_json("tokenizer_config.json", dict(tokenizer_config, model_max_length=n))

@@ -42,6 +42,10 @@ def add_tokens_checkpoint(src: str | Path | None, dst: str | Path, tokens: list[
         raise ValueError(f"the tokenizer normalizes {unmatched} before it looks for added tokens, so these would never "
                          f"match; add the normalized forms instead")
     pieces = [tokenizer.encode(t, add_special_tokens=False).ids for t in fresh]
+    unk = _unk_id(tokenizer, data["model"])
+    if init == "pieces" and (bare := [t for t, p in zip(fresh, pieces, strict=True) if not set(p) - {unk}]):
+        raise ValueError(f"the tokenizer spells {bare} with no piece but the unknown token (or none): the mean of "
+                         f"their pieces would be no token's row; use --init mean")
     tokenizer.add_tokens([AddedToken(t, normalized=True, special=False) for t in fresh])
     ids = [tokenizer.token_to_id(t) for t in fresh]
     added = dict(zip(fresh, ids, strict=True))
@@ -88,9 +92,9 @@ def text_batches(paths, what: str, layout: str, progress=None, size: int = 1 << 
     for path in files:
         try:
             with open(path, "rb") as stream:
-                for raw in stream:
-                    done += len(raw)
-                    if (line := raw.decode("utf-8").rstrip("\r\n")).strip():
+                for number, raw in enumerate(stream):
+                    done += len(raw)  # (a byte-order mark, as Notepad writes, is no text: "utf-8-sig" drops it)
+                    if (line := raw.decode("utf-8-sig" if number == 0 else "utf-8").rstrip("\r\n")).strip():
                         batch.append(line)
                     if done - start >= size:
                         yield batch
@@ -136,8 +140,6 @@ def _with_rows(value: torch.Tensor, ids: list[int], rows: int, pieces: list[list
     grown = torch.cat([value, value.new_zeros(rows - count, *value.shape[1:])])
     if value.dim() == 1:
         grown[ids] = 0
-    elif empty := [i for i, p in zip(ids, pieces, strict=True) if not p]:
-        raise ValueError(f"the tokenizer splits the new token(s) with id {empty} into no pieces; use --init mean")
     else:
         grown[ids] = torch.stack([value[p].double().mean(0) for p in pieces]).to(value.dtype)
     return grown
@@ -167,6 +169,9 @@ def prune_vocab_checkpoint(src: str | Path | None, dst: str | Path, corpus: str 
             raise ValueError(f"{name}={value!r} must be a positive integer")
     files = text_files(corpus, "corpus", "one text a line")
     held_files = text_files(held_out, "held-out text", "one text a line") if held_out is not None else []
+    if held_files and not any(any(batch) for batch in text_batches(held_files, "held-out text", "one text a line")):
+        raise ValueError(f"held-out text {', '.join(map(str, held_files))} has no text: nothing to measure the "
+                         f"unknown share on")
     whole = read_whole(src, dst)
     tokenizer, data = _tokenizer(whole)
     before = whole.layer.config.vocab_size
