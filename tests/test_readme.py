@@ -74,10 +74,10 @@ def filled(command: str, tmp_path: Path, src: Path, tiny: Path, tiny_b: Path) ->
     command = re.sub(r"([^|\s]+)(\|[^|\s]+)+", r"\1", re.sub(r"\[([^]]*)\]", r"\1", command))
     args = shlex.split(command)[1:]
     (tmp_path / "corpus.txt").write_text("the quick brown fox\nhello world\n")
-    (tmp_path / "F").write_text("newword\n")
+    (tmp_path / "F").write_text("quick-fox\n")  # (new tokens the tokenizer spells in known pieces)
     outputs = {"DST": tmp_path / "dst", "DIR": tmp_path / "dir", "OUT": tmp_path / "model.onnx", "FILE": tmp_path /
                "report.html", "report.html": tmp_path / "report.html", "OUT.ipynb": tmp_path / "walkthrough.ipynb"}
-    places = {"SRC": src, "M": src, "A": tiny, "B": tiny_b, "TOKEN...": "hellothere", "F": tmp_path / "F",
+    places = {"SRC": src, "M": src, "A": tiny, "B": tiny_b, "TOKEN...": "hello-world", "F": tmp_path / "F",
               "corpus.txt": tmp_path / "corpus.txt", **outputs, **TEXTS}
     if "--text-b" in args:  # (B: a text here, a checkpoint for drift)
         places["B"] = TEXTS["TEXT_B"]
