@@ -197,3 +197,25 @@ def test_missing_numba_auto_falls_back_and_explicit_backend_refuses(monkeypatch,
     with caplog.at_level(logging.INFO, logger="bertembed.fast"):
         assert torch.equal(fused(ids), ref(ids))
     assert "numba is not installed" in caplog.text
+
+
+def test_a_used_layer_converts_and_loads_in_torchs_swap_mode():
+    """torch's swap mode (`.to()`, `load_state_dict` by `torch.utils.swap_tensors`, to be torch's default) refuses a
+    parameter with a weak reference: the kernel's cached views held one on every table after the first call."""
+    from bertembed import BertEmbeddings, EmbeddingConfig
+
+    torch.manual_seed(0)
+    config = EmbeddingConfig(vocab_size=50, hidden_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0)
+    fused, ref = BertEmbeddings(config, backend="cpu").eval(), BertEmbeddings(config).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.no_grad():
+            fused(ids)
+            fused.to(torch.float64).float()
+            fused.load_state_dict({k: v + 0.5 for k, v in ref.state_dict().items()})
+            ref.load_state_dict(fused.state_dict())
+            torch.testing.assert_close(fused(ids), ref(ids), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

@@ -8,7 +8,6 @@ Dimension letters: N tokens (B*L), H hidden, V vocabulary, P positions, T segmen
 from __future__ import annotations
 
 import os
-import weakref
 from types import SimpleNamespace
 
 import numba
@@ -263,43 +262,43 @@ def _memory(t: torch.Tensor, hold: bool = True, shape=None) -> SimpleNamespace:
         "data": (t.data_ptr(), False), "shape": shape or t.shape, "typestr": _TYPESTR[t.dtype], "version": 3})
 
 
-_views: dict[int, tuple] = {}  # id(parameter) -> (weak reference, (address, shape, dtype), view)
+_views: dict[tuple, np.ndarray] = {}  # a contiguous parameter's (address, shape, dtype) -> a view of that memory
 
 
 def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """A numpy view of a CPU tensor (made contiguous) sharing its memory (bfloat16 as uint16 bits). Not by
     `Tensor.numpy()`, which marks the storage as never resizable: FSDP2 frees the tables it gathers by resizing their
-    storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept while its memory
-    stays where it is: making one costs a sentence's forward more than its kernel."""
-    kept = _views.get(id(t)) if type(t) is torch.nn.Parameter else None
-    if kept is not None and kept[0]() is t and kept[1] == (t.data_ptr(), t.shape, t.dtype) and t.is_contiguous():
-        return kept[2]
+    storage to nothing. `shape`: another shape of the same elements. A parameter's view is kept by its memory's
+    address, shape and dtype, which are all it reads (making one costs a sentence's forward more than its kernel),
+    and holds no reference to the parameter: `torch.utils.swap_tensors` (`.to()` in torch's swap mode) refuses one."""
+    key = (t.data_ptr(), t.shape, t.dtype) if type(t) is torch.nn.Parameter and t.is_contiguous() else None
+    if (kept := _views.get(key)) is not None:
+        return kept
     t = t.contiguous()
     if not t.numel():
         return np.zeros(shape or t.shape, _NUMPY[t.dtype])
-    if type(t) is not torch.nn.Parameter:
+    if key is None:
         return np.asarray(_memory(t, shape=shape))
     if len(_views) > 256:  # (parameters that were freed)
         _views.clear()
-    _views[id(t)] = (weakref.ref(t), (t.data_ptr(), t.shape, t.dtype), np.asarray(_memory(t, hold=False)))
-    return _views[id(t)][2]
+    _views[key] = view = np.asarray(_memory(t, hold=False))
+    return view
 
 
-_pool_pid: list[int] = []  # the process in which numba's thread pool ran
+_IMPORTED_IN = os.getpid()
 
 
 def _threads(elements: int) -> int:
     """How many threads a kernel on `elements` (N x H) runs on: 1 below _PARALLEL_FROM, or in a child forked after
-    numba's pool ran (GNU OpenMP ends such a child: "fork() called from a process already using GNU OpenMP"), else
-    torch's count (`torch.set_num_threads` governs both)."""
-    if elements < _PARALLEL_FROM or _pool_pid and _pool_pid[0] != os.getpid():
+    this module was imported (GNU OpenMP ends or hangs a child forked after numba's pool or torch's ran: "fork()
+    called from a process already using GNU OpenMP"), else torch's count (`torch.set_num_threads` governs both)."""
+    if elements < _PARALLEL_FROM or os.getpid() != _IMPORTED_IN:
         return 1
     wanted = torch.get_num_threads()
     count = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(count)  # (starts the pool on first use, which sets the OpenMP count torch reads)
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
-    _pool_pid[:] = [os.getpid()]
     return count
 
 
