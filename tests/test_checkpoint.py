@@ -247,6 +247,24 @@ def test_hub_id_from_the_local_cache(tmp_path, bundled_path, hub_home):
         BertEmbeddings.from_pretrained("acme/mini-bert", revision="v2")
 
 
+def test_a_partly_cached_hub_id_offline_says_what_the_cache_lacks(tmp_path, bundled_path, hub_home):
+    """The cache AutoTokenizer leaves (config and tokenizer, no weights) read as a repo without weights; an id whose
+    owner and name are each within the hub's 96 characters, though longer together, was refused as no id."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        shutil.copy(bundled_path / name, folder)
+    long_id = "a" * 60 + "/" + "b" * 60
+    hub_cache(tmp_path / "home", long_id, folder)
+    (folder / "model.safetensors").unlink()
+    hub_cache(tmp_path / "home", "acme/tokenizer-only", folder)
+    hub_home(tmp_path / "home")
+    assert BertEmbeddings.from_pretrained(long_id).config.hidden_size == 384
+    with pytest.raises(FileNotFoundError, match=r"has none of model.safetensors, .* \(or not in the local cache, "
+                                                r"offline .* download acme/tokenizer-only --revision 0123456789"):
+        BertEmbeddings.from_pretrained("acme/tokenizer-only")
+
+
 def test_a_resolved_source_is_reused_as_it_is(tmp_path, hf_checkpoint):
     """Analyses pass a layer's own Source to the tokenizer, so a hub revision is never dropped on the way."""
     from bertembed.sources import Source, resolve

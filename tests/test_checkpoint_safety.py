@@ -22,6 +22,8 @@ NAMES = ["word_embeddings.weight", "position_embeddings.weight", "token_type_emb
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
 SUPPORTED = r"supported: bert, roberta, xlm-roberta"
 
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"  # (a commit hash, as the hub names snapshots)
+
 
 def _family_model(family: str):
     """A model of another family, built by transformers itself (the independent reference for its layout)."""
@@ -353,11 +355,11 @@ def linked_checkpoint(tmp_path_factory):
     (root / "files" / "tokenizer_config.json").write_text('{"do_lower_case": false, "model_max_length": 20}')
     repo = root / "hub" / "models--acme--linked"
     (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0123")
-    (repo / "snapshots" / "0123").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    (repo / "snapshots" / SNAPSHOT).mkdir(parents=True)
     shutil.copytree(root / "files", repo / "blobs")
     for path in (repo / "blobs").iterdir():
-        (repo / "snapshots" / "0123" / path.name).symlink_to(f"../../blobs/{path.name}")
+        (repo / "snapshots" / SNAPSHOT / path.name).symlink_to(f"../../blobs/{path.name}")
     return root
 
 
@@ -384,7 +386,7 @@ def test_a_link_to_nothing_is_a_broken_checkpoint_not_a_missing_file(linked_chec
         src = "acme/linked"
     if name == "vocab.txt":  # (read where there is no tokenizer.json)
         os.unlink(tmp_path / "ckpt" / "tokenizer.json" if where == "folder" else
-                  tmp_path / "hub" / "models--acme--linked" / "snapshots" / "0123" / "tokenizer.json")
+                  tmp_path / "hub" / "models--acme--linked" / "snapshots" / SNAPSHOT / "tokenizer.json")
     layer, tokenizer = name in ("config.json", "model.safetensors"), name != "model.safetensors"
     for load in [BertEmbeddings.from_pretrained] * layer + [Tokenizer.from_pretrained] * tokenizer:
         with pytest.raises(ValueError, match=rf"{name} is a link to .*, which does not exist \(or loops back\)"):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from bertembed.atomic import atomic_folder
 from bertembed.config import EmbeddingConfig, read_json
 from bertembed.family import LEGACY, MEMBERS, SUPPORTED, check_key_family, layout
-from bertembed.sources import Source, resolve
+from bertembed.sources import Source, fetch_hint, resolve
 from bertembed.tensor_files import open_weights, read_tensor, tensor_problem, unshared
 
 if TYPE_CHECKING:
@@ -120,8 +120,9 @@ def weight_files(source: Source, member: str | None = None) -> tuple[list[Path],
         return [source.weights_file], {}
     index = next((path for name in WEIGHT_FILES if (path := source.file(name)) is not None), None)
     if index is None:
-        raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}; pass a folder with "
-                                f"PyTorch weights, or the weights file itself")
+        raise FileNotFoundError(f"{source.describe()} has none of {', '.join(WEIGHT_FILES)}"
+                                f"{fetch_hint(source, *WEIGHT_FILES)}; pass a folder with PyTorch weights, or the "
+                                f"weights file itself")
     if not index.name.endswith(".index.json"):
         return [index], {}
     weight_map = read_json(index).get("weight_map")

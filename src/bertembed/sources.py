@@ -78,22 +78,40 @@ def resolve(name_or_path: str | Path | Source | None = None, *, revision: str | 
         raise FileNotFoundError("the model name is empty; pass a hub id, a folder or a weights file (None: the "
                                 "bundled default)")
     try:
-        if path.is_dir():
-            return Source("folder", text, path)
-        if present(path):  # (a link to nothing is refused, never taken for a hub id)
-            return Source("file", text, path.parent, weights_file=path)
+        local = path.is_dir() or present(path)  # (a link to nothing is refused, never taken for a hub id)
     except OSError as err:  # a name no file system takes (over 255 bytes, say)
         shown = text if len(text) <= 60 else text[:60] + "..."
         raise FileNotFoundError(f"{shown!r} cannot be a file or folder ({err.strerror}); check the path or hub id") \
             from err
-    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) \
-            or len(text) > 96 or not _HUB_ID.match(text) or "--" in text or ".." in text:  # (the hub's own rules)
+    if local and revision is not None:
+        raise ValueError(f"revision={revision!r} names a hub revision, but {text!r} is a local "
+                         f"{'folder' if path.is_dir() else 'file'} (which shadows a hub id of that name): leave "
+                         f"revision out, or load from a working folder without that path")
+    if local:
+        return Source("folder", text, path) if path.is_dir() else Source("file", text, path.parent, weights_file=path)
+    # (the hub's own rules: 96 characters a part)
+    if isinstance(name_or_path, Path) or text.startswith((".", "/", "~")) or text.endswith(_FILE_SUFFIXES) or \
+            not _HUB_ID.match(text) or "--" in text or ".." in text or max(map(len, text.split("/"))) > 96:
         raise FileNotFoundError(f"{text!r} is neither an existing file or folder nor a hub model id like "
                                 f"'bert-base-uncased'; check the path")
     config = _hub_file(text, "config.json", revision, local_files_only)
     if config is None:
         raise FileNotFoundError(f"hub model {text!r} has no config.json; is it a BERT checkpoint?")
-    return Source("hub", text, config.parent, revision=revision, local_files_only=local_files_only)
+    # every later file from the commit config.json came from (the snapshot's name): a branch that moves mid-load
+    # cannot mix two checkpoints
+    return Source("hub", text, config.parent, revision=config.parent.name, local_files_only=local_files_only)
+
+
+_uncached: set[tuple[str, str, str | None]] = set()  # (repo, file, revision): not cached, and the hub not asked
+
+
+def fetch_hint(source: Source, *names: str) -> str:
+    """Where one of the files `names` of a hub checkpoint was looked for only in the cache (offline, or the hub out of
+    reach), so the repo may have it: that, and the fix; else nothing."""
+    if not any((source.name, name, source.revision) in _uncached for name in names):
+        return ""
+    return (f" (or not in the local cache, offline or with the hub out of reach: `{_hub_cli()} download "
+            f"{source.name} --revision {source.revision}` fetches the whole snapshot)")
 
 
 def _hub_cli() -> str:
@@ -114,8 +132,9 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
         ref = cache / "refs" / (revision or "main")  # (absent for a commit hash, or nothing cached)
         commit = ref.read_text().strip() if ref.is_file() else revision
         present(cache / "snapshots" / str(commit) / filename)  # (a link to a deleted blob: broken, not absent)
-        if filename != "config.json":
-            return None  # an optional file that is not in the cache: the caller tries the next candidate
+        if filename != "config.json":  # an optional file that is not in the cache: the caller tries the next one
+            _uncached.add((repo_id, filename, revision))
+            return None
         offline = local_files_only or constants.HF_HUB_OFFLINE
         at = f" at revision {revision!r}" if revision else ""
         why = f"offline mode is on and it is not in the local cache{at}" if offline else "the hub could not be reached"
@@ -131,4 +150,13 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
             from err
     except errors.EntryNotFoundError:
         return None
+    except (errors.HfHubHTTPError, _http_error(errors.HfHubHTTPError)) as err:  # (a 5xx, a connection dropped)
+        raise ConnectionError(f"cannot fetch {filename} of hub model {repo_id!r}: {str(err)[:200]}; try again, or "
+                              f"pass a local folder") from err
+
+
+def _http_error(hub_error: type) -> type:
+    """The HTTP library's own root error class, as the installed huggingface_hub's errors derive from it (requests'
+    RequestException, or httpx's HTTPError, which is no OSError)."""
+    return next(c for c in reversed(hub_error.__mro__) if c.__module__ != "builtins")
 

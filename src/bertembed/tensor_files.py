@@ -109,7 +109,8 @@ def open_weights(path: Path, framework: str):
         except Exception as err:  # safetensors' own error type, or OSError for a file it cannot open
             raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save it") from err
     if path.suffix not in (".bin", ".pt", ".pth"):
-        raise ValueError(f"{path}: unknown weights format {path.suffix!r}; use .safetensors, .bin, .pt or .pth")
+        raise ValueError(f"{path}: unknown weights format {path.suffix!r}; use .safetensors, .bin, .pt or .pth, or "
+                         f"pass the checkpoint's folder")
     import torch
 
     try:  # (a legacy, pre-zip file cannot be memory-mapped)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bertembed.config import EmbeddingConfig, read_json
-from bertembed.sources import Source, resolve
+from bertembed.sources import Source, fetch_hint, resolve
 
 _ID_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 # transformers' truncation strategies (True: longest first, as there; "do_not_truncate": False)
@@ -85,8 +85,9 @@ class Tokenizer:
                                  f"(AutoTokenizer.from_pretrained(...).save_pretrained(folder)) into the folder")
             backend = _wordpiece_from_vocab(vocab, settings)
         else:
-            raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt; "
-                                    f"pass the folder of a BERT checkpoint that includes its tokenizer")
+            hint = fetch_hint(source, "tokenizer.json", "vocab.txt")
+            raise FileNotFoundError(f"{source.describe()} has neither tokenizer.json nor vocab.txt{hint}; pass the "
+                                    f"folder of a checkpoint with its tokenizer")
         return cls(backend, settings["max_length"], source, settings.get("pad_token"),
                    settings.get("one_segment", False))
 

@@ -127,7 +127,8 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), as_json:
             print_json({"summary": {"not_measured": str(err)}, "rows": []})
         else:
             console.print(escape(str(err)), soft_wrap=True)
-    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError) as err:
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
+            ConnectionError) as err:  # (ConnectionError: a hub request that failed, `sources`)
         _fail(str(err))
     except OSError as err:
         if str(err).startswith("cannot save to "):  # (a full disk, an I/O error: `atomic.save_error` names the target)
