@@ -411,3 +411,24 @@ def test_explain_warns_on_a_literal_separator_in_the_table_the_json_and_the_repo
 ])
 def test_each_answer_says_whether_it_holds_for_every_bert_or_this_checkpoint(tiny, args, tag):
     assert f"({tag})" in " ".join(invoke(*args, "--model", tiny).output.split())
+
+
+def test_drift_refuses_two_members_of_equal_shapes(tmp_path):
+    """DeBERTa v1 and v2 tables of the same shapes: drift compared them as one architecture's."""
+    from conftest import member_or_skip
+
+    for name, model_type in (("a", "deberta"), ("b", "deberta-v2")):
+        member_or_skip("deberta" if name == "a" else "deberta-v3").save_pretrained(tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == model_type
+    assert_user_error(invoke("drift", tmp_path / "a", tmp_path / "b"), "a deberta checkpoint and .* a deberta-v2 one")
+
+
+def test_a_narrow_terminal_folds_the_token_table_rather_than_cutting_it(monkeypatch):
+    """At 60 columns the token column had no width and numbers were cut to "1.…"."""
+    from bertembed.cli.app import console
+
+    monkeypatch.setattr(console, "width", 60)  # (the console is made at import; COLUMNS=60 in a terminal)
+    result = invoke("explain", "internationalization")
+    assert result.exit_code == 0 and "…" not in result.output, result.output
+    folded = "".join(line.split("│")[2].strip() for line in result.output.splitlines() if line.count("│") > 3)
+    assert "##ization" in folded or "ization" in folded, result.output

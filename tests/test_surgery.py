@@ -62,7 +62,8 @@ def test_interpolation_places_old_rows_at_f_times_i_with_linear_blends_between()
         _layer(positions=8).extend_positions(20, "interpolate")
 
 
-@pytest.mark.parametrize("bad, match", [(8, "above the 12 positions"), (12, "above the 12"), ("x", "integer")])
+@pytest.mark.parametrize("bad, match", [(8, "above the 12 positions"), (12, "above the 12"), ("x", "integer"),
+                                        (2**20 + 1, "at most 1,048,576")])  # (a typo: 12 GB, then out of memory)
 def test_extending_refuses_what_is_not_an_extension(bad, match):
     with pytest.raises(ValueError, match=match):
         _layer().extend_positions(bad)

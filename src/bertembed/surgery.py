@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
+MAX_POSITIONS = 1 << 20  # (32 times the longest context of the family's long models: a typo, not a table, past it)
 
 
 def extend_positions(layer, n: int, method: str = "copy"):
@@ -24,9 +25,9 @@ def extend_positions(layer, n: int, method: str = "copy"):
     table = positions.weight.detach()
     head, old = table[:config.first_position], table[config.first_position:]
     count = old.shape[0]
-    if not isinstance(n, int) or isinstance(n, bool) or n <= count:
-        raise ValueError(f"n={n!r} must be an integer above the {count} positions the table has now; shrinking a "
-                         f"table is not extending it")
+    if not isinstance(n, int) or isinstance(n, bool) or not count < n <= MAX_POSITIONS:
+        raise ValueError(f"n={n!r} must be an integer above the {count} positions the table has now (shrinking a "
+                         f"table is not extending it) and at most {MAX_POSITIONS:,}")
     if method == "copy":
         grown = old[torch.arange(n) % count]
     elif method == "repeat_last":

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from bertembed.cli.app import app, console, user_errors
+from bertembed.cli.app import app, console, make_console, user_errors
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -61,11 +61,12 @@ def bench(
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     cpus, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
+    notes = make_console(stderr=True)  # (stdout: the report alone, for `bertembed bench > report.md`)
     if threads > cpus:
-        console.print(f"[yellow]warning:[/yellow] --threads {threads} is more than the {cpus} CPUs it may use")
+        notes.print(f"[yellow]warning:[/yellow] --threads {threads} is more than the {cpus} CPUs it may use")
     if load > 0.3:
-        console.print(f"[yellow]warning:[/yellow] load average {load:.2f} before starting: other processes are "
-                      "running, so the timings will be disturbed")
+        notes.print(f"[yellow]warning:[/yellow] load average {load:.2f} before starting: other processes are "
+                    "running, so the timings will be disturbed")
     done = measure.run(plan(quick, hidden, shape, dtype, device), threads, repeat, quick, reference,
                        progress=lambda line: print(line, file=sys.stderr))
     text = measure.markdown(done)
@@ -75,4 +76,4 @@ def bench(
     strict = json.dumps(to_jsonable(done), indent=1, allow_nan=False)  # (a NaN or inf measured: null)
     for path, content in ((json_out, strict), (markdown_out, text)):
         if path is not None:
-            console.print(f"wrote {write_atomic(path, content.encode('utf-8'))}")
+            notes.print(f"wrote {write_atomic(path, content.encode('utf-8'))}")

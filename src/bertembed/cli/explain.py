@@ -60,8 +60,8 @@ def rows_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]
     from bertembed.explain._common import label
 
     table = Table(title=title or None, title_justify="left", caption=caption or None, caption_justify="left")
-    for header, _, _ in columns or []:
-        table.add_column(header, justify="left" if header == "token" else "right", no_wrap=header != "token")
+    for header, _, _ in columns or []:  # (folded on a narrow terminal: a cut token or number loses what it says)
+        table.add_column(header, justify="left" if header == "token" else "right", overflow="fold")
     for col in [] if columns else rows[0]:
         table.add_column(label(str(col)), overflow="fold")
     for row in rows:  # (escaped: tokens like [unused0] are not rich markup)

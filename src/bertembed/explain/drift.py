@@ -135,6 +135,9 @@ def drift(model_a: ModelArg, model_b: ModelArg, *, top: int = 10) -> DriftReport
     if top < 0:
         raise ValueError(f"top={top}: list 0 or more most-changed rows")
     a, b = load_layer(model_a), load_layer(model_b)
+    if (kinds := (a.config.model_type, b.config.model_type))[0] != kinds[1]:  # (equal shapes, another recipe)
+        raise ValueError(f"{a.source.name} is a {kinds[0]} checkpoint and {b.source.name} a {kinds[1]} one: compare "
+                         f"two checkpoints of the same architecture")
     shapes = {k: (tuple(a.tensors[k].shape) if k in a.tensors else None,
                   tuple(b.tensors[k].shape) if k in b.tensors else None) for k in DRIFT_TABLES.values()}
     if wrong := [f"{k}: {sa} vs {sb}" for k, (sa, sb) in shapes.items() if sa != sb]:
