@@ -254,3 +254,14 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny, tmp_path,
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert re.fullmatch(r"error: cannot save to .*out.*: No space left on device", lines[-1]), lines
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_import_error_of_bertembeds_own_code_is_not_shown_as_bad_input():
+    """A broken import inside bertembed ("cannot import name") printed as a one-line user error, exit status 2."""
+    from bertembed.cli.app import user_errors
+
+    with pytest.raises(ImportError, match="cannot import name"), user_errors():
+        raise ImportError("cannot import name 'gone' from 'bertembed.sources'", name="bertembed.sources")
+    with pytest.raises(SystemExit) as stopped, user_errors():  # (a missing optional package: said, exit status 2)
+        raise ImportError("numba is not installed: pip install 'bertembed[fast]'")
+    assert stopped.value.code == 2

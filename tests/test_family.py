@@ -578,6 +578,7 @@ def test_packed_one_dimensional_ids_and_a_batch_padded_past_the_table(member_che
     with pytest.raises(ValueError, match=r"a sequence of 41 tokens \(pads not counted\) needs positions up to 42, "
                                          r"but the position table has 42 rows: truncate to 40 tokens"):
         layer(too_long)
+    assert layer(torch.zeros(0, 45, dtype=torch.long)).shape[:2] == (0, 45)  # (an empty batch: no token to count)
 
 
 def test_a_member_config_cannot_contradict_its_member_and_for_member_applies_the_facts(tmp_path):

@@ -224,8 +224,9 @@ config = EmbeddingConfig(vocab_size=500, hidden_size=384, hidden_dropout_prob=0.
 fused = BertEmbeddings(config, backend="cpu").eval()
 ids = torch.randint(0, 500, (16, 128))
 upstream = torch.linspace(-1, 1, 384).repeat(16, 128, 1)  # (the sum of squares of a LayerNorm is constant)
-with torch.no_grad():  # a batch on numba's pool: the parent's GNU OpenMP is in use (or a sentence: not yet)
-    fused(ids[:1, :11] if sys.argv[2] == "torch's pool only" else ids)
+if sys.argv[2] != "torch's pool only":  # a batch on numba's pool: the parent's GNU OpenMP is in use
+    with torch.no_grad():
+        fused(ids)
 if pool:  # and torch's own
     torch.set_num_threads(2)
     torch.ones(1 << 22).add_(1)
@@ -253,12 +254,12 @@ print(os.waitpid(pid, 0)[1])
 @pytest.mark.parametrize("pool", ["threads set to 1", "pool", "torch's pool only"])
 def test_a_forked_child_runs_where_numbas_pool_cannot(tmp_path, pool):
     """numba's GNU OpenMP pool cannot run in a process forked after it started: numba ends the child ("fork() called
-    from a process already using GNU OpenMP"), as multiprocessing's default 'fork' start and DataLoader workers would
-    meet. In the child, inference and training take the serial kernels, and give the reference's numbers; "pool": also
-    where the parent had used torch's own pool and the child did not set torch's threads to 1 (the backward's zeros
-    were torch's, which never returned there); "torch's pool only": numba's pool never ran in the parent, and its
-    first parallel call in the child hung on the GNU OpenMP state torch's pool left. In a fresh process, with
-    timeouts: a child could hang, not fail."""
+    from a process already using GNU OpenMP"), as multiprocessing's default 'fork' start and DataLoader workers
+    would meet. In the child, inference and training take the serial kernels, and give the reference's numbers;
+    "pool": also where the parent had used torch's own pool and the child did not set torch's threads to 1 (the
+    backward's zeros were torch's, which never returned there); "torch's pool only": the parent built the layer
+    but never called it (the kernels not even imported), and their first parallel call in the child hung on the
+    state torch's pool left. In a fresh process, with timeouts: a child could hang, not fail."""
     saved = tmp_path / "child.pt"
     done = subprocess.run([sys.executable, "-c", _FORKED, str(saved), pool], capture_output=True, text=True,
                           timeout=300)

@@ -305,3 +305,20 @@ def test_cli_bad_output_exits_2_without_traceback(tmp_path):
         assert done.exit_code == 2 and isinstance(done.exception, SystemExit), (args, done.output)
         assert message in done.output and "Traceback" not in done.output
     assert not list(tmp_path.iterdir())
+
+
+def test_whole_export_of_an_embedding_only_or_broken_folder_is_refused(tmp_path, bundled_path):
+    """An embedding-only folder (save_pretrained, finetune-demo --save) became a model with a random encoder, and a
+    broken weights file a traceback."""
+    from bertembed import BertEmbeddings
+
+    BertEmbeddings.from_pretrained(bundled_path).save_pretrained(tmp_path / "layer")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((bundled_path / "config.json").read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    for folder, message in ((tmp_path / "layer", "it is not a whole model"), (broken, "transformers cannot load")):
+        done = CliRunner().invoke(app, ["export", "onnx", str(tmp_path / "m.onnx"), "--whole", "-m", str(folder)])
+        assert done.exit_code == 2 and isinstance(done.exception, SystemExit), done.output
+        assert message in " ".join(done.output.split()) and "Traceback" not in done.output
+    assert not (tmp_path / "m.onnx").exists()

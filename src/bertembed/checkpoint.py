@@ -106,7 +106,8 @@ def _read(source: Source, framework: str, word_reader) -> Checkpoint:
     # an all-zero row with nonzero rows after it: the padding row of a RoBERTa-style table, which BERT's never has
     positions = tensors.get("position_embeddings.weight")  # (numpy or torch)
     zero = [] if positions is None or config.positions_from_padding else (positions == 0).all(1).tolist()
-    if True in zero and not all(zero[(row := zero.index(True)):]):
+    row = zero.index(True) if True in zero else None
+    if row is not None and not all(zero[row:]):
         raise ValueError(f"checkpoint {source.describe()}: row {row} of the position table is all zeros, the padding "
                          f"row of a RoBERTa-style table that counts positions from the padding id, but its config "
                          f"says {config.model_type!r}, which counts from 0: is config.json the checkpoint's own?")
@@ -256,6 +257,18 @@ def _check_shapes(tensors: dict[str, Any], config: EmbeddingConfig, source: Sour
                          + ". The weights and the config come from different models")
 
 
+def _config_text(config: EmbeddingConfig, dtype) -> str:
+    """config.json's text, with the tables' `dtype` where the source's config named one (transformers loads by it,
+    and would round a wider table); ValueError for extra keys JSON cannot hold."""
+    hf_config = config.to_hf_config()
+    named = str(dtype).removeprefix("torch.")
+    try:
+        return json.dumps(hf_config | {k: named for k in ("dtype", "torch_dtype") if k in hf_config}, indent=2) + "\n"
+    except (TypeError, ValueError, RecursionError) as err:
+        raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
+                         f"fix layer.config.extra") from err
+
+
 def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     """Check `layer` against its config (ValueError for a table of another size or dtype, or LayerNorm's eps changed:
     its checkpoint would load wrongly) and return a function that writes config.json and model.safetensors into a
@@ -283,15 +296,7 @@ def checkpoint_writer(layer, folder: str | Path) -> Callable[[Path], None]:
     if problems:
         raise ValueError("cannot save: the layer disagrees with layer.config (" + "; ".join(problems) + "); nothing "
                          "was written. Restore the tables, or set layer.config = layer.config.replace(...) to match")
-    hf_config = config.to_hf_config()
-    # the tables' dtype where the source's config.json named one: transformers loads by it, and would round a wider one
-    dtype = str(layer.tables()[0].dtype).removeprefix("torch.")
-    hf_config |= {key: dtype for key in ("dtype", "torch_dtype") if key in hf_config}
-    try:
-        config_text = json.dumps(hf_config, indent=2) + "\n"
-    except (TypeError, ValueError, RecursionError) as err:
-        raise ValueError(f"cannot save: the config's extra keys cannot be written as JSON ({str(err)[:200]}); "
-                         f"fix layer.config.extra") from err
+    config_text = _config_text(config, layer.tables()[0].dtype)
     if (found := _whole_model_in(Path(folder).expanduser())) is not None:
         raise ValueError(f"cannot save to {folder}: it holds {found}, which this embedding-only save would replace or "
                          f"hide (transformers reads model.safetensors first); nothing was written. Save the layer to "

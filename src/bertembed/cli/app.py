@@ -19,7 +19,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from bertembed import __version__
-from bertembed.sources import DEFAULT_MODEL
+from bertembed.sources import DEFAULT_MODEL, HubRequestFailed
 
 # the commands in the order of a first tour (the README's): one text taken apart, each part, then the tools
 TOUR = ("explain", "walkthrough", "notebook", "inspect", "drift", "finetune-demo", "export", "surgery", "bench")
@@ -128,7 +128,9 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), as_json:
         else:
             console.print(escape(str(err)), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
-            ConnectionError) as err:  # (ConnectionError: a hub request that failed, `sources`)
+            HubRequestFailed) as err:
+        if isinstance(err, ImportError) and err.name is not None:  # ("cannot import name": a bug, shown as one)
+            raise
         _fail(str(err))
     except OSError as err:
         if str(err).startswith("cannot save to "):  # (a full disk, an I/O error: `atomic.save_error` names the target)

@@ -11,7 +11,8 @@ from typing import Any
 
 from bertembed import explain
 from bertembed.config import NotInThisMember
-from bertembed.explain._common import ModelArg, NotMeasured, figure_html, html_table, load_text, summary_rows
+from bertembed.explain._common import ModelArg, NotMeasured, figure_html, html_table, load_layer, summary_rows
+from bertembed.tokenizer import check_not_blank
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
@@ -36,8 +37,9 @@ def run_analyses(text: str, text_b: str | None = None, model: ModelArg = None, *
     """All analyses of one text (or pair) on one checkpoint read once: decomposition, positions, segments, `token`'s
     neighbours (default: the text's first whole word), one-hot; with `projector` the word table in 2-D (cached), with
     `finetune` the fine-tune demo (torch; seconds). `progress(what, done, total)` follows the long steps."""
-    layer, _ = load_text(model, text, text_b, ("TEXT", "TEXT_B"))  # (a text it refuses costs no table read)
-    dec = explain.explain_text(text, text_b, layer)
+    check_not_blank(text, "TEXT", text_b, "TEXT_B")  # (before the checkpoint is read)
+    layer = load_layer(model)
+    dec = explain.explain_text(text, text_b, layer)  # (the tokenizer first: a text it refuses costs no table read)
     # the neighbours of the word asked for, else of the text's first whole word (not special, not a ## piece)
     token = token or next((t for t in dec.tokens[1:] if t.isalpha() and not t.startswith("##")),
                           dec.tokens[1] if len(dec.tokens) > 2 else "[CLS]")

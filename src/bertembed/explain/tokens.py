@@ -28,7 +28,7 @@ class TokenReport(Result):
     token_norm: float
     neighbours: list[dict]  # {"token", "id", "cosine"}, most similar first, the token itself excluded
     special: list[dict]  # {"token", "id", "norm"} for the special tokens present
-    pad_is_zero: bool
+    pad_is_zero: bool | None  # None: the layer has no padding row (a config's null pad id)
     median_norm: float
     unused_median_norm: float | None  # the never-seen [unusedN] rows, if the vocabulary has them
     rank_start: int | None  # first id of the frequency-ordered region, None when the order is unknown
@@ -48,8 +48,9 @@ class TokenReport(Result):
                                                  "rank_norm_correlation")}}
 
     def figures(self) -> list[Figure]:
+        pad = {None: "no padding row", True: "[PAD] row is all zeros", False: "[PAD] row is not zero"}
         norms = (f"Norm of each of the {len(self.norms)} word-table rows against its id: median "
-                 f"{self.median_norm:.3f}; [PAD] row {'is all zeros' if self.pad_is_zero else 'is not zero'}.")
+                 f"{self.median_norm:.3f}; {pad[self.pad_is_zero]}.")
         if self.unused_median_norm is not None:
             norms += f" The never-used [unusedN] rows have median norm {self.unused_median_norm:.3f}."
         if self.rank_norm_correlation is not None:
@@ -167,7 +168,7 @@ def analyze_tokens(token: str = "king", model: ModelArg = None, *, k: int = 10) 
     region = np.arange(start, len(norms)) if start is not None and start < len(norms) - 2 else None
     ranks = None if region is None else np.argsort(np.argsort(norms[region]))  # (Spearman: ids are their own ranks)
     pad = layer.config.pad_token_id  # (None: the layer has no padding row)
-    pad_is_zero = pad is not None and bool(np.all(words[pad] == 0))
+    pad_is_zero = None if pad is None else bool(np.all(words[pad] == 0))
     return TokenReport(
         source=layer.source, token=entries[0], token_id=token_id, token_norm=float(norms[token_id]),
         neighbours=pieces[0]["neighbours"], asked=token, pieces=pieces if len(pieces) > 1 else [], note=note,

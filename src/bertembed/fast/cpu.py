@@ -16,6 +16,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
+from bertembed.fast.function import STARTED_IN
 from bertembed.validation import RowsOverflowed, skipped_ids_error
 
 _PARALLEL_FROM = 1 << 17  # elements (N x H): below this, one thread beats waking the pool (a sentence is ~8k)
@@ -285,14 +286,12 @@ def _np(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
     return view
 
 
-_IMPORTED_IN = os.getpid()
-
-
 def _threads(elements: int) -> int:
-    """How many threads a kernel on `elements` (N x H) runs on: 1 below _PARALLEL_FROM, or in a child forked after
-    this module was imported (GNU OpenMP ends or hangs a child forked after numba's pool or torch's ran: "fork()
-    called from a process already using GNU OpenMP"), else torch's count (`torch.set_num_threads` governs both)."""
-    if elements < _PARALLEL_FROM or os.getpid() != _IMPORTED_IN:
+    """How many threads a kernel on `elements` (N x H) runs on: 1 below _PARALLEL_FROM, or in a child forked from the
+    process that named the backend (`function.STARTED_IN`: GNU OpenMP ends or hangs a child forked after numba's pool
+    or torch's ran, "fork() called from a process already using GNU OpenMP"), else torch's count
+    (`torch.set_num_threads` governs both)."""
+    if elements < _PARALLEL_FROM or os.getpid() != STARTED_IN:
         return 1
     wanted = torch.get_num_threads()
     count = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))

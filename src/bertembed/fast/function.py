@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import torch
 from torch import Tensor
@@ -19,6 +20,9 @@ from bertembed.validation import in_torch_func
 log = logging.getLogger("bertembed.fast")
 _told: set[str] = set()
 _modules: dict = {}
+# the process that named a fused backend (this module is loaded then, the kernels on first use): a child forked from
+# it runs the CPU kernels serially, as GNU OpenMP, numba's or torch's pool, ends or hangs in such a child
+STARTED_IN = os.getpid()
 
 
 def backend_module(backend: str):
