@@ -121,7 +121,8 @@ def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, Embe
         raise ValueError(f"transformers cannot load the model of {where} ({str(err)[:200]}); pass a whole "
                          f"checkpoint") from err
     # a folder of the embeddings alone (bertembed's save_pretrained, finetune-demo --save): the rest would be random
-    if missing := [k for k in info["missing_keys"] if not k.startswith("pooler.")]:  # (no pooler: not exported)
+    prefix = f"{hf.base_model_prefix}."  # (transformers 4 names a head checkpoint's missing keys with it)
+    if missing := [k for k in info["missing_keys"] if not k.removeprefix(prefix).startswith("pooler.")]:  # (unused)
         raise ValueError(f"{where} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}, ...), which "
                          f"transformers would draw at random: it is not a whole model; export the embedding layer "
                          f"alone (no --whole)")
