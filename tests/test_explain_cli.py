@@ -224,13 +224,33 @@ def test_a_report_that_cannot_be_saved_leaves_no_figures_behind(tiny, tmp_path, 
     monkeypatch.setattr(atomic.os, "replace", full)
     result = invoke("explain", "the cat", "--model", tiny, "--plots", tmp_path / "p", "--report", tmp_path / "r.html")
     assert result.exit_code == 2 and "cannot save to" in result.output and "No space left" in result.output
-    assert list((tmp_path / "p").iterdir()) == [] and not (tmp_path / "r.html").exists()
+    assert not (tmp_path / "p").exists() and not (tmp_path / "r.html").exists()
 
 
-def test_too_long_text_leaves_no_report(tiny, tmp_path):
-    assert_user_error(invoke("explain", "the cat " * 10, "--model", tiny, "--report", tmp_path / "r.html"),
-                      "16 positions")
+def test_too_long_text_leaves_no_report_and_no_plots_folder(tiny, tmp_path):
+    assert_user_error(invoke("explain", "the cat " * 10, "--model", tiny, "--report", tmp_path / "r.html", "--plots",
+                             tmp_path / "figs" / "new"), "16 positions")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("target, pattern", [("afile", "afile: that is a file"),
+                                             ("afile/figs", "afile/figs: .*afile is a file")])
+def test_a_plots_folder_under_a_file_is_refused_before_any_work(tiny, tmp_path, target, pattern):
+    (tmp_path / "afile").write_text("x")
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--plots", tmp_path / target), pattern)
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_a_plot_of_a_table_the_member_lacks_says_nothing_was_written(member_checkpoint, tmp_path):
+    """ModernBERT has no position table (transformers' module has none): the command succeeds, and says that the
+    PNG it was asked for is not written, in text and in JSON."""
+    folder, model = member_checkpoint("modernbert")
+    assert getattr(model.embeddings, "position_embeddings", None) is None
+    for extra in ((), ("--json",)):
+        result = invoke("inspect", "positions", "--model", folder, "--plot", tmp_path / "p.png", *extra)
+        assert result.exit_code == 0, result.output
+        assert f"nothing written to {tmp_path / 'p.png'}" in "".join(result.output.split("\n"))
+        assert not (tmp_path / "p.png").exists()
 
 
 def test_failure_while_rendering_leaves_no_report(tiny, tmp_path, monkeypatch):

@@ -95,7 +95,8 @@ def missing(names: list[str]) -> str:
 def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), as_json: bool = False) -> Iterator[None]:
     """Bad input (a path or value, a broken checkpoint, a missing package) ends the command with its message and exit
     status 2, anything else keeps its traceback; `outputs` are checked writable first, then the `needs` imported. A
-    table the member lacks is said (`as_json`: as {"summary": {"not_measured": ...}, "rows": []}) and exits 0."""
+    table the member lacks is said (`as_json`: as {"summary": {"not_measured": ...}, "rows": []}), with the `outputs`
+    left unwritten, and exits 0."""
     from bertembed.atomic import check_output
     from bertembed.config import NotInThisMember
 
@@ -123,10 +124,12 @@ def user_errors(*outputs: str | Path | None, needs: Iterable[str] = (), as_json:
     except ModuleNotFoundError as err:  # (one that `needs` did not name: said the same way)
         _fail(missing([err.name]) if err.name in EXTRAS else str(err))
     except NotInThisMember as err:  # a fact about the member, not an input error: said, and the command succeeds
+        unwritten = ", ".join(str(path) for path in outputs if path is not None)
+        said = f"{err}; nothing written to {unwritten}" if unwritten else str(err)
         if as_json:
-            print_json({"summary": {"not_measured": str(err)}, "rows": []})
+            print_json({"summary": {"not_measured": said}, "rows": []})
         else:
-            console.print(escape(str(err)), soft_wrap=True)
+            console.print(escape(said), soft_wrap=True)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
             HubRequestFailed) as err:
         if isinstance(err, ImportError) and err.name is not None:  # ("cannot import name": a bug, shown as one)

@@ -134,6 +134,7 @@ def explain(
                 if not as_json:
                     console.print(f"report written to {report}")
             if folder is not None:  # one PNG per figure, named after it (e.g. position_similarity.png)
+                folder.mkdir(parents=True, exist_ok=True)
                 written = [write_atomic(folder / f"{f.name}.png", f.png()) for r in results for f in r.figures()]
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,14 +88,14 @@ def report_html(results: list[Any]) -> str:
 
 
 def check_folder(folder: str | Path) -> Path:
-    """The folder for --plots: created if missing; an error if it is a file or cannot be created."""
+    """The folder for --plots, checked but not made yet (a refused input leaves none behind): an error if it or its
+    nearest existing parent is a file, or that parent cannot be written."""
     folder = Path(folder).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--plots {folder}: that is a file; give a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--plots {folder}: cannot create the folder ({err.strerror})") from err
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--plots {folder}: {'that' if existing == folder else existing} is a file; give a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--plots {folder}: cannot create or write into it ({existing} is not writable)")
     return folder
 
 
