@@ -4,10 +4,11 @@ its rank, the world size, the rendezvous address). The vocabulary's 101 rows spl
 
 One spawn per world size runs every case on every rank and saves what each rank saw; the tests hold it to the
 single-process model, built from the same seed:
-- tensor parallel (`shard_vocab`) on bertembed's layer (reference and fused CPU backends), on a patched transformers
-  model and on a plain one: outputs and whole gradients, and no allocation the size of a whole [V, H] table in the step
-  (torch's profiler: each rank writes its own rows' gradient); a sharded nn.Embedding's lookup makes one [B, L, H]
-  tensor, its output, and its backward none;
+- tensor parallel (`shard_vocab`) on bertembed's layer (reference, fused CPU and Triton backends: Triton's kernel in
+  its interpreter, TRITON_INTERPRET=1, as no GPU is here), on a patched transformers model and on a plain one: outputs
+  and whole gradients, and no allocation the size of a whole [V, H] table in the step (torch's profiler: each rank
+  writes its own rows' gradient); a sharded nn.Embedding's lookup makes one [B, L, H] tensor, its output, and its
+  backward none;
 - a masked-LM model whose head is tied to the word table, sharded: the head's logits rest sharded by columns, the
   vocab-parallel cross-entropy gives one process's loss and gradients (the tied table's: the sum of both uses), and no
   allocation holds the whole logits; the cross-entropy alone against torch's (ignore_index, label smoothing);
@@ -23,10 +24,12 @@ single-process model, built from the same seed:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -42,7 +45,11 @@ from bertembed.checkpoint import load_checkpoint  # noqa: E402
 
 VOCAB, HIDDEN = 101, 24  # 101: uneven over 2 and 3 ranks
 BATCH = 6  # split over 2 or 3 ranks under FSDP2
-TP_CASES = ("layer reference", "layer cpu", "patched model", "plain model")
+# the Triton kernel in its interpreter on the ranks' CPU tensors (TRITON_INTERPRET=1 set for them; on a GPU host the
+# kernel is compiled, and the gloo ranks hold CPU tensors)
+TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+INTERPRETED = {"TRITON_INTERPRET": "1"} if TRITON else {}
+TP_CASES = ("layer reference", "layer cpu", *("layer triton",) * TRITON, "patched model", "plain model")
 SMOOTHING = 0.1
 
 
@@ -94,7 +101,8 @@ def profiled():
 
 def make(case: str):
     return {"layer reference": lambda: layer("reference"), "layer cpu": lambda: layer("cpu"),
-            "patched model": lambda: hf_model(True), "plain model": lambda: hf_model(False)}[case]()
+            "layer triton": lambda: layer("triton"), "patched model": lambda: hf_model(True),
+            "plain model": lambda: hf_model(False)}[case]()
 
 
 def batch():
@@ -385,13 +393,15 @@ def ranks(request, tmp_path_factory):
     earlier = tmp_path_factory.getbasetemp() / "world2"
     earlier = str(earlier) if world == 3 and (earlier / "dcp").exists() else None
     layer("cpu").eval().save_pretrained(folder / "layer")
-    torch.multiprocessing.spawn(worker, args=(world, free_port(), str(folder), earlier), nprocs=world, join=True)
+    with mock.patch.dict(os.environ, INTERPRETED):  # (the ranks' environment, read as they import triton)
+        torch.multiprocessing.spawn(worker, args=(world, free_port(), str(folder), earlier), nprocs=world, join=True)
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def single(case: str) -> dict:
-    net = make(case)
-    return {"out": step(net, *batch()), "grads": grads(net)}
+    with mock.patch.dict(os.environ, INTERPRETED):  # (conftest imported triton interpreted)
+        net = make(case)
+        return {"out": step(net, *batch()), "grads": grads(net)}
 
 
 def assert_grads_close(got: dict, expected: dict) -> None:
