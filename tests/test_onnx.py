@@ -212,6 +212,8 @@ def test_whole_fused_refuses_a_member_without_position_table(member_checkpoint, 
     folder, _ = member_checkpoint("modernbert")
     with pytest.raises(ValueError, match="modernbert layer has no position table"):
         export_whole(folder, tmp_path / "model.onnx", fused=True)
+    with pytest.raises(ValueError, match="optimizer cannot take the modernbert model.*without --optimize"):
+        export_whole(folder, tmp_path / "model.onnx", optimize=True)
     assert not list(tmp_path.iterdir())
 
 
@@ -246,6 +248,27 @@ def test_whole_optimized_fuses_every_layer_and_matches_transformers(two_layers, 
     assert not ops["Softmax"] and not ops["LayerNormalization"] and not ops["Erf"]
     config = EmbeddingConfig.from_hf_config(folder)
     assert [i.name for i in onnx.load(str(path)).graph.input] == list(input_names(config))
+
+    def reference(feed):
+        with torch.no_grad():
+            return hf(**feed).last_hidden_state
+
+    assert_runs_like(path, reference, padded_feeds(config), WHOLE_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["deberta", "deberta-v3", "deberta-v2-factorised"])
+def test_whole_optimized_deberta_keeps_its_embeddings_and_fuses_the_rest(two_layers, tmp_path, name, caplog):
+    """The op cannot compute DeBERTa's layer (no position row, a projection before the norm, a masked output): its
+    embeddings stay operators, said in a warning, and ONNX Runtime's optimizer fuses each layer's two
+    SkipLayerNormalizations and its Gelu (not the attention: relative positions); transformers' outputs within 1e-4."""
+    folder, hf = two_layers(name)
+    path = export_whole(folder, tmp_path / "model.onnx", optimize=True)
+    ops = Counter(op for (_, op), n in op_counts(path).items() for _ in range(n))
+    layers = hf.config.num_hidden_layers
+    assert ops["SkipLayerNormalization"] == 2 * layers and ops["FastGelu"] + ops["BiasGelu"] + ops["Gelu"] == layers
+    assert not ops["EmbedLayerNormalization"] and ops["LayerNormalization"] >= 1 and ops["Softmax"] == layers
+    assert "no fused embeddings: this deberta" in caplog.text
+    config = EmbeddingConfig.from_hf_config(folder)
 
     def reference(feed):
         with torch.no_grad():

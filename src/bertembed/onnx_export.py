@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from bertembed.embeddings import BertEmbeddings
 
 MIN_OPSET = 17  # LayerNormalization entered the standard domain in opset 17
+log = logging.getLogger(__name__)
 TABLES = NAMES[:3]  # word, position, segment
 NOT_FUSED_FIX = ("export it without fusing (fused=False, optimize=False; no --fused or --optimize): plain operators, "
                  "which ONNX Runtime runs for every member")
@@ -33,19 +34,23 @@ def input_names(config: EmbeddingConfig) -> tuple[str, ...]:
     return ("input_ids", "attention_mask", "token_type_ids") if segments else ("input_ids", "attention_mask")
 
 
+def unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> str | None:
+    """Why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer, or None where it can."""
+    this = f"this {config.model_type} layer"
+    return next((problem for refused, problem in (
+        (config.position_embedding_type == "none", f"{this} has no position table (its positions enter in attention), "
+         f"but the fused op always adds a position row"),
+        (config.projection == "before_norm", f"{this} projects E={config.table_width} -> H={config.hidden_size} "
+         f"before its LayerNorm, but the fused op normalises the sum of the rows itself"),
+        (config.mask_output, f"{this} multiplies its output by the attention mask, which the fused op does not"),
+        (str(dtype) not in ("torch.float32", "float32"), f"its tables are {dtype}, but ONNX Runtime's fused op runs "
+         f"float32 on the CPU; convert with .float()")) if refused), None)
+
+
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
     """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer."""
-    this = f"this {config.model_type} layer"
-    for refused, problem in (
-            (config.position_embedding_type == "none", f"{this} has no position table (its positions enter in "
-             f"attention), but the fused op always adds a position row"),
-            (config.projection == "before_norm", f"{this} projects E={config.table_width} -> H={config.hidden_size} "
-             f"before its LayerNorm, but the fused op normalises the sum of the rows itself"),
-            (config.mask_output, f"{this} multiplies its output by the attention mask, which the fused op does not"),
-            (str(dtype) not in ("torch.float32", "float32"), f"its tables are {dtype}, but ONNX Runtime's fused op "
-             f"runs float32 on the CPU; convert with .float()")):
-        if refused:
-            raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+    if (problem := unfusable(config, dtype)) is not None:
+        raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:
@@ -81,16 +86,21 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     target, opset = check_output(path), check_opset(opset)
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r}: the one quantization offered is 'int8' (ONNX Runtime's dynamic)")
-    hf, config = load_model(model, fused or optimize)
-    graph = export_model(hf, config, opset, fused or optimize)
+    hf, config = load_model(model, fused, optimize)
+    fuse = fused or optimize and unfusable(config) is None  # (--optimize: the op where it can compute the layer)
+    if optimize and not fuse:
+        log.warning("no fused embeddings: %s; ONNX Runtime's optimizer fuses what it matches of the rest",
+                    unfusable(config))
+    graph = export_model(hf, config, opset, fuse)
     if optimize:
-        graph = optimize_graph(graph, hf.config.num_attention_heads, config.hidden_size)
+        graph = optimize_graph(graph, hf.config.num_attention_heads, config.hidden_size, masks=fuse)
     return write_model(quantize_int8(graph, config.positions_from_padding) if quantize else graph, target)
 
 
-def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, EmbeddingConfig]:
+def load_model(model: str | Path | None, fused: bool = False, optimize: bool = False) -> tuple[Any, EmbeddingConfig]:
     """(transformers' base model of the checkpoint, float32, eval, eager attention: SDPA exports with a NaN guard
-    ONNX Runtime cannot fuse; the layer's config). `fused`: an unfusable layer is refused before the model is built."""
+    ONNX Runtime cannot fuse; the layer's config). `fused`, `optimize`: a layer the fused op, or a model ONNX
+    Runtime's optimizer, cannot take is refused before the model is built."""
     from bertembed.config import EmbeddingConfig
     from bertembed.sources import network_errors, resolve
 
@@ -101,6 +111,10 @@ def load_model(model: str | Path | None, fused: bool = False) -> tuple[Any, Embe
     config = EmbeddingConfig.from_hf_config(source.file("config.json") or source.folder)
     if fused:
         refuse_unfusable(config)
+    if optimize and not config.norm_bias:
+        raise ValueError(f"ONNX Runtime's transformer optimizer cannot take the {config.model_type} model (it fails "
+                         f"on LayerNorms without a bias, and has no fusion for its attention or GeGLU); export it "
+                         f"without --optimize: ONNX Runtime's session fuses what it can as it loads the graph")
     try:
         import transformers
     except ImportError as err:
@@ -228,8 +242,7 @@ def fuse_embeddings(model: onnx.ModelProto, config: EmbeddingConfig) -> onnx.Mod
     nodes = [*graph.node[:at], *casts.values(), node, *graph.node[at + 1:]]
     del graph.node[:]
     graph.node.extend(nodes)
-    if not any(o.domain == "com.microsoft" for o in fused.opset_import):
-        fused.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _import_microsoft_domain(fused)
     remove_unused_nodes(fused)  # (in place: the Gathers and Adds the fused node replaced, their tables too)
     onnx.checker.check_model(fused)
     return fused
@@ -261,18 +274,30 @@ def _embedding_subgraph(graph, config: EmbeddingConfig) -> tuple[Any, dict[str, 
     return norm, gathers
 
 
-def optimize_graph(model: onnx.ModelProto, heads: int, hidden: int) -> onnx.ModelProto:
+def optimize_graph(model: onnx.ModelProto, heads: int, hidden: int, masks: bool = True) -> onnx.ModelProto:
     """`model` (a whole encoder with eager attention) through ONNX Runtime's transformer optimizer, which fuses each
-    layer's attention, SkipLayerNormalization and Gelu; its attention masks first rewritten by `_padding_masks`."""
+    layer's attention, SkipLayerNormalization and Gelu; `masks`: its attention masks first rewritten by
+    `_padding_masks` (BERT's attention, the members whose embeddings the op computes)."""
     from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
-    _padding_masks(model)
+    if masks:
+        _padding_masks(model)
     options = FusionOptions("bert")
     options.attention_mask_format = AttentionMaskFormat.AttentionMask  # (the default counts ones: right padding only)
     # opt_level 0: the fusions alone (ONNX Runtime's own pass first would drop the mask's Expand they match)
-    return optimize_model(model, model_type="bert", num_heads=heads, hidden_size=hidden,
-                          optimization_options=options, opt_level=0).model
+    optimized = optimize_model(model, model_type="bert", num_heads=heads, hidden_size=hidden,
+                               optimization_options=options, opt_level=0).model
+    return _import_microsoft_domain(optimized)  # (where no fused embeddings imported it: DeBERTa)
+
+
+def _import_microsoft_domain(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, in place, importing ONNX Runtime's com.microsoft operators (opset 1) if it did not."""
+    from onnx import helper
+
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
 
 
 def _padding_masks(model: onnx.ModelProto) -> None:

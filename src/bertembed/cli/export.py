@@ -22,8 +22,9 @@ def onnx_command(
                                         "instead of Gather, Add and LayerNormalization")] = False,
     whole: Annotated[bool, typer.Option("--whole", help="export the whole transformers model (needs transformers); "
                                         "with --fused its embedding subgraph becomes the fused op")] = False,
-    optimize: Annotated[bool, typer.Option("--optimize", help="with --whole: --fused, then ONNX Runtime's transformer "
-                                           "optimizer (fused attention, SkipLayerNormalization, Gelu)")] = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help="with --whole: --fused where the op computes the layer, "
+                                           "then ONNX Runtime's transformer optimizer (fused attention, "
+                                           "SkipLayerNormalization, Gelu)")] = False,
     quantize: Annotated[str | None, typer.Option(help="with --whole: 'int8', ONNX Runtime's dynamic quantization "
                                                  "(int8 weights, for the CPU)")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset of the standard operators (17 or later)")] = 18,
