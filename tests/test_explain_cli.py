@@ -241,6 +241,16 @@ def test_a_plots_folder_under_a_file_is_refused_before_any_work(tiny, tmp_path, 
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
 
 
+def test_a_plots_folder_through_a_dangling_link_is_refused(tiny, tmp_path):
+    """A link to nothing, named or on the way: a message and exit 2, not a traceback after the work."""
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--plots", tmp_path / "link"),
+                      r"link: a link to .*nowhere, which does not exist")
+    assert_user_error(invoke("explain", "the cat", "--model", tiny, "--plots", tmp_path / "link" / "figs"),
+                      r"link/figs: cannot create the folder \(File exists\)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
 def test_a_plot_of_a_table_the_member_lacks_says_nothing_was_written(member_checkpoint, tmp_path):
     """ModernBERT has no position table (transformers' module has none): the command succeeds, and says that the
     PNG it was asked for is not written, in text and in JSON."""

@@ -50,7 +50,10 @@ def unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> str | None:
 def refuse_unfusable(config: EmbeddingConfig, dtype: Any = "float32") -> None:
     """ValueError naming why ONNX Runtime's EmbedLayerNormalization cannot compute `config`'s layer."""
     if (problem := unfusable(config, dtype)) is not None:
-        raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; {NOT_FUSED_FIX}")
+        whole = " (a whole model: --whole --optimize leaves these embeddings unfused and fuses the rest)" * \
+            config.norm_bias  # (ModernBERT's it refuses)
+        raise ValueError(f"cannot write ONNX Runtime's fused EmbedLayerNormalization: {problem}; "
+                         f"{NOT_FUSED_FIX}{whole}")
 
 
 def export_onnx(layer: BertEmbeddings, path: str | Path, *, fused: bool = False, opset: int = 18) -> Path:

@@ -134,7 +134,10 @@ def explain(
                 if not as_json:
                     console.print(f"report written to {report}")
             if folder is not None:  # one PNG per figure, named after it (e.g. position_similarity.png)
-                folder.mkdir(parents=True, exist_ok=True)
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                except OSError as err:  # (a dangling link on the way, a parent made read-only since the check)
+                    raise ValueError(f"--plots {plots}: cannot create the folder ({err.strerror})") from err
                 written = [write_atomic(folder / f"{f.name}.png", f.png()) for r in results for f in r.figures()]
                 if not as_json:
                     console.print(f"{len(written)} figures written to {plots}")

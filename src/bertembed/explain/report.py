@@ -91,6 +91,8 @@ def check_folder(folder: str | Path) -> Path:
     """The folder for --plots, checked but not made yet (a refused input leaves none behind): an error if it or its
     nearest existing parent is a file, or that parent cannot be written."""
     folder = Path(folder).expanduser()
+    if folder.is_symlink() and not folder.exists():
+        raise ValueError(f"--plots {folder}: a link to {os.readlink(folder)}, which does not exist; give a folder")
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"--plots {folder}: {'that' if existing == folder else existing} is a file; give a folder")
