@@ -5,10 +5,10 @@ its rank, the world size, the rendezvous address). The vocabulary's 101 rows spl
 One spawn per world size runs every case on every rank and saves what each rank saw; the tests hold it to the
 single-process model, built from the same seed:
 - tensor parallel (`shard_vocab`) on bertembed's layer (reference, fused CPU and Triton backends: Triton's kernel in
-  its interpreter, TRITON_INTERPRET=1, as no GPU is here), on a patched transformers model and on a plain one: outputs
-  and whole gradients, and no allocation the size of a whole [V, H] table in the step (torch's profiler: each rank
-  writes its own rows' gradient); a sharded nn.Embedding's lookup makes one [B, L, H] tensor, its output, and its
-  backward none;
+  its interpreter, TRITON_INTERPRET=1, as no GPU is here, on 2 ranks), on a patched transformers model and on a plain
+  one: outputs and whole gradients, and no allocation the size of a whole [V, H] table in the step (torch's profiler:
+  each rank writes its own rows' gradient); a sharded nn.Embedding's lookup makes one [B, L, H] tensor, its output,
+  and its backward none;
 - a masked-LM model whose head is tied to the word table, sharded: the head's logits rest sharded by columns, the
   vocab-parallel cross-entropy gives one process's loss and gradients (the tied table's: the sum of both uses), and no
   allocation holds the whole logits; the cross-entropy alone against torch's (ignore_index, label smoothing);
@@ -143,7 +143,8 @@ def worker(rank: int, world: int, port: int, folder: str, earlier: str | None) -
     try:
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,))
-        seen = {case: tensor_parallel(case, mesh) for case in TP_CASES}
+        # (Triton's interpreter on 2 ranks alone: its import and interpreted kernels cost each rank seconds)
+        seen = {case: tensor_parallel(case, mesh) for case in TP_CASES if case != "layer triton" or world == 2}
         seen["lookup"] = lookup(mesh)
         seen |= {"bad id": bad_ids(mesh), "ddp": ddp(rank, world), "fsdp2": fsdp2(rank, world),
                  "masked lm": tied_head(mesh), "cross-entropy": cross_entropy(mesh),
@@ -393,7 +394,7 @@ def ranks(request, tmp_path_factory):
     earlier = tmp_path_factory.getbasetemp() / "world2"
     earlier = str(earlier) if world == 3 and (earlier / "dcp").exists() else None
     layer("cpu").eval().save_pretrained(folder / "layer")
-    with mock.patch.dict(os.environ, INTERPRETED):  # (the ranks' environment, read as they import triton)
+    with mock.patch.dict(os.environ, INTERPRETED if world == 2 else {}):  # (the ranks' environment)
         torch.multiprocessing.spawn(worker, args=(world, free_port(), str(folder), earlier), nprocs=world, join=True)
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -438,6 +439,8 @@ def test_a_sharded_lookup_makes_one_tensor_of_rows(ranks):
 def test_tensor_parallel_equals_one_process(ranks, case):
     """Outputs bit for bit (the sharded lookup adds each row to zeros), gradients to rounding; the fused kernel ran
     (nothing fell back to the reference); the table and its gradient rest sharded, in torch's split."""
+    if case not in ranks[0]:
+        pytest.skip("Triton's interpreter runs on 2 ranks alone")
     expected, world = single(case), len(ranks)
     for rank, seen in enumerate(ranks):
         got = seen[case]
