@@ -90,10 +90,10 @@ def export_whole(model: str | Path | None, path: str | Path, *, fused: bool = Fa
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r}: the one quantization offered is 'int8' (ONNX Runtime's dynamic)")
     hf, config = load_model(model, fused, optimize)
-    fuse = fused or optimize and unfusable(config) is None  # (--optimize: the op where it can compute the layer)
-    if optimize and not fuse:
-        log.warning("no fused embeddings: %s; ONNX Runtime's optimizer fuses what it matches of the rest",
-                    unfusable(config))
+    problem = None if fused or not optimize else unfusable(config)  # (--optimize: the op where it can compute)
+    fuse = (fused or optimize) and problem is None
+    if problem is not None:
+        log.warning("no fused embeddings: %s; ONNX Runtime's optimizer fuses what it matches of the rest", problem)
     graph = export_model(hf, config, opset, fuse)
     if optimize:
         graph = optimize_graph(graph, hf.config.num_attention_heads, config.hidden_size, masks=fuse)
